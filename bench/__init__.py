@@ -1,0 +1,1 @@
+"""Benchmark harness and the ``medusa-bench`` command line."""

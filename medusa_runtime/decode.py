@@ -1,0 +1,242 @@
+"""The Medusa decode loop on a transformers causal LM, and plain decoding as its degenerate case.
+
+One step::
+
+    root = next token (chosen last step)      heads(hidden of last accepted node) -> top-k per head
+    tree tokens  = [root, head0 top-k, head1 top-k, ...][candidate_index]          # [N]
+    verify       = ONE forward of the N nodes on top of the KV cache, 4D tree mask, positions len+depth
+    acceptance   = path of accepted nodes + next token (rule: greedy | typical | sample)
+    compaction   = keep only the path's keys/values in the cache (gather, no recompute)
+
+Plain decoding is the same loop with a root-only tree (one token per step, same cache code).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from treesearch.tree import Tree, load_tree
+
+from .acceptance import AcceptConfig, accept, first_token
+from .heads import MedusaHeads
+from .model import LoadedModel
+from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128  # stop after this many new tokens
+    topk: int = 10  # candidates read from each head's top-k
+    seed: int | None = None  # RNG seed for typical / sample (None: nondeterministic)
+    stop_on_eos: bool = True  # stop at the model's EOS token(s)
+
+
+@dataclass
+class GenerateStats:
+    """What one generate did and where its time went (seconds)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # verify forwards after prefill
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step (root incl.)
+    head_hits: list[int] = field(default_factory=list)  # steps in which depth j+1 was accepted
+    tree_nodes: int = 1
+    time_prefill: float = 0.0
+    time_heads: float = 0.0
+    time_verify: float = 0.0
+    time_bookkeeping: float = 0.0
+    time_total: float = 0.0
+    stop_reason: str = ""  # eos | max_new_tokens | context
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def head_acceptance(self) -> list[float]:
+        """Per head j: fraction of steps whose accepted path reached depth j+1."""
+        return [h / self.steps if self.steps else 0.0 for h in self.head_hits]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out.update(tau=self.tau, head_acceptance=self.head_acceptance, tokens_per_second=self.tokens_per_second)
+        return out
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]  # new tokens only
+    stats: GenerateStats
+
+
+class MedusaDecoder:
+    """Decoding with a fixed model, heads, tree and acceptance rule. Buffers are built once."""
+
+    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None = None, tree: Tree | str | None = None,
+                 accept_cfg: AcceptConfig = AcceptConfig(), config: DecodeConfig = DecodeConfig()):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.accept_cfg = accept_cfg
+        self.config = config
+        self.heads = heads
+        if heads is None or tree is None:
+            self.tree = None
+            buffers = plain_buffers()
+        else:
+            self.tree = load_tree(tree)
+            buffers = build_tree_buffers(self.tree, heads.num_heads, config.topk)
+            heads.to(device=self.device, dtype=loaded.dtype).eval()
+            heads.requires_grad_(False)
+        self.buffers: TreeBuffers = buffers.to(self.device)
+        # additive float tree mask [1, 1, N, N]: 0 where a node may attend, dtype-min elsewhere
+        neg = torch.finfo(loaded.dtype).min
+        self.tree_bias = torch.zeros(buffers.num_nodes, buffers.num_nodes, dtype=loaded.dtype, device=self.device)
+        self.tree_bias.masked_fill_(~self.buffers.attn_mask, neg)
+        self.tree_bias = self.tree_bias[None, None]
+        self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
+
+    # ------------------------------------------------------------------ model calls
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 cache: DynamicCache, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [1, n] -> logits [n or 1, V] (float32), hidden [n or 1, H]."""
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, output_hidden_states=True, logits_to_keep=1 if last_only else 0)
+        hidden = out.hidden_states[-1][0]  # last layer, final norm applied: [n, H]
+        if last_only:
+            hidden = hidden[-1:]
+        return out.logits[0].float(), hidden
+
+    def _propose(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+        """Tree tokens [N] from the root token and the heads' top-k on one hidden state [H]."""
+        if self.tree is None:
+            return torch.tensor([root], device=self.device)
+        logits = self.heads(hidden, self.model.get_output_embeddings())  # [K, V]
+        top = torch.topk(logits[: self.tree.depth], self.config.topk, dim=-1).indices  # [depth, topk]
+        flat = torch.cat([torch.tensor([root], device=self.device), top.flatten()])
+        return flat[self.buffers.candidate_index]
+
+    def _verify(self, tokens: torch.Tensor, cur_len: int, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+        n = tokens.shape[0]
+        positions = (cur_len + self.buffers.position_offsets)[None]  # [1, N]
+        mask = None
+        if n > 1:  # past columns all visible, tree columns by ancestry: [1, 1, N, cur_len + N]
+            past = torch.zeros(1, 1, n, cur_len, dtype=self.tree_bias.dtype, device=self.device)
+            mask = torch.cat([past, self.tree_bias], dim=-1)
+        return self._forward(tokens[None], positions, mask, cache)
+
+    @staticmethod
+    def _compact(cache: DynamicCache, cur_len: int, path: Sequence[int]) -> None:
+        """Keep the cache's first cur_len entries plus the accepted tree nodes, in order."""
+        n_keep = cur_len + len(path)
+        contiguous = list(path) == list(range(len(path)))
+        idx = None
+        for layer in cache.layers:
+            if not contiguous:
+                if idx is None:
+                    idx = torch.tensor([cur_len + p for p in path], device=layer.keys.device)
+                # move accepted rows into place, then drop the rest: [B, heads, seq, dim]
+                layer.keys[:, :, cur_len:n_keep] = layer.keys.index_select(2, idx)
+                layer.values[:, :, cur_len:n_keep] = layer.values.index_select(2, idx)
+            layer.keys = layer.keys[:, :, :n_keep]
+            layer.values = layer.values[:, :, :n_keep]
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Sequence[int] | torch.Tensor) -> GenerateResult:
+        ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).flatten()
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty")
+        cfg, stats = self.config, GenerateStats(prompt_tokens=int(ids.numel()), tree_nodes=self.buffers.num_nodes)
+        depth = self.buffers.depth
+        stats.head_hits = [0] * depth
+        gen = None
+        if not self.accept_cfg.is_greedy:
+            gen = torch.Generator()
+            gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        max_len = self.loaded.max_length
+        if ids.numel() >= max_len:
+            raise ValueError(f"the prompt has {ids.numel()} tokens; the model's context is {max_len}")
+
+        t_start = time.perf_counter()
+        cache = DynamicCache(config=self.model.config)
+        positions = torch.arange(ids.numel(), device=self.device)[None]
+        logits, hidden = self._forward(ids[None], positions, None, cache, last_only=True)
+        root = first_token(logits[-1], self.accept_cfg, gen)
+        hidden = hidden[-1]
+        cur_len = int(ids.numel())
+        out: list[int] = []
+        self._sync()
+        stats.time_prefill = time.perf_counter() - t_start
+
+        while True:
+            # stop checks: the pending root is always emitted when we stop
+            if root in self.eos or len(out) + 1 >= cfg.max_new_tokens or cur_len + depth >= max_len:
+                out.append(root)
+                stats.stop_reason = ("eos" if root in self.eos else "max_new_tokens"
+                                     if len(out) >= cfg.max_new_tokens else "context")
+                break
+            t0 = time.perf_counter()
+            tokens = self._propose(hidden, root)
+            self._sync()
+            t1 = time.perf_counter()
+            logits, hiddens = self._verify(tokens, cur_len, cache)
+            self._sync()
+            t2 = time.perf_counter()
+            acc = accept(tokens, logits, self.buffers, self.accept_cfg, gen)
+            committed = tokens[acc.path].tolist()
+            self._compact(cache, cur_len, acc.path)
+            cur_len += len(acc.path)
+            hidden = hiddens[acc.path[-1]]
+            root = acc.next_token
+            stats.steps += 1
+            stats.accept_lengths.append(len(acc.path))
+            for j in range(len(acc.path) - 1):
+                stats.head_hits[j] += 1
+            stop = None
+            for i, t in enumerate(committed):
+                out.append(t)
+                if t in self.eos:
+                    stop = "eos"
+                elif len(out) >= cfg.max_new_tokens:
+                    stop = "max_new_tokens"
+                if stop:
+                    break
+            stats.time_heads += t1 - t0
+            stats.time_verify += t2 - t1
+            stats.time_bookkeeping += time.perf_counter() - t2
+            if stop:
+                stats.stop_reason = stop
+                break
+        self._sync()
+        stats.time_total = time.perf_counter() - t_start
+        stats.new_tokens = len(out)
+        return GenerateResult(out, stats)
+
+
+def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt, through the model's chat template when ``chat``."""
+    tok = loaded.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {loaded.name} has no chat template; drop --chat")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(tok(prompt, add_special_tokens=True)["input_ids"])

@@ -1,0 +1,220 @@
+"""Medusa heads: K heads of L residual blocks, then a vocabulary projection; two checkpoint formats.
+
+* ``official`` (FasterDecoding/Medusa): each head owns a projection initialised from the base
+  ``lm_head``; ``config.json`` with ``medusa_num_heads``, ``medusa_num_layers``,
+  ``base_model_name_or_path``; weights ``medusa_lm_head.safetensors`` (or ``.pt``) with keys
+  ``{head}.{block}.linear.weight|bias`` and ``{head}.{L}.weight``.
+* ``shared`` (text-generation-inference's MedusaHeadV2): residual blocks only, keys
+  ``{head}.{block}.linear.weight|bias``; logits come from the base model's own ``lm_head``.
+
+Head j reads the hidden state at position t and proposes the token at t + j + 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMATS = ("official", "shared")
+WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
+
+
+class HeadsError(ValueError):
+    """Heads that cannot be loaded or do not fit the model, with a one-line reason."""
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    num_heads: int  # K: Medusa heads (head j proposes token t+j+2)
+    num_layers: int  # L: residual blocks per head
+    hidden_size: int  # H: base model hidden size
+    vocab_size: int  # V: base model vocabulary
+    shared_lm_head: bool  # True: logits through the base lm_head (format 'shared')
+    base_model: str = ""  # base_model_name_or_path written to config.json
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)``, zero-initialised so that a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """All heads together. ``forward(hidden [..., H], lm_head) -> logits [..., K, V]``."""
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        if config.num_heads < 1 or config.num_layers < 0:
+            raise HeadsError(f"need at least one head and zero or more layers, got {config}")
+        self.config = config
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        # official format: one projection per head, [K, V, H]; shared format uses the base lm_head
+        self.proj = None
+        if not config.shared_lm_head:
+            self.proj = nn.Parameter(torch.zeros(config.num_heads, config.vocab_size, config.hidden_size))
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def init_projection_from(self, lm_head: nn.Module) -> None:
+        """Official recipe: every head's projection starts as a copy of the base lm_head."""
+        if self.proj is not None:
+            with torch.no_grad():
+                self.proj.copy_(lm_head.weight.detach().unsqueeze(0).expand_as(self.proj))
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., K, H]: each head's residual stack applied to the same hidden state."""
+        return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        states = self.head_states(hidden)  # [..., K, H]
+        if self.proj is None:
+            if lm_head is None:
+                raise HeadsError("shared-format heads need the base model's lm_head")
+            return lm_head(states)  # one matmul for all heads: [..., K, V]
+        # [..., K, H] x [K, V, H] -> [..., K, V]
+        return torch.einsum("...kh,kvh->...kv", states, self.proj)
+
+
+# ---------------------------------------------------------------------------- checkpoint I/O
+
+
+def _state_dict_for(heads: MedusaHeads, fmt: str, lm_head: nn.Module | None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    cfg = heads.config
+    for i, blocks in enumerate(heads.blocks):
+        for j, block in enumerate(blocks):
+            out[f"{i}.{j}.linear.weight"] = block.linear.weight.detach()
+            out[f"{i}.{j}.linear.bias"] = block.linear.bias.detach()
+        if fmt == "official":
+            if heads.proj is not None:
+                out[f"{i}.{cfg.num_layers}.weight"] = heads.proj[i].detach()
+            elif lm_head is not None:  # shared heads written in the official layout get lm_head copies
+                out[f"{i}.{cfg.num_layers}.weight"] = lm_head.weight.detach()
+            else:
+                raise HeadsError("writing shared heads in the official format needs the base lm_head")
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "shared",
+               lm_head: nn.Module | None = None) -> Path:
+    """Write ``config.json`` + ``medusa_lm_head.safetensors`` atomically (temp dir, then rename)."""
+    if fmt not in FORMATS:
+        raise HeadsError(f"unknown head format {fmt!r}; use one of {FORMATS}")
+    cfg = heads.config
+    target = Path(out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        save_file(_state_dict_for(heads, fmt, lm_head), str(tmp / "medusa_lm_head.safetensors"))
+        meta = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+                "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size, "medusa_format": fmt}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_NAMES:
+        f = folder / name
+        if f.is_file():
+            sd = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
+                                                                                 weights_only=True)
+            # checkpoints saved from a full MedusaModel carry a 'medusa_head.' prefix
+            return {k.removeprefix("medusa_head."): v for k, v in sd.items() if not k.startswith("base_model")}
+    raise HeadsError(f"no head weights in {folder} (looked for {', '.join(WEIGHT_NAMES)})")
+
+
+def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int) -> MedusaHeads:
+    """Load either format; refuse heads whose sizes do not match the base model."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise HeadsError(f"heads folder not found: {folder}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise HeadsError(f"heads folder {folder} has no config.json")
+    try:
+        meta = json.loads(cfg_file.read_text())
+        k, num_layers = int(meta["medusa_num_heads"]), int(meta["medusa_num_layers"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise HeadsError(f"{cfg_file} is not a Medusa config ({exc.__class__.__name__}: {exc})") from None
+    sd = _read_weights(path)
+    shared = f"0.{num_layers}.weight" not in sd
+    if num_layers > 0:
+        w = sd.get("0.0.linear.weight")
+        if w is None:
+            raise HeadsError(f"{path} lacks key '0.0.linear.weight' for {num_layers} residual layers")
+        if w.shape[-1] != hidden_size:
+            raise HeadsError(f"heads in {folder} have hidden size {w.shape[-1]}, the model has {hidden_size}")
+    if not shared:
+        v, h = sd[f"0.{num_layers}.weight"].shape
+        if h != hidden_size:
+            raise HeadsError(f"heads in {folder} have hidden size {h}, the model has {hidden_size}")
+        if v != vocab_size:
+            raise HeadsError(f"heads in {folder} have vocabulary {v}, the model has {vocab_size}")
+    heads = MedusaHeads(HeadsConfig(k, num_layers, hidden_size, vocab_size, shared,
+                                    str(meta.get("base_model_name_or_path", ""))))
+    own = {}
+    for i in range(k):
+        for j in range(num_layers):
+            for part in ("weight", "bias"):
+                key = f"{i}.{j}.linear.{part}"
+                if key not in sd:
+                    raise HeadsError(f"{path} lacks key {key!r} (config says {k} heads x {num_layers} layers)")
+                own[f"blocks.{i}.{j}.linear.{part}"] = sd[key]
+    if not shared:
+        try:
+            own["proj"] = torch.stack([sd[f"{i}.{num_layers}.weight"] for i in range(k)])
+        except KeyError as exc:
+            raise HeadsError(f"{path} lacks projection {exc.args[0]!r}") from None
+    heads.load_state_dict({k_: v.float() for k_, v in own.items()})
+    return heads
+
+
+def fresh_heads(num_heads: int, num_layers: int, hidden_size: int, vocab_size: int,
+                base_model: str = "") -> MedusaHeads:
+    """Untrained shared-format heads (every head starts as a copy of the base next-token head)."""
+    return MedusaHeads(HeadsConfig(num_heads, num_layers, hidden_size, vocab_size, True, base_model))
+
+
+def resolve_heads(spec: str | None, hidden_size: int, vocab_size: int, base_model: str = "") -> MedusaHeads | None:
+    """``None``/``none`` -> no heads; ``fresh:K[:L]`` -> untrained; anything else -> a folder."""
+    if spec is None or spec.lower() in ("", "none"):
+        return None
+    if spec.startswith("fresh:"):
+        parts = spec.split(":")[1:]
+        try:
+            k = int(parts[0])
+            num_layers = int(parts[1]) if len(parts) > 1 else 1
+        except (ValueError, IndexError):
+            raise HeadsError(f"bad heads spec {spec!r}: use fresh:K or fresh:K:L") from None
+        if k < 1 or num_layers < 0:
+            raise HeadsError(f"bad heads spec {spec!r}: need K >= 1 and L >= 0")
+        return fresh_heads(k, num_layers, hidden_size, vocab_size, base_model)
+    return load_heads(spec, hidden_size, vocab_size)

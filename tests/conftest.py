@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random models built in the test, the real default model, oracle heads."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from medusa_runtime.model import LoadedModel, load_model
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def tiny_llama(vocab: int = 64, seed: int = 0, max_pos: int = 256) -> LoadedModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return LoadedModel(model, None, "tiny-llama", torch.float32, torch.device("cpu"))
+
+
+def tiny_gpt2(vocab: int = 64, seed: int = 1) -> LoadedModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2,
+                     bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(cfg).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return LoadedModel(model, None, "tiny-gpt2", torch.float32, torch.device("cpu"))
+
+
+def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    """Reference: transformers' own generate, greedy, stopping at the model's EOS if it has one."""
+    eos = list(loaded.eos_token_ids) or None
+    ids = torch.tensor([prompt])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                                pad_token_id=eos[0] if eos else 0, top_p=None, top_k=None, temperature=None)
+    return out[0, len(prompt):].tolist()
+
+
+class OracleHeads(nn.Module):
+    """Heads that know the greedy continuation: head j puts the true token t+j+2 at a random rank.
+
+    The decoder calls ``heads(hidden, lm_head)`` with the hidden state of the last accepted token;
+    the oracle recognises the position by the nearest stored hidden state of the reference
+    sequence, so it works through the unmodified decode loop. With probability ``miss`` a head
+    leaves the true token out entirely, so rejections happen too.
+    """
+
+    def __init__(self, loaded: LoadedModel, sequence: list[int], num_heads: int, topk: int,
+                 max_rank: int, miss: float = 0.2, seed: int = 0):
+        super().__init__()
+        with torch.no_grad():
+            out = loaded.model(torch.tensor([sequence]), output_hidden_states=True)
+        self.ref_hidden = out.hidden_states[-1][0].float()  # [T, H]
+        self.sequence = sequence
+        self.num_heads, self.topk, self.max_rank, self.miss = num_heads, topk, max_rank, miss
+        self.vocab = loaded.vocab_size
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        self.calls += 1
+        t = int(torch.cdist(hidden.float()[None], self.ref_hidden).argmin())
+        logits = torch.full((self.num_heads, self.vocab), -1e4)
+        for j in range(self.num_heads):
+            target = t + j + 2
+            truth = self.sequence[target] if target < len(self.sequence) else None
+            ranked = [v for v in self.rng.sample(range(self.vocab), self.topk + 1) if v != truth][: self.topk]
+            if truth is not None and self.rng.random() >= self.miss:
+                ranked.insert(self.rng.randrange(self.max_rank + 1), truth)
+            for r, tok in enumerate(ranked[: self.topk]):
+                logits[j, tok] = 100.0 - r
+        return logits
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    return load_model("default", "float32", log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def mt_bench_first_turns() -> list[dict]:
+    path = SHARED / "mt_bench" / "question.jsonl"
+    if not path.is_file():
+        pytest.fail(f"reference data missing: {path} (tests expect ../shared beside the checkout)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,1 @@
+"""Candidate trees for Medusa decoding, as data (pure Python; no torch import)."""
