@@ -66,6 +66,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from treesearch.cost import load_profile
+    from treesearch.search import SearchConfig, run_search
+    from treesearch.stats import load_stats
+    from treesearch.tree import save_tree
+
+    stats = load_stats(args.acceptance)
+    latency = load_profile(args.latency, expect_model=stats.meta.get("model")) if args.latency else None
+    joint = {"auto": None, "joint": True, "independent": False}[args.estimator]
+    cfg = SearchConfig(budget=args.budget, trials=args.trials, objective=args.objective, storage=args.storage,
+                       study_name=args.study, seed=args.seed, joint=joint, min_budget=args.min_budget,
+                       context=args.context, baseline=args.baseline)
+    result = run_search(stats, cfg, latency, show_progress=not args.quiet)
+    best = result.best
+    provenance = {
+        "model": stats.meta.get("model"), "heads": stats.meta.get("heads"),
+        "acceptance_file": str(args.acceptance), "acceptance_sha256": stats.sha256,
+        "latency_file": str(args.latency) if args.latency else None,
+        "node_budget": cfg.budget, "predicted_tau": round(best.tau, 6),
+        "predicted_speedup": round(best.speedup, 6) if best.speedup is not None else None,
+        "estimator": "joint replay" if (joint if joint is not None else stats.has_joint) else "independence",
+        "search": {"tool": "optuna", "study": cfg.study_name, "storage": cfg.storage, "objective": result.objective,
+                   "trials_complete": result.trials_complete, "seed": cfg.seed},
+    }
+    path = save_tree(best.tree, args.out, **provenance)
+    print(format_search_table(result))
+    print(f"\nwritten: {path}")
+    if args.plots:
+        from bench.plots import plot_search
+
+        for written in plot_search(result, stats, latency, args.plots):
+            print(f"plot: {written}")
+    return 0
+
+
+def format_search_table(result) -> str:
+    rows = [("search best", result.best), ("exact optimum (full budget)", result.optimum)]
+    if result.baseline is not None:
+        rows.append((f"baseline {result.baseline.tree.name}", result.baseline))
+    lines = ["| tree | nodes | depth | tau | speedup |", "|---|---:|---:|---:|---:|"]
+    for label, s in rows:
+        sp = f"{s.speedup:.3f}x" if s.speedup is not None else "-"
+        lines.append(f"| {label} | {s.tree.num_nodes - 1} | {s.tree.depth} | {s.tau:.4f} | {sp} |")
+    lines.append(f"\nobjective: {result.objective}; study {result.study_name!r}: "
+                 f"{result.trials_complete} complete trials ({result.storage})")
+    return "\n".join(lines)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from treesearch.export import export_tree
+    from treesearch.tree import load_tree
+
+    print(export_tree(load_tree(args.tree), args.format))
+    return 0
+
+
 def format_stats_table(stats, label: str) -> str:
     """A small Markdown table of one generate's statistics."""
     rows = [
@@ -92,9 +148,16 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line (no usage dump) and exit 2 like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="medusa-bench", description="Medusa speculative decoding: run, tune, benchmark.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="medusa-bench", description="Medusa speculative decoding: run, tune, benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("model", help="prepare and describe a base model (the offline default by default)")
     _add_model_args(p)
@@ -118,6 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
+    p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")
+    p.add_argument("--latency", default=None, help="latency.json from profile (enables the speedup objective)")
+    p.add_argument("--budget", type=int, required=True, help="largest number of tree nodes (root excluded)")
+    p.add_argument("--min-budget", type=int, default=1)
+    p.add_argument("--trials", type=int, default=60, help="complete trials the study should hold")
+    p.add_argument("--objective", default="auto", choices=["auto", "tau", "speedup"])
+    p.add_argument("--estimator", default="auto", choices=["auto", "joint", "independent"],
+                   help="joint replay of rollouts (when present) or the independence model")
+    p.add_argument("--storage", default="sqlite:///results/treesearch.db", help="any Optuna storage URL")
+    p.add_argument("--study", default="medusa-tree", help="study name (workers sharing it share trials)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context", type=int, default=None, help="context length for the latency model")
+    p.add_argument("--baseline", default="mc_sim_7b_63", help="tree evaluated as a baseline trial ('' for none)")
+    p.add_argument("--out", default="results/tree.json")
+    p.add_argument("--plots", default=None, help="folder for the search plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("export", help="print a tree for a server: official Python list, TensorRT-LLM, vLLM")
+    p.add_argument("tree", help="tree JSON file or preset name")
+    p.add_argument("--format", default="python", choices=["python", "trtllm", "vllm", "json"])
+    p.set_defaults(func=cmd_export)
     return parser
 
 

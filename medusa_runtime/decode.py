@@ -32,7 +32,7 @@ from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 class DecodeConfig:
     max_new_tokens: int = 128  # stop after this many new tokens
     topk: int = 10  # candidates read from each head's top-k
-    seed: int | None = None  # RNG seed for typical / sample (None: nondeterministic)
+    seed: int | None = None  # RNG seed for typical / sample, set once per decoder (None: random)
     stop_on_eos: bool = True  # stop at the model's EOS token(s)
 
 
@@ -105,6 +105,9 @@ class MedusaDecoder:
         self.tree_bias.masked_fill_(~self.buffers.attn_mask, neg)
         self.tree_bias = self.tree_bias[None, None]
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
+        # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
+        self.generator = torch.Generator()
+        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.seed()))
 
     # ------------------------------------------------------------------ model calls
 
@@ -166,10 +169,7 @@ class MedusaDecoder:
         cfg, stats = self.config, GenerateStats(prompt_tokens=int(ids.numel()), tree_nodes=self.buffers.num_nodes)
         depth = self.buffers.depth
         stats.head_hits = [0] * depth
-        gen = None
-        if not self.accept_cfg.is_greedy:
-            gen = torch.Generator()
-            gen.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        gen = self.generator if not self.accept_cfg.is_greedy else None
         max_len = self.loaded.max_length
         if ids.numel() >= max_len:
             raise ValueError(f"the prompt has {ids.numel()} tokens; the model's context is {max_len}")

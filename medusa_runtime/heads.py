@@ -122,6 +122,9 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
     if fmt not in FORMATS:
         raise HeadsError(f"unknown head format {fmt!r}; use one of {FORMATS}")
     cfg = heads.config
+    if fmt == "shared" and heads.proj is not None:
+        raise HeadsError("heads with their own projections cannot be saved in the shared format "
+                         "(the projections would be lost); save them as 'official'")
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))

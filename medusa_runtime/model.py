@@ -210,17 +210,21 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
                log: Callable[[str], None] = print) -> LoadedModel:
     """Load ``default`` (offline) or any transformers causal LM folder or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     path = prepare_default_model(log=log) if spec == DEFAULT_NAME else spec
     if spec != DEFAULT_NAME and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
         raise ModelError(f"model not found: {spec} (give 'default', a local folder, or a hub id org/name)")
+    hf_logging.disable_progress_bar()  # a 2 s reload needs no bar; stderr stays for real messages
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except OSError as exc:
         raise ModelError(f"could not load model {spec}: {str(exc).splitlines()[0]}") from None
+    finally:
+        hf_logging.enable_progress_bar()
     model.to(dev).eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, spec, torch_dtype, dev)

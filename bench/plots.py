@@ -1,0 +1,105 @@
+"""Paper-style matplotlib figures (PNG and SVG) from the stages' typed results and files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from treesearch.cost import LatencyProfile, predict  # noqa: E402
+from treesearch.optimal import model_for, optimal_tree  # noqa: E402
+from treesearch.stats import AcceptanceStats  # noqa: E402
+
+
+def _save(fig, out_dir: str | Path, name: str) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.svg"]
+    fig.tight_layout()
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def plot_acceptance_heatmap(stats: AcceptanceStats, out_dir: str | Path) -> list[Path]:
+    """Head x rank acceptance probability (the ``marginal`` matrix)."""
+    m = stats.marginal
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * m.shape[1], 1.2 + 0.5 * m.shape[0]))
+    im = ax.imshow(m, cmap="viridis", aspect="auto", vmin=0)
+    for (j, r), v in np.ndenumerate(m):
+        ax.text(r, j, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < m.max() / 2 else "black")
+    ax.set_xlabel("rank in head's top-k")
+    ax.set_ylabel("Medusa head (proposes token t+j+2)")
+    ax.set_xticks(range(m.shape[1]))
+    ax.set_yticks(range(m.shape[0]))
+    ax.set_title(f"acceptance by head and rank ({stats.positions or '?'} positions)")
+    fig.colorbar(im, ax=ax, label="P(rank-r guess is the emitted token)")
+    return _save(fig, out_dir, "acceptance_heatmap")
+
+
+def plot_search(result, stats: AcceptanceStats, latency: LatencyProfile | None, out_dir: str | Path) -> list[Path]:
+    """Optimization history, and tau / predicted speed-up of the exact optimum against the budget."""
+    written: list[Path] = []
+    hist = [h for h in result.history if h["value"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [h["number"] for h in hist]
+    ys = [h["value"] for h in hist]
+    ax.scatter(xs, ys, s=12, label="trial", color="tab:blue")
+    ax.plot(xs, np.maximum.accumulate(ys) if ys else [], color="tab:red", label="best so far")
+    for h in hist:
+        if h.get("baseline"):
+            ax.scatter([h["number"]], [h["value"]], marker="*", s=120, color="black", label=h["baseline"])
+    ax.set_xlabel("trial")
+    ax.set_ylabel(result.objective)
+    ax.set_title(f"Optuna study {result.study_name!r}")
+    ax.legend(fontsize=8)
+    written += _save(fig, out_dir, "search_history")
+
+    model = model_for(stats)
+    budgets = sorted(set(np.unique(np.geomspace(1, max(2, result.optimum.tree.num_nodes * 4), 24).astype(int))))
+    taus, speeds = [], []
+    for b in budgets:
+        _, tau = optimal_tree(model, int(b))
+        taus.append(tau)
+        if latency is not None:
+            speeds.append(predict(latency, tau, int(b) + 1).speedup)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(budgets, taus, marker="o", ms=3, label="tau of the exact optimum")
+    ax.set_xscale("log")
+    ax.set_xlabel("node budget (root excluded)")
+    ax.set_ylabel("tau (tokens / step)")
+    if speeds:
+        ax2 = ax.twinx()
+        ax2.plot(budgets, speeds, marker="s", ms=3, color="tab:green", label="predicted speedup")
+        ax2.set_ylabel("predicted speedup over plain decoding")
+        best = int(np.argmax(speeds))
+        ax2.axvline(budgets[best], color="tab:green", ls=":", lw=1)
+    ax.set_title("tau and predicted speedup vs tree size")
+    fig.legend(fontsize=8, loc="lower right")
+    written += _save(fig, out_dir, "speedup_vs_budget")
+    return written
+
+
+def plot_latency(profile: LatencyProfile, out_dir: str | Path) -> list[Path]:
+    """Verify-step time against the number of tree nodes, one line per context length."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for ctx, row in zip(profile.contexts, profile.verify_ms):
+        ax.plot(profile.nodes, row, marker="o", ms=3, label=f"verify, context {ctx}")
+    ax.axhline(float(np.median(profile.plain_ms)), color="black", ls="--", lw=1, label="plain decode step")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree nodes (root included)")
+    ax.set_ylabel("median time (ms)")
+    dev = profile.meta.get("device", "")
+    ax.set_title(f"verify cost on {dev} ({profile.meta.get('dtype', '')})")
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "latency_vs_nodes")
+
+
+def written_list(paths: Iterable[Path]) -> str:
+    return ", ".join(str(p) for p in paths)

@@ -1,0 +1,42 @@
+"""Sessions: ``tests`` (the default), ``lint``, ``bench``.
+
+torch is installed first with an exact pin so that pip takes the local CPU wheel instead of a
+multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+
+TORCH_SPEC = os.environ.get("MEDUSA_TORCH_SPEC", "torch==2.13.0")
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(TORCH_SPEC)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (slow end-to-end checks: ``nox -s tests -- -m slow``)."""
+    _install(session)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "medusa_runtime", "treesearch", "bench", "tests", "noxfile.py")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """End to end on the embedded default model (grows with the pipeline; see README)."""
+    _install(session)
+    session.run("python", "-m", "bench.smoke", *session.posargs)

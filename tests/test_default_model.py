@@ -1,0 +1,93 @@
+"""The real default model (SmolLM2-135M-Instruct, offline): load, decode, greedy equality with transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.heads import fresh_heads
+from medusa_runtime.model import describe_model, load_model
+from treesearch.tree import load_tree
+
+from .conftest import OracleHeads, hf_greedy
+from .test_decode_tiny import tree_logits_vs_sequential
+from .test_tree import random_tree
+
+
+def test_default_model_is_the_pinned_smollm2(default_model):
+    info = describe_model(default_model)
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["parameters"] == 134_515_008
+    assert (info["layers"], info["hidden_size"], info["vocab_size"]) == (30, 576, 49152)
+    assert info["tied_embeddings"] and info["chat_template"]
+    assert default_model.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("index", [0, 21, 62])  # writing, reasoning, coding
+def test_fresh_heads_mc_sim_equals_hf_generate(default_model, mt_bench_first_turns, index):
+    prompt = encode_prompt(default_model, mt_bench_first_turns[index]["turns"][0], chat=True)
+    ref = hf_greedy(default_model, prompt, 24)
+    heads = fresh_heads(5, 1, default_model.hidden_size, default_model.vocab_size)
+    res = MedusaDecoder(default_model, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert res.token_ids == ref
+
+
+def test_oracle_heads_on_default_model(default_model, mt_bench_first_turns):
+    """Multi-token acceptance and cache compaction on the real model, still token-exact."""
+    prompt = encode_prompt(default_model, mt_bench_first_turns[40]["turns"][0], chat=True)
+    ref = hf_greedy(default_model, prompt, 40)
+    oracle = OracleHeads(default_model, prompt + ref, num_heads=4, topk=10, max_rank=3, miss=0.1)
+    res = MedusaDecoder(default_model, oracle, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=40)).generate(prompt)
+    assert res.token_ids == ref
+    assert res.stats.tau > 2.0
+
+
+def test_tree_attention_on_default_model(default_model):
+    rng = random.Random(7)
+    tree = random_tree(rng, 12, 3, 3)
+    prompt = default_model.tokenizer("The capital of France is")["input_ids"]
+    tokens = torch.tensor([rng.randrange(default_model.vocab_size) for _ in range(tree.num_nodes)])
+    tree_logits, seq_logits = tree_logits_vs_sequential(default_model, tree, prompt, tokens)
+    torch.testing.assert_close(tree_logits, seq_logits, atol=1e-3, rtol=1e-4)
+
+
+def test_bf16_plain_decoding_equals_hf_generate_in_bf16():
+    """Plain decoding does single-token forwards like generate, so even bf16 must agree exactly."""
+    bf16 = load_model("default", "bfloat16", log=lambda m: None)
+    prompt = encode_prompt(bf16, "Name three primary colors.", chat=True)
+    ref = hf_greedy(bf16, prompt, 16)
+    res = MedusaDecoder(bf16, None, None, config=DecodeConfig(max_new_tokens=16)).generate(prompt)
+    assert res.token_ids == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "chain:4", "vicuna_7b_stage1"])
+def test_all_mt_bench_first_turns_greedy_exact(default_model, mt_bench_first_turns, tree):
+    """Every MT-Bench first turn: Medusa greedy with fresh heads == transformers generate (float32)."""
+    heads = fresh_heads(5, 1, default_model.hidden_size, default_model.vocab_size)
+    decoder = MedusaDecoder(default_model, heads, load_tree(tree), config=DecodeConfig(max_new_tokens=48))
+    mismatches = []
+    for q in mt_bench_first_turns:
+        prompt = encode_prompt(default_model, q["turns"][0], chat=True)
+        if decoder.generate(prompt).token_ids != hf_greedy(default_model, prompt, 48):
+            mismatches.append(q["question_id"])
+    assert mismatches == []
+
+
+@pytest.mark.slow
+def test_bf16_medusa_match_rate_report(mt_bench_first_turns, capsys):
+    """bf16 tree batches round differently: measure (and print) how often outputs still match."""
+    bf16 = load_model("default", "bfloat16", log=lambda m: None)
+    heads = fresh_heads(5, 1, bf16.hidden_size, bf16.vocab_size)
+    decoder = MedusaDecoder(bf16, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=48))
+    same = total = 0
+    for q in mt_bench_first_turns[::5]:
+        prompt = encode_prompt(bf16, q["turns"][0], chat=True)
+        same += decoder.generate(prompt).token_ids == hf_greedy(bf16, prompt, 48)
+        total += 1
+    with capsys.disabled():
+        print(f"\nbf16 Medusa (fresh:5, mc_sim_7b_63) vs generate: {same}/{total} identical")
+    assert total == 16

@@ -1,0 +1,212 @@
+"""Optuna study over candidate trees: node budget, depth, per-depth rank caps; objective tau or speed-up.
+
+Each trial's tree is the most probable set of paths allowed by its parameters (exact for the
+position-averaged greedy objective within those limits), so the search explores what that rule
+alone ignores: the hardware cost of each node (through the latency profile), how deep and how wide
+a tree should be, and how many heads to use. The exact unconstrained optimum is enqueued as a warm
+start and the official ``mc_sim_7b_63`` tree as a baseline trial.
+
+Storage is any Optuna storage URL (SQLite in ``results/`` by default; PostgreSQL or MySQL for many
+machines); ``load_if_exists`` makes studies resumable and shareable between workers, and the study
+stops once it holds ``trials`` complete trials, whoever ran them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import optuna
+
+from .cost import LatencyProfile, predict
+from .optimal import Constraints, PathModel, expected_depth, model_for, optimal_tree
+from .stats import AcceptanceStats, StatsError
+from .tree import Tree, load_tree, make_tree
+
+BASELINE_TREE = "mc_sim_7b_63"
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    budget: int  # largest number of non-root nodes a tree may have
+    trials: int = 60  # complete trials the study should hold when done
+    objective: str = "auto"  # tau | speedup | auto (speedup when a latency profile is given)
+    storage: str = "sqlite:///results/treesearch.db"  # any Optuna storage URL
+    study_name: str = "medusa-tree"  # shared by workers of one study
+    seed: int = 0  # sampler seed
+    joint: bool | None = None  # use joint rollout statistics (None: when present)
+    min_budget: int = 1  # smallest node budget a trial may pick
+    context: int | None = None  # context length for the latency model (None: median)
+    baseline: str = BASELINE_TREE  # official tree evaluated as a baseline trial
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise StatsError(f"the node budget must be >= 1, got {self.budget}")
+        if self.trials < 1:
+            raise StatsError(f"trials must be >= 1, got {self.trials}")
+        if self.objective not in ("tau", "speedup", "auto"):
+            raise StatsError(f"unknown objective {self.objective!r}; use tau or speedup")
+
+
+@dataclass(frozen=True)
+class TreeScore:
+    tree: Tree
+    tau: float  # predicted tokens per step
+    speedup: float | None  # predicted over plain decoding (None without a latency profile)
+    tokens_per_s: float | None
+
+
+@dataclass
+class SearchResult:
+    best: TreeScore
+    optimum: TreeScore  # exact greedy optimum at the full budget (the warm start)
+    baseline: TreeScore | None  # the official tree under the same statistics
+    study_name: str
+    storage: str
+    objective: str
+    trials_complete: int
+    history: list[dict[str, Any]] = field(default_factory=list)  # per trial: number, value, nodes, depth
+
+
+def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, context: int | None) -> TreeScore:
+    tau = 1.0 + expected_depth(tree, model)
+    if latency is None:
+        return TreeScore(tree, tau, None, None)
+    pred = predict(latency, tau, tree.num_nodes, context)
+    return TreeScore(tree, tau, pred.speedup, pred.tokens_per_s)
+
+
+class TreeObjective:
+    """Optuna objective holding the preloaded statistics and latency profile."""
+
+    def __init__(self, stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfile | None):
+        self.stats, self.cfg, self.latency = stats, cfg, latency
+        self.model = model_for(stats, cfg.joint)
+        self.objective = cfg.objective if cfg.objective != "auto" else ("speedup" if latency else "tau")
+        if self.objective == "speedup" and latency is None:
+            raise StatsError("objective 'speedup' needs a latency profile (--latency)")
+
+    def value(self, score: TreeScore) -> float:
+        return score.speedup if self.objective == "speedup" else score.tau
+
+    def tree_for(self, params: dict[str, int]) -> Tree:
+        depth = params["depth"]
+        caps = tuple(params[f"rank_cap_{d}"] for d in range(depth))
+        tree, _ = optimal_tree(self.model, params["nodes"], Constraints(max_depth=depth, rank_caps=caps), "search")
+        return tree
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        baseline = trial.user_attrs.get("baseline_tree")
+        if baseline:
+            tree = load_tree(baseline)
+        else:
+            k, topk = self.stats.num_heads, self.stats.topk
+            params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.cfg.budget), self.cfg.budget,
+                                                 log=True),
+                      "depth": trial.suggest_int("depth", 1, k)}
+            for d in range(k):  # suggested for every depth so the space is fixed; used up to 'depth'
+                params[f"rank_cap_{d}"] = trial.suggest_int(f"rank_cap_{d}", 1, topk)
+            tree = self.tree_for(params)
+        score = score_tree(tree, self.model, self.latency, self.cfg.context)
+        trial.set_user_attr("num_nodes", tree.num_nodes)
+        trial.set_user_attr("depth", tree.depth)
+        trial.set_user_attr("tau", score.tau)
+        if score.speedup is not None:
+            trial.set_user_attr("speedup", score.speedup)
+        trial.set_user_attr("medusa_choices", tree.as_lists())
+        return self.value(score)
+
+
+def make_storage(url: str) -> optuna.storages.BaseStorage:
+    """An RDB storage with heartbeats (so a killed worker's trial is failed, not left running) and,
+    for SQLite, a generous lock timeout so that several local workers can share one file."""
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=5, grace_period=20)
+
+
+@contextmanager
+def _setup_lock(url: str) -> Iterator[None]:
+    """Serialise schema creation and study seeding between workers that share one SQLite file
+    (a server database needs no help: create the study once, then start the workers)."""
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        yield
+        return
+    db = Path(url.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _warm_start_params(k: int, topk: int, budget: int) -> dict[str, int]:
+    return {"nodes": budget, "depth": k, **{f"rank_cap_{d}": topk for d in range(k)}}
+
+
+def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfile | None = None,
+               show_progress: bool = True) -> SearchResult:
+    objective = TreeObjective(stats, cfg, latency)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with _setup_lock(cfg.storage):
+        storage = make_storage(cfg.storage)
+        study = optuna.create_study(study_name=cfg.study_name, storage=storage, direction="maximize",
+                                    sampler=optuna.samplers.TPESampler(seed=cfg.seed), load_if_exists=True)
+        _check_study_matches(study, cfg, objective.objective, stats)
+        if not study.trials:  # first worker seeds the study: exact optimum, then the official baseline
+            study.enqueue_trial(_warm_start_params(stats.num_heads, stats.topk, cfg.budget))
+            if cfg.baseline:
+                study.enqueue_trial({}, user_attrs={"baseline_tree": cfg.baseline})
+    done = _complete(study)
+    remaining = max(0, cfg.trials - done)
+    if remaining:
+        logging.getLogger("optuna").setLevel(logging.WARNING)
+        stop = optuna.study.MaxTrialsCallback(cfg.trials, states=(optuna.trial.TrialState.COMPLETE,))
+        study.optimize(objective, n_trials=remaining, callbacks=[stop], show_progress_bar=show_progress,
+                       gc_after_trial=False)
+    return _result(study, objective, cfg)
+
+
+def _complete(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
+def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: str, stats: AcceptanceStats) -> None:
+    """Refuse to mix runs of different objectives or statistics in one study."""
+    want = {"objective": objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget}
+    have = study.user_attrs
+    if not have:
+        for k, v in want.items():
+            study.set_user_attr(k, v)
+        return
+    for k, v in want.items():
+        if have.get(k) != v:
+            raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
+                             "use another --study name")
+
+
+def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) -> SearchResult:
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if not complete:
+        raise StatsError(f"study {cfg.study_name!r} has no complete trial")
+    best_trial = max(complete, key=lambda t: (t.value, -t.user_attrs.get("num_nodes", 0)))
+    best_tree = make_tree(best_trial.user_attrs["medusa_choices"], name=f"{cfg.study_name}-best")
+    model, lat, ctx = objective.model, objective.latency, cfg.context
+    opt_tree, _ = optimal_tree(model, cfg.budget, name=f"optimal-{cfg.budget}")
+    baseline = None
+    if cfg.baseline:
+        baseline = score_tree(load_tree(cfg.baseline), model, lat, ctx)
+    history = [{"number": t.number, "value": t.value, "num_nodes": t.user_attrs.get("num_nodes"),
+                "depth": t.user_attrs.get("depth"), "tau": t.user_attrs.get("tau"),
+                "speedup": t.user_attrs.get("speedup"), "baseline": t.user_attrs.get("baseline_tree")}
+               for t in sorted(complete, key=lambda t: t.number)]
+    return SearchResult(score_tree(best_tree, model, lat, ctx), score_tree(opt_tree, model, lat, ctx), baseline,
+                        cfg.study_name, cfg.storage, objective.objective, len(complete), history)
