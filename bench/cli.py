@@ -122,6 +122,118 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_PROFILES = {
+    # prompts, reply tokens, epochs: 'quick' fits in 15 minutes on a 2-core CPU, data generation included
+    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 2.0, "follow_ups": False},
+    "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True},
+}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from medusa_runtime.distill import DistillConfig, build_distill_data
+    from medusa_runtime.model import load_model
+    from medusa_runtime.prompts import load_prompt_source
+    from medusa_runtime.train import TrainConfig, train_medusa1, train_medusa2
+
+    prof = TRAIN_PROFILES[args.profile]
+    n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
+    cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
+                      epochs=args.epochs if args.epochs is not None else prof["epochs"], lr=args.lr,
+                      batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank)
+    prompts = train_prompt_split(load_prompt_source(args.data), args.data)
+    prompts = prompts[:n_prompts] if n_prompts else prompts
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.gen_batch,
+                         follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
+    examples, cache = build_distill_data(loaded, prompts, dcfg)
+    provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
+                                                "examples": len(examples), "cache": str(cache),
+                                                "distill": dcfg.__dict__}, "profile": args.profile}
+    train = train_medusa1 if cfg.method == "medusa1" else train_medusa2
+    kwargs = {"resume": args.resume} if cfg.method == "medusa1" else {}
+    result = train(loaded, examples, cfg, args.out, provenance=provenance, log=_log, **kwargs)
+    from bench.plots import plot_training
+
+    plots = plot_training(args.out)
+    print(f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s")
+    if result.validation:
+        last = result.validation[-1]["topk"]
+        for j, row in enumerate(last):
+            print(f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row))
+    print(f"written: {args.out}/heads (shared lm_head), {args.out}/heads-official, {args.out}/training.json")
+    for p in plots:
+        print(f"plot: {p}")
+    return 0
+
+
+def train_prompt_split(prompts, source: str):
+    """The built-in prompts are split once: the first 80% train heads, the rest calibrate them."""
+    if source not in ("builtin", "default", ""):
+        return prompts
+    return prompts[: int(len(prompts) * 0.8)]
+
+
+def calibration_prompt_split(prompts, source: str):
+    if source not in ("builtin", "default", ""):
+        return prompts
+    return prompts[int(len(prompts) * 0.8):]
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from medusa_runtime.calibrate import CalibrationConfig, calibrate
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+    from medusa_runtime.prompts import load_prompt_source
+    from treesearch.stats import save_stats
+
+    cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.topk,
+                            heldout_fraction=args.heldout, batch_size=args.batch_size, limit=args.limit,
+                            seed=args.seed)
+    prompts = calibration_prompt_split(load_prompt_source(args.data), args.data)
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    if heads is None:
+        raise ValueError("calibration needs heads (--heads DIR or fresh:K)")
+    stats = calibrate(loaded, heads, prompts, cfg, provenance={"heads": args.heads, "data": args.data}, log=_log)
+    path = save_stats(stats, args.out)
+    print(f"{stats.positions} positions from {len(stats.rollouts)} rollouts "
+          f"(+{len(stats.heldout)} held out); written: {path}")
+    for j, row in enumerate(stats.marginal):
+        print(f"  head {j}: top-1 {row[0]:.3f}  top-5 {row[:5].sum():.3f}  top-{stats.topk} {row.sum():.3f}")
+    if args.plots:
+        from bench.plots import plot_acceptance_heatmap
+
+        for p in plot_acceptance_heatmap(stats, args.plots):
+            print(f"plot: {p}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+    from medusa_runtime.profile import ProfileConfig, profile_latency
+    from treesearch.cost import save_profile
+
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    if heads is None:
+        raise ValueError("profiling needs heads (--heads DIR or fresh:K)")
+    cfg = ProfileConfig(nodes=tuple(args.nodes), contexts=tuple(args.contexts), repeats=args.repeats)
+    prof = profile_latency(loaded, heads, cfg)
+    path = save_profile(prof, args.out)
+    print(f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
+          f"bookkeeping {prof.bookkeeping_ms:.2f} ms")
+    for ctx, row in zip(prof.contexts, prof.verify_ms):
+        print(f"  context {ctx}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
+    print(f"written: {path}")
+    if args.plots:
+        from bench.plots import plot_latency
+
+        for p in plot_latency(prof, args.plots):
+            print(f"plot: {p}")
+    return 0
+
+
 def format_stats_table(stats, label: str) -> str:
     """A small Markdown table of one generate's statistics."""
     rows = [
@@ -181,6 +293,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
+    _add_model_args(p)
+    p.set_defaults(dtype="bfloat16")
+    p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
+    p.add_argument("--heads", type=int, default=4, help="number of heads K")
+    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    p.add_argument("--data", default="builtin", help="builtin, a ShareGPT/plain JSON(L) file, or a hub dataset id")
+    p.add_argument("--profile", default="quick", choices=sorted(TRAIN_PROFILES))
+    p.add_argument("--prompts", type=int, default=None, help="number of prompts (0: all; default from the profile)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")
+    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--gen-batch", type=int, default=32, help="prompts generated together")
+    p.add_argument("--epochs", type=float, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--out", default="results/heads")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("calibrate", help="measure head x rank acceptance on greedy rollouts -> acceptance.json")
+    _add_model_args(p)
+    p.add_argument("--heads", required=True, help="heads folder or fresh:K")
+    p.add_argument("--data", default="builtin", help="builtin (its calibration split) or a prompt file")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--heldout", type=float, default=0.2, help="share of prompts held out")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/acceptance.json")
+    p.add_argument("--plots", default=None, help="folder for the heatmap")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
+    _add_model_args(p)
+    p.add_argument("--heads", required=True, help="heads folder or fresh:K")
+    p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="results/latency.json")
+    p.add_argument("--plots", default=None)
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
     p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")

@@ -103,3 +103,34 @@ def plot_latency(profile: LatencyProfile, out_dir: str | Path) -> list[Path]:
 
 def written_list(paths: Iterable[Path]) -> str:
     return ", ".join(str(p) for p in paths)
+
+
+def plot_training(out_dir: str | Path) -> list[Path]:
+    """Loss and top-1 accuracy per head over steps, from ``training.json``."""
+    import json
+
+    rec = json.loads((Path(out_dir) / "training.json").read_text())
+    hist = rec.get("history", [])
+    if not hist:
+        return []
+    steps = [h["step"] for h in hist]
+    k = len(hist[0]["top1"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(steps, [h["loss"] for h in hist], lw=1)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("weighted head loss")
+    ax1.set_title(f"{rec.get('method', '')} training loss")
+    for j in range(k):
+        ys = [h["top1"][j] for h in hist]
+        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+        if pts:
+            window = max(1, len(pts) // 20)
+            sm = np.convolve([y for _, y in pts], np.ones(window) / window, mode="valid")
+            ax2.plot([s for s, _ in pts][window - 1:], sm, lw=1, label=f"head {j} (train)")
+    for v in rec.get("validation", []):
+        for j, row in enumerate(v["topk"]):
+            ax2.scatter([v["step"]], [row[0]], s=14, color=f"C{j}", marker="o")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("top-1 accuracy (dots: validation)")
+    ax2.legend(fontsize=7)
+    return _save(fig, out_dir, "training_curves")

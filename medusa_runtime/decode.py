@@ -205,19 +205,22 @@ class MedusaDecoder:
             cur_len += len(acc.path)
             hidden = hiddens[acc.path[-1]]
             root = acc.next_token
-            stats.steps += 1
-            stats.accept_lengths.append(len(acc.path))
-            for j in range(len(acc.path) - 1):
-                stats.head_hits[j] += 1
             stop = None
-            for i, t in enumerate(committed):
+            n_out = 0
+            for t in committed:
                 out.append(t)
+                n_out += 1
                 if t in self.eos:
                     stop = "eos"
                 elif len(out) >= cfg.max_new_tokens:
                     stop = "max_new_tokens"
                 if stop:
                     break
+            # tokens this step put into the output (a path cut by EOS or the length limit counts what was kept)
+            stats.steps += 1
+            stats.accept_lengths.append(n_out)
+            for j in range(n_out - 1):
+                stats.head_hits[j] += 1
             stats.time_heads += t1 - t0
             stats.time_verify += t2 - t1
             stats.time_bookkeeping += time.perf_counter() - t2

@@ -232,15 +232,15 @@ def tau_step_walk(tree: Tree, rollouts: Sequence[Sequence[Sequence[int]]]) -> Wa
     """Replay greedy Medusa decoding along each rollout: a step at t commits 1 + depth(t) tokens.
 
     Position t of a rollout holds the ranks for a step whose last accepted token sits at t
-    (the step's root is token t+1). The last position of a sequence may commit fewer tokens.
+    (the step's root is token t+1); ranks whose target lies past the rollout's end are misses, so
+    a step never commits more than the rollout holds.
     """
     paths = frozenset(tree.paths)
     lengths: list[int] = []
     for seq in rollouts:
         t, n = 0, len(seq)
         while t < n:
-            d = accepted_depth(paths, seq[t])
-            step = min(1 + d, n - t)
+            step = 1 + accepted_depth(paths, seq[t])
             lengths.append(step)
             t += step
     if not lengths:

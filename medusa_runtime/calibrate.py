@@ -1,0 +1,130 @@
+"""Calibration: measure how often each head's rank-r guess is right on real greedy rollouts.
+
+For every calibration prompt the base model's greedy continuation y_1..y_M is generated (batched);
+one forward over prompt + continuation gives the hidden state at every position, the heads give
+their top-k there, and position i (the hidden state of y_i, y_0 being the prompt's last token)
+records, for each head j, the rank of y_{i+j+2} in head j's top-k (or a miss). Positions
+i = 0..M-2 are exactly the states a greedy Medusa step can start from, so the rank vectors replay
+any tree (see ``treesearch.stats``). A held-out share of the prompts is stored separately.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from treesearch.stats import AcceptanceStats, marginal_from_rollouts
+
+from .decode import encode_prompt
+from .heads import MedusaHeads
+from .model import LoadedModel
+from .prompts import Prompt
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    max_new_tokens: int = 128  # length of each greedy rollout
+    topk: int = 10  # ranks recorded per head (at most 36)
+    heldout_fraction: float = 0.2  # share of prompts kept for validation
+    batch_size: int = 16  # prompts generated together
+    limit: int | None = None  # use only the first N prompts
+    seed: int = 0  # split seed
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= 36:
+            raise ValueError(f"topk must be within 1..36, got {self.topk}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+
+
+@torch.inference_mode()
+def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int,
+                    progress: bool = True, desc: str = "rollouts") -> list[list[int]]:
+    """Greedy continuations, generated in left-padded batches; each stops at EOS."""
+    eos = set(loaded.eos_token_ids)
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer is not None else None
+    pad = pad if pad is not None else (min(eos) if eos else 0)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc=desc, disable=not progress, unit="prompt")
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = list(prompts[i])
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        gen = loaded.model.generate(ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                    eos_token_id=sorted(eos) or None, top_p=None, top_k=None, temperature=None)
+        for row, i in enumerate(idx):
+            seq = gen[row, width:].tolist()
+            cut = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq))
+            out[i] = seq[:cut]
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+@torch.inference_mode()
+def rank_vectors(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
+                 topk: int) -> list[tuple[int, ...]]:
+    """Rank of y_{i+j+2} in head j's top-k at each position i = 0..M-2 (-1: not in the top-k)."""
+    m = len(rollout)
+    if m < 2:
+        return []
+    ids = torch.tensor([list(prompt) + list(rollout)], device=loaded.device)
+    out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)
+    p = len(prompt)
+    hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
+    lm_head = loaded.model.get_output_embeddings()
+    roll = torch.tensor(list(rollout), device=loaded.device)
+    ranks = torch.full((m - 1, heads.num_heads), -1, dtype=torch.long)
+    states = heads.head_states(hidden)  # [M-1, K, H]
+    for j in range(heads.num_heads):
+        logits = lm_head(states[:, j]) if heads.proj is None else states[:, j] @ heads.proj[j].T  # [M-1, V]
+        top = torch.topk(logits.float(), topk, dim=-1).indices  # [M-1, topk]
+        i = torch.arange(m - 1, device=loaded.device)
+        tgt_pos = i + j + 1  # index of y_{i+j+2} in the rollout (y_1 is rollout[0])
+        valid = tgt_pos < m
+        target = roll[tgt_pos.clamp(max=m - 1)]
+        hit = (top == target[:, None]) & valid[:, None]  # [M-1, topk]
+        found = hit.any(dim=-1)
+        ranks[found.cpu(), j] = hit.float().argmax(dim=-1)[found].cpu()
+    return [tuple(r) for r in ranks.tolist()]
+
+
+def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    idx = list(range(n))
+    random.Random(seed).shuffle(idx)
+    n_held = int(round(n * heldout_fraction))
+    return sorted(idx[n_held:]), sorted(idx[:n_held])
+
+
+def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt], cfg: CalibrationConfig,
+              provenance: dict | None = None, progress: bool = True,
+              log: Callable[[str], None] = print) -> AcceptanceStats:
+    prompts = list(prompts)[: cfg.limit] if cfg.limit else list(prompts)
+    if not prompts:
+        raise ValueError("no calibration prompts")
+    heads = heads.to(device=loaded.device, dtype=loaded.dtype).eval()
+    encoded = [encode_prompt(loaded, p.turns[0], chat=bool(getattr(loaded.tokenizer, "chat_template", None)))
+               for p in prompts]
+    rollouts = greedy_rollouts(loaded, encoded, cfg.max_new_tokens, cfg.batch_size, progress)
+    fit_idx, held_idx = split_prompts(len(prompts), cfg.heldout_fraction, cfg.seed)
+    vectors = [rank_vectors(loaded, heads, encoded[i], rollouts[i], cfg.topk)
+               for i in tqdm(range(len(prompts)), desc="head ranks", disable=not progress, unit="prompt")]
+    fit = tuple(tuple(vectors[i]) for i in fit_idx)
+    held = tuple(tuple(vectors[i]) for i in held_idx)
+    meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "rule": "greedy",
+            "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
+            "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
+            "machine": platform.node(), **(provenance or {})}
+    return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta)

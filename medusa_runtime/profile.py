@@ -1,0 +1,128 @@
+"""Latency profile: median time of a verify step against tree size, the heads, and a plain step.
+
+Timing hygiene: warm-up excluded, device synchronised, ``perf_counter``, medians of repeats. The
+verify step is timed through the decoder's own ``_verify`` (mask building included) on top of a
+real KV cache of the given context length, which is cropped back after every forward.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from treesearch.cost import LatencyProfile
+from treesearch.optimal import IndependentModel, optimal_tree
+
+from .acceptance import accept_greedy
+from .decode import DecodeConfig, MedusaDecoder
+from .heads import MedusaHeads
+from .model import LoadedModel
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tree sizes, root included
+    contexts: tuple[int, ...] = (128, 512)  # KV-cache lengths
+    repeats: int = 7  # timed repeats per point (median)
+    warmup: int = 2  # untimed repeats first
+
+
+def describe_machine(loaded: LoadedModel) -> dict[str, object]:
+    info: dict[str, object] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                               "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                               "torch_threads": torch.get_num_threads(), "device": str(loaded.device)}
+    if loaded.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(loaded.device)
+    else:
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return info
+
+
+def _shape_tree(num_nodes: int, depth: int):
+    """A realistic tree shape of ``num_nodes`` nodes: the optimum under geometric head accuracies."""
+    ranks = 0.5 ** np.arange(1, 33)
+    marginal = np.stack([ranks * (0.6 ** j) for j in range(depth)])
+    tree, _ = optimal_tree(IndependentModel(marginal / marginal.sum(1, keepdims=True) * 0.9), num_nodes - 1)
+    return tree
+
+
+def _median_ms(fn, sync, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig = ProfileConfig(),
+                    progress: bool = True) -> LatencyProfile:
+    dev = loaded.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    verify = []
+    plain = []
+    bar = tqdm(total=len(cfg.contexts) * len(cfg.nodes), desc="latency profile", disable=not progress)
+    decoders = {}
+    for n in cfg.nodes:
+        if n > 1:
+            tree = _shape_tree(n, heads.num_heads)
+            decoders[n] = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1))
+    plain_dec = MedusaDecoder(loaded, None, None)
+    for ctx in cfg.contexts:
+        cache = DynamicCache(config=loaded.model.config)
+        prompt = torch.randint(0, loaded.vocab_size, (1, ctx), generator=gen).to(dev)
+        plain_dec._forward(prompt, torch.arange(ctx, device=dev)[None], None, cache, last_only=True)
+        row = []
+        for n in cfg.nodes:
+            dec = decoders.get(n, plain_dec)
+            tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+
+            def step(dec=dec, tokens=tokens):
+                dec._verify(tokens, ctx, cache)
+                MedusaDecoder._compact(cache, ctx, [])  # drop the tree again
+
+            ms = _median_ms(step, sync, cfg.repeats, cfg.warmup)
+            row.append(ms)
+            if n == 1:
+                plain.append(ms)
+            bar.update(1)
+        if 1 not in cfg.nodes:
+            tok = torch.randint(0, loaded.vocab_size, (1,), generator=gen).to(dev)
+
+            def one(tok=tok):
+                plain_dec._verify(tok, ctx, cache)
+                MedusaDecoder._compact(cache, ctx, [])  # drop the tree again
+
+            plain.append(_median_ms(one, sync, cfg.repeats, cfg.warmup))
+        verify.append(tuple(row))
+    bar.close()
+
+    hidden = torch.randn(loaded.hidden_size, generator=gen).to(dev, loaded.dtype)
+    any_dec = next(iter(decoders.values()), None)
+    heads_ms = 0.0
+    book_ms = 0.0
+    if any_dec is not None:
+        heads_ms = _median_ms(lambda: any_dec._propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
+        big = decoders[max(decoders)]
+        n = big.buffers.num_nodes
+        logits = torch.randn(n, loaded.vocab_size, generator=gen).to(dev)
+        tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+        book_ms = _median_ms(lambda: accept_greedy(tokens, logits, big.buffers), sync, cfg.repeats * 3, cfg.warmup)
+    meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
+            "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
+            "note": "medians in ms; verify includes mask building; bookkeeping = greedy acceptance"}
+    return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta)

@@ -1,0 +1,465 @@
+"""Medusa head training on self-distilled data: Medusa-1 (frozen base) and Medusa-2 (joint, with KL).
+
+Loss of head j (0-based): cross-entropy of the head's logits at position t against the token at
+t + j + 2, over reply tokens only, weighted by ``loss_decay ** (j + 1)``; a head with no valid
+position in a batch contributes nothing (it is skipped, never fed an empty tensor).
+
+Medusa-1 caches the frozen base's last hidden states once (bf16), then trains only the heads over
+them for several epochs. Medusa-2 trains base and heads together: next-token loss on the replies,
+the head losses, and a KL term to the original model's next-token distribution (self-distillation
+keeps next-token quality), with a higher learning rate for the heads and a heads-only warm-up.
+Checkpoints are written atomically every ``checkpoint_every`` steps, so Ctrl-C or a crash leaves
+the last complete one usable, and ``resume`` continues from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from treesearch.tree import write_json_atomic
+
+from .distill import Example
+from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
+from .model import LoadedModel
+
+TOPK_LOGGED = 5
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str = "medusa1"  # medusa1 (frozen base) | medusa2 (base and heads together)
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+    epochs: float = 2.0  # passes over the training examples
+    lr: float = 1e-3  # heads' learning rate (AdamW)
+    base_lr: float = 2e-5  # medusa2: base model's learning rate
+    warmup_ratio: float = 0.05  # linear warm-up share of the steps, then cosine decay
+    weight_decay: float = 0.0
+    loss_decay: float = 0.8  # head j's loss weight is loss_decay ** (j + 1)
+    batch_tokens: int = 2048  # positions per optimiser step
+    max_len: int = 768  # examples are cut to this many tokens
+    val_fraction: float = 0.05  # share of prompts kept for validation
+    seed: int = 0
+    checkpoint_every: int = 25  # steps between checkpoints
+    heads_warmup_ratio: float = 0.3  # medusa2: share of steps that train only the heads
+    distill_weight: float = 1.0  # medusa2: weight of KL(original || trained) on next-token distributions
+    lm_weight: float = 1.0  # medusa2: weight of the next-token loss
+    lora_rank: int = 0  # medusa2: LoRA rank on the base (peft), 0 = full fine-tuning
+    official_format: bool = True  # also write the official per-head-projection format
+
+    def __post_init__(self) -> None:
+        if self.method not in ("medusa1", "medusa2"):
+            raise ValueError(f"unknown training method {self.method!r}; use medusa1 or medusa2")
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError("need at least one head and one residual layer")
+        if self.epochs <= 0 or self.batch_tokens < 16:
+            raise ValueError("epochs must be > 0 and batch_tokens >= 16")
+
+
+@dataclass
+class HeadStats:
+    loss: float
+    positions: int
+    topk_correct: list[int]  # cumulative: correct within top-1 .. top-5
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int
+    history: list[dict] = field(default_factory=list)  # per logged step: loss, lr, per-head top-1
+    validation: list[dict] = field(default_factory=list)  # per evaluation: per-head top-1..5
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+def head_targets(labels: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions t whose label t+shift exists and is a reply token. labels [B, T] (-100 = ignore)
+    -> (mask [B, T] of usable positions t, targets [B, T] = labels[t + shift] where usable)."""
+    b, t = labels.shape
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    targets = torch.full_like(labels, -100)
+    if shift < t:
+        shifted = labels[:, shift:]
+        mask[:, : t - shift] = shifted != -100
+        targets[:, : t - shift] = shifted
+    return mask, targets
+
+
+def ce_and_accuracy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Mean cross-entropy of [N, V] logits and top-1..5 correct counts."""
+    loss = F.cross_entropy(logits.float(), target)
+    with torch.no_grad():
+        top = torch.topk(logits, min(TOPK_LOGGED, logits.shape[-1]), dim=-1).indices
+        hit = (top == target[:, None]).long().cumsum(-1).clamp(max=1).sum(0).tolist()
+    hit += [hit[-1]] * (TOPK_LOGGED - len(hit))
+    return loss, hit
+
+
+def medusa_loss(head_logits: Sequence[torch.Tensor], labels: torch.Tensor, loss_decay: float = 0.8
+                ) -> tuple[torch.Tensor, list[HeadStats | None]]:
+    """head_logits: K tensors [B, T, V] (head j read at position t); labels [B, T] with -100 ignored.
+    Head j is scored against labels[:, t + j + 2]; heads without a valid position are skipped."""
+    total = labels.new_zeros((), dtype=torch.float32)
+    stats: list[HeadStats | None] = []
+    for j, logits in enumerate(head_logits):
+        mask, targets = head_targets(labels, j + 2)
+        n = int(mask.sum())
+        if n == 0:
+            stats.append(None)
+            continue
+        loss, hits = ce_and_accuracy(logits[mask], targets[mask])
+        total = total + loss_decay ** (j + 1) * loss
+        stats.append(HeadStats(float(loss.detach()), n, hits))
+    return total, stats
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def split_examples(examples: Sequence[Example], val_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Split by prompt, so both turns of a conversation land on the same side."""
+    prompts = sorted({e.prompt_index for e in examples})
+    random.Random(seed).shuffle(prompts)
+    held = set(prompts[: int(round(len(prompts) * val_fraction))])
+    return [e for e in examples if e.prompt_index not in held], [e for e in examples if e.prompt_index in held]
+
+
+def labels_for(example: Example, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(example.input_ids[:max_len])
+    labels = ids.clone()
+    labels[: example.reply_start] = -100
+    return ids, labels
+
+
+def token_batches(examples: Sequence[Example], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    batches, cur, size = [], [], 0
+    for i in order:
+        n = min(len(examples[i].input_ids), max_len)
+        if cur and size + n > batch_tokens:
+            batches.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ---------------------------------------------------------------------------- Medusa-1
+
+
+@torch.inference_mode()
+def cache_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
+                        progress: bool = True) -> list[torch.Tensor]:
+    """Last hidden state (after the final norm) of every example, once, in bf16: [T, H] each."""
+    out = []
+    for ex in tqdm(examples, desc="caching base hidden states", disable=not progress, unit="ex"):
+        ids = torch.tensor([ex.input_ids[:max_len]], device=loaded.device)
+        hs = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
+        out.append(hs.to(torch.bfloat16).cpu())
+    return out
+
+
+class HeadTrainer:
+    """Projection of head states through a vocabulary matrix at the usable positions only."""
+
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, cfg: TrainConfig):
+        self.heads, self.cfg = heads, cfg
+        self.lm_weight = lm_weight  # [V, H], frozen (shared format)
+
+    def logits(self, j: int, states: torch.Tensor) -> torch.Tensor:
+        w = self.heads.proj[j] if self.heads.proj is not None else self.lm_weight
+        return states @ w.T.to(states.dtype)
+
+    def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
+                   ) -> tuple[torch.Tensor, list[HeadStats | None]]:
+        """Concatenate usable positions of all examples per head, then one matmul per head."""
+        total = torch.zeros(())
+        stats: list[HeadStats | None] = []
+        hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
+            states = self.heads.head_states(hidden_all)  # [sum T, K, H]
+        for j in range(self.heads.num_heads):
+            sel, tgt = [], []
+            offset = 0
+            for lab in labels:
+                mask, targets = head_targets(lab[None], j + 2)
+                idx = torch.nonzero(mask[0]).flatten()
+                sel.append(idx + offset)
+                tgt.append(targets[0, idx])
+                offset += lab.shape[0]
+            index = torch.cat(sel)
+            if index.numel() == 0:
+                stats.append(None)  # no usable position for this head in this batch: skipped
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
+                logits = self.logits(j, states[index, j])  # [N, V]
+            loss, hits = ce_and_accuracy(logits, torch.cat(tgt))
+            total = total + self.cfg.loss_decay ** (j + 1) * loss
+            stats.append(HeadStats(float(loss.detach()), int(index.numel()), hits))
+        return total, stats
+
+
+def _accumulate(acc: list[list[float]], stats: list[HeadStats | None]) -> None:
+    for j, s in enumerate(stats):
+        if s is not None:
+            acc[j][0] += s.positions
+            for r in range(TOPK_LOGGED):
+                acc[j][1 + r] += s.topk_correct[r]
+
+
+def _rates(acc: list[list[float]]) -> list[list[float]]:
+    return [[c / a[0] if a[0] else 0.0 for c in a[1:]] for a in acc]
+
+
+@torch.no_grad()
+def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+                   chunk: int = 8) -> list[list[float]]:
+    """Per head, top-1..5 accuracy on the given examples."""
+    acc = [[0.0] * (1 + TOPK_LOGGED) for _ in range(trainer.heads.num_heads)]
+    for s in range(0, len(hiddens), chunk):
+        _, stats = trainer.batch_loss(hiddens[s:s + chunk], labels[s:s + chunk])
+        _accumulate(acc, stats)
+    return _rates(acc)
+
+
+def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict) -> None:
+    """checkpoint/ = heads (shared or official format) + optimiser + progress, swapped in atomically."""
+    target = out_dir / "checkpoint"
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".checkpoint."))
+    try:
+        save_heads(heads, tmp / "heads", fmt="shared" if heads.proj is None else "official")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                    "rng": random.getstate(), "torch_rng": torch.get_rng_state(), **state}, tmp / "trainer.pt")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _schedule(optimizer, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def write_outputs(out_dir: Path, heads: MedusaHeads, lm_head: torch.nn.Module, cfg: TrainConfig,
+                  record: dict) -> dict[str, Path]:
+    """Final heads in the shared format (and the official one), plus training.json."""
+    paths = {}
+    if heads.proj is None:
+        paths["shared"] = save_heads(heads, out_dir / "heads", fmt="shared", lm_head=lm_head)
+    if cfg.official_format or heads.proj is not None:
+        paths["official"] = save_heads(heads, out_dir / "heads-official", fmt="official", lm_head=lm_head)
+    write_json_atomic(out_dir / "training.json", record)
+    return paths
+
+
+def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
+                  provenance: dict | None = None, resume: bool = False, progress: bool = True,
+                  log: Callable[[str], None] = print) -> TrainResult:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    train_ex, val_ex = split_examples(examples, cfg.val_fraction, cfg.seed)
+    if not train_ex:
+        raise ValueError("no training examples")
+    lm_head = loaded.model.get_output_embeddings()
+    lm_weight = lm_head.weight.detach().to(torch.bfloat16)
+    heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
+                                    shared_lm_head=True, base_model=loaded.name))
+    hid_train = cache_hidden_states(loaded, train_ex, cfg.max_len, progress)
+    lab_train = [labels_for(e, cfg.max_len)[1] for e in train_ex]
+    hid_val = cache_hidden_states(loaded, val_ex, cfg.max_len, progress) if val_ex else []
+    lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
+    steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
+    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
+    trainer = HeadTrainer(heads, lm_weight, cfg)
+    result = TrainResult(out, 0)
+    step = 0
+    ckpt = out / "checkpoint"
+    if resume and ckpt.is_dir():
+        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        heads.load_state_dict(load_heads(ckpt / "heads", loaded.hidden_size, loaded.vocab_size).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+        random.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        result.history, result.validation = state["history"], state["validation"]
+        rng = random.Random(cfg.seed + step)
+        log(f"resuming from step {step}/{total_steps}")
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="training heads (medusa1)", disable=not progress, unit="step")
+    running = [[0.0] * (1 + TOPK_LOGGED) for _ in range(cfg.num_heads)]
+    record = {}
+    try:
+        while step < total_steps:
+            for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
+                if step >= total_steps:
+                    break
+                heads.train()
+                loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch])
+                optimizer.zero_grad(set_to_none=True)
+                if loss.requires_grad:
+                    loss.backward()
+                    optimizer.step()
+                scheduler.step()
+                step += 1
+                _accumulate(running, stats)
+                top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
+                result.history.append({"step": step, "loss": float(loss), "lr": scheduler.get_last_lr()[0],
+                                       "top1": top1})
+                bar.set_postfix(loss=f"{float(loss):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
+                bar.update(1)
+                if step % cfg.checkpoint_every == 0 or step == total_steps:
+                    heads.eval()
+                    if hid_val:
+                        result.validation.append({"step": step, "topk": evaluate_heads(trainer, hid_val, lab_val)})
+                    _save_checkpoint(out, heads, optimizer, scheduler, step,
+                                     {"history": result.history, "validation": result.validation})
+    except KeyboardInterrupt:
+        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
+        raise
+    finally:
+        bar.close()
+    result.steps = step
+    result.seconds = time.perf_counter() - t0
+    record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
+              "examples": {"train": len(train_ex), "validation": len(val_ex),
+                           "train_tokens": sum(len(e.input_ids) for e in train_ex)},
+              "steps": step, "train_seconds": result.seconds, "history": result.history,
+              "validation": result.validation, "train_topk": _rates(running), **(provenance or {})}
+    write_outputs(out, heads, lm_head, cfg, record)
+    return result
+
+
+# ---------------------------------------------------------------------------- Medusa-2
+
+
+def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
+                  provenance: dict | None = None, progress: bool = True,
+                  log: Callable[[str], None] = print) -> TrainResult:
+    """Joint training. The original model is kept as a frozen teacher for the KL term."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    train_ex, val_ex = split_examples(examples, cfg.val_fraction, cfg.seed)
+    teacher = loaded.model
+    student = copy.deepcopy(teacher).float()
+    if cfg.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        student = get_peft_model(student, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    base_params = [p for p in student.parameters()]
+    for p in base_params:
+        p.requires_grad_(False)
+    trainable_base = [p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n]
+    heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
+                                    shared_lm_head=True, base_model=loaded.name))
+    steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
+    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
+    warm = int(cfg.heads_warmup_ratio * total_steps)
+    optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": cfg.lr},
+                                   {"params": trainable_base, "lr": cfg.base_lr}], weight_decay=cfg.weight_decay)
+    scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
+    result = TrainResult(out, 0)
+    step = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_steps, desc="training (medusa2)", disable=not progress, unit="step")
+    while step < total_steps:
+        for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
+            if step >= total_steps:
+                break
+            joint = step >= warm  # heads-only warm-up first, then the base learns too
+            for p in trainable_base:
+                p.requires_grad_(joint)
+            student.train(joint)
+            loss_total = torch.zeros(())
+            all_stats: list[list[HeadStats | None]] = []
+            for i in batch:
+                ids, labels = labels_for(train_ex[i], cfg.max_len)
+                ids, labels = ids[None].to(loaded.device), labels[None].to(loaded.device)
+                with torch.no_grad():
+                    t_logits = teacher(input_ids=ids).logits.float()  # [1, T, V]
+                with torch.set_grad_enabled(True):
+                    s_out = student(input_ids=ids, output_hidden_states=True)
+                    hidden = s_out.hidden_states[-1]
+                    if not joint:
+                        hidden = hidden.detach()
+                    lm = student.get_output_embeddings()
+                    head_logits = [lm(heads.head_states(hidden)[:, :, j]) for j in range(cfg.num_heads)]
+                    h_loss, stats = medusa_loss(head_logits, labels, cfg.loss_decay)
+                    mask, targets = head_targets(labels, 1)
+                    loss = h_loss
+                    if joint and int(mask.sum()):
+                        s_logits = s_out.logits.float()
+                        lm_loss = F.cross_entropy(s_logits[mask], targets[mask])
+                        kl = F.kl_div(F.log_softmax(s_logits[mask], -1), F.log_softmax(t_logits[mask], -1),
+                                      log_target=True, reduction="batchmean")
+                        loss = loss + cfg.lm_weight * lm_loss + cfg.distill_weight * kl
+                loss_total = loss_total + loss.detach()
+                (loss / len(batch)).backward()
+                all_stats.append(stats)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            top1 = []
+            for j in range(cfg.num_heads):
+                got = [s[j] for s in all_stats if s[j] is not None]
+                pos = sum(g.positions for g in got)
+                top1.append(sum(g.topk_correct[0] for g in got) / pos if pos else None)
+            result.history.append({"step": step, "loss": float(loss_total) / len(batch), "joint": joint,
+                                   "top1": top1})
+            bar.set_postfix(loss=f"{float(loss_total) / len(batch):.3f}")
+            bar.update(1)
+    bar.close()
+    result.steps = step
+    result.seconds = time.perf_counter() - t0
+    if cfg.lora_rank > 0:
+        student = student.merge_and_unload()
+    student = student.to(loaded.dtype).eval()
+    student.save_pretrained(out / "base")
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(out / "base")
+    record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
+              "examples": {"train": len(train_ex), "validation": len(val_ex)}, "steps": step,
+              "train_seconds": result.seconds, "history": result.history, **(provenance or {})}
+    write_outputs(out, heads, student.get_output_embeddings(), cfg, record)
+    log(f"medusa2: base model written to {out / 'base'} (use it with --model {out / 'base'})")
+    return result
+
+
+def training_record(out_dir: str | Path) -> dict:
+    return json.loads((Path(out_dir) / "training.json").read_text())

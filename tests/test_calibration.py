@@ -1,0 +1,85 @@
+"""Calibration: rank vectors against brute force, and replay predicting the runtime's accept lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from medusa_runtime.calibrate import rank_vectors
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads import HeadsConfig, MedusaHeads
+from medusa_runtime.profile import ProfileConfig, profile_latency
+from treesearch.stats import tau_step_walk
+from treesearch.tree import load_tree
+
+from .conftest import hf_greedy, tiny_llama
+from .test_tree import random_tree
+
+
+def _heads_that_guess(loaded, k=3, seed=0):
+    """Random official-format heads seeded near the base lm_head, so their guesses are sometimes right."""
+    heads = MedusaHeads(HeadsConfig(k, 1, loaded.hidden_size, loaded.vocab_size, shared_lm_head=False))
+    heads.init_projection_from(loaded.model.get_output_embeddings())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].linear.weight.copy_(torch.randn(blocks[0].linear.weight.shape, generator=g) * 0.3)
+    return heads
+
+
+def test_rank_vectors_against_brute_force():
+    loaded = tiny_llama(vocab=32, seed=2)
+    heads = _heads_that_guess(loaded)
+    prompt = [3, 1, 4, 1, 5]
+    rollout = hf_greedy(loaded, prompt, 20)
+    got = rank_vectors(loaded, heads, prompt, rollout, topk=6)
+    assert len(got) == len(rollout) - 1
+    lm = loaded.model.get_output_embeddings()
+    for i in range(len(rollout) - 1):
+        ids = torch.tensor([prompt + rollout[:i]])  # position i = the state of y_i (y_0 = last prompt token)
+        h = loaded.model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        logits = heads(h, lm)  # [K, V]
+        for j in range(heads.num_heads):
+            target_index = i + j + 1
+            if target_index >= len(rollout):
+                assert got[i][j] == -1
+                continue
+            top = torch.topk(logits[j], 6).indices.tolist()
+            want = top.index(rollout[target_index]) if rollout[target_index] in top else -1
+            assert got[i][j] == want, (i, j)
+    assert any(r >= 0 for v in got for r in v)  # the test exercises hits, not only misses
+
+
+@pytest.mark.parametrize("tree_name", ["chain:3", "random", "vicuna_7b_stage2"])
+def test_replay_walk_predicts_runtime_accept_lengths(tree_name):
+    """On the same prompt, greedy Medusa follows the rollout, so the walk replays it exactly."""
+    loaded = tiny_llama(vocab=32, seed=2)
+    heads = _heads_that_guess(loaded, k=5, seed=1)
+    tree = random_tree(random.Random(1), 20, 3, 4) if tree_name == "random" else load_tree(tree_name)
+    topk = max(10, tree.max_rank + 1)
+    n = 60
+    lengths_pred, lengths_run = [], []
+    for seed in range(3):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(32) for _ in range(6)]
+        rollout = hf_greedy(loaded, prompt, n)
+        ranks = rank_vectors(loaded, heads, prompt, rollout, topk)
+        walk = tau_step_walk(tree, [ranks])
+        res = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(max_new_tokens=n, topk=topk)).generate(prompt)
+        assert res.token_ids == rollout
+        lengths_pred += list(walk.accept_lengths)
+        lengths_run += res.stats.accept_lengths
+    assert lengths_pred == lengths_run
+    assert max(lengths_run) >= 2
+
+
+def test_profile_smoke():
+    loaded = tiny_llama()
+    heads = _heads_that_guess(loaded, k=4)
+    prof = profile_latency(loaded, heads, ProfileConfig(nodes=(1, 4, 16), contexts=(16, 32), repeats=2, warmup=1),
+                           progress=False)
+    assert len(prof.verify_ms) == 2 and all(len(r) == 3 for r in prof.verify_ms)
+    assert all(x > 0 for r in prof.verify_ms for x in r) and len(prof.plain_ms) == 2
+    assert prof.heads_ms > 0 and prof.meta["machine"]["cpu_count"]

@@ -1,0 +1,170 @@
+"""Head training: the seeds' loss alignment, skipping, Medusa-1 learning and resume, Medusa-2 smoke, data."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.distill import DistillConfig, Example, build_distill_data
+from medusa_runtime.heads import load_heads
+from medusa_runtime.model import LoadedModel, load_model
+from medusa_runtime.prompts import CATEGORIES, builtin_prompts, load_prompt_source
+from medusa_runtime.train import (
+    HeadTrainer,
+    TrainConfig,
+    evaluate_heads,
+    head_targets,
+    labels_for,
+    medusa_loss,
+    train_medusa1,
+    train_medusa2,
+)
+from medusa_runtime.heads import fresh_heads
+
+from .conftest import hf_greedy, tiny_llama
+
+
+def test_loss_alignment_worked_example():
+    """Batch 2, sequence 3, vocabulary 5: head 0 (shift 2) predicts labels[:, 2] from logits[:, 0];
+    head 1 (shift 3) has no valid position and is skipped."""
+    torch.manual_seed(0)
+    logits0 = torch.randn(2, 3, 5)
+    logits1 = torch.randn(2, 3, 5)
+    labels = torch.tensor([[1, 4, 2], [0, 3, 3]])
+    total, stats = medusa_loss([logits0, logits1], labels, loss_decay=0.8)
+    expected = F.cross_entropy(logits0[:, 0], labels[:, 2])
+    assert stats[1] is None
+    assert stats[0].positions == 2
+    torch.testing.assert_close(total, 0.8 * expected)
+    mask, targets = head_targets(labels, 2)
+    assert mask.tolist() == [[True, False, False], [True, False, False]]
+    assert targets[:, 0].tolist() == [2, 3]
+    # ignored labels (-100, e.g. prompt tokens) are never targets
+    labels[0, 2] = -100
+    _, stats = medusa_loss([logits0, logits1], labels)
+    assert stats[0].positions == 1
+
+
+def tiny_chat_model() -> LoadedModel:
+    """A tiny random Llama that speaks through the default model's tokenizer and chat template."""
+    tok = load_model("default", "float32", log=lambda m: None).tokenizer
+    tiny = tiny_llama(vocab=len(tok), seed=5)
+    tiny.model.generation_config.eos_token_id = tok.eos_token_id
+    return LoadedModel(tiny.model, tok, "tiny-chat", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_examples(tmp_path_factory):
+    loaded = tiny_chat_model()  # loads the default tokenizer from the real cache first
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEDUSA_BENCH_CACHE", str(tmp_path_factory.mktemp("cache")))  # distill cache of this test only
+    prompts = builtin_prompts()[:24]
+    examples, path = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8),
+                                        progress=False)
+    yield loaded, prompts, examples, path
+    mp.undo()
+
+
+def test_self_distillation_data_is_the_models_own_greedy_reply(tiny_examples):
+    loaded, prompts, examples, path = tiny_examples
+    assert path.is_file()
+    n_follow = sum(len(p.turns) > 1 for p in prompts)
+    assert len(examples) == len(prompts) + n_follow
+    ex = next(e for e in examples if e.turn == 0)
+    context = list(ex.input_ids[: ex.reply_start])
+    assert list(ex.input_ids[ex.reply_start:]) == hf_greedy(loaded, context, 24)
+    # a rerun reuses the cache: no generation needed, same examples
+    again, path2 = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8), progress=False)
+    assert path2 == path and again == examples
+
+
+def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(num_heads=2, epochs=6, lr=3e-3, batch_tokens=256, val_fraction=0.0, checkpoint_every=5)
+    out = tmp_path / "run"
+    res = train_medusa1(loaded, examples, cfg, out, progress=False, log=lambda m: None)
+    assert (out / "heads" / "config.json").is_file() and (out / "heads-official" / "config.json").is_file()
+    rec = json.loads((out / "training.json").read_text())
+    assert rec["steps"] == res.steps > 5
+    first, last = rec["history"][0]["loss"], rec["history"][-1]["loss"]
+    assert last < 0.8 * first
+    # the trained heads beat fresh ones on the data they saw
+    hidden = [loaded.model(torch.tensor([e.input_ids]), output_hidden_states=True).hidden_states[-1][0]
+              for e in examples[:10]]
+    labels = [labels_for(e, cfg.max_len)[1] for e in examples[:10]]
+    w = loaded.model.get_output_embeddings().weight.detach()
+    trained = load_heads(out / "heads", loaded.hidden_size, loaded.vocab_size)
+    acc_trained = evaluate_heads(HeadTrainer(trained, w, cfg), hidden, labels)
+    acc_fresh = evaluate_heads(HeadTrainer(fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size), w, cfg),
+                               hidden, labels)
+    assert acc_trained[0][0] > acc_fresh[0][0] + 0.05
+    # both written formats decode identically
+    official = load_heads(out / "heads-official", loaded.hidden_size, loaded.vocab_size)
+    prompt = list(examples[0].input_ids[: examples[0].reply_start])
+    a = MedusaDecoder(loaded, trained, "chain:2", config=DecodeConfig(max_new_tokens=20)).generate(prompt)
+    b = MedusaDecoder(loaded, official, "chain:2", config=DecodeConfig(max_new_tokens=20)).generate(prompt)
+    assert a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
+    # resume: a longer run continues from the checkpoint instead of starting over
+    longer = TrainConfig(**{**cfg.__dict__, "epochs": 8})
+    res2 = train_medusa1(loaded, examples, longer, out, resume=True, progress=False, log=lambda m: None)
+    rec2 = json.loads((out / "training.json").read_text())
+    assert res2.steps > res.steps and len(rec2["history"]) == res2.steps
+    assert rec2["history"][: res.steps] == rec["history"][: res.steps]
+
+
+def test_medusa2_smoke(tiny_examples, tmp_path):
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(method="medusa2", num_heads=2, epochs=1, batch_tokens=512, val_fraction=0.0,
+                      heads_warmup_ratio=0.5, base_lr=1e-4)
+    res = train_medusa2(loaded, examples[:12], cfg, tmp_path / "m2", progress=False, log=lambda m: None)
+    hist = res.history
+    assert any(not h["joint"] for h in hist) and any(h["joint"] for h in hist)
+    base = tmp_path / "m2" / "base"
+    assert (base / "config.json").is_file() and (tmp_path / "m2" / "heads" / "config.json").is_file()
+    # the original model is untouched (the teacher stays frozen)
+    assert all(not p.requires_grad for p in loaded.model.parameters())
+
+
+def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turns):
+    prompts = builtin_prompts()
+    assert len(prompts) >= 600
+    assert {p.category for p in prompts} == set(CATEGORIES)
+    assert sum(len(p.turns) > 1 for p in prompts) > 100
+    assert len({p.turns for p in prompts}) == len(prompts)
+
+    def grams(text, n=6):
+        words = re.findall(r"[a-z0-9']+", text.lower())
+        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    mt = set()
+    for q in mt_bench_first_turns:
+        for t in q["turns"]:
+            mt |= grams(t)
+    for p in prompts:
+        for t in p.turns:
+            assert not (grams(t) & mt), f"builtin prompt shares a 6-word span with MT-Bench: {t!r}"
+
+
+def test_prompt_sources(tmp_path):
+    share = [{"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "hi"},
+                                {"from": "human", "value": "and again"}]}]
+    (tmp_path / "s.json").write_text(json.dumps(share))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert load_prompt_source(str(tmp_path / "s.json"))[0].turns == ("hello there", "and again")
+    assert [p.turns for p in load_prompt_source(str(tmp_path / "p.jsonl"))] == [("one",), ("two",)]
+    with pytest.raises(FileNotFoundError):
+        load_prompt_source(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="not valid"):
+        load_prompt_source(str(tmp_path / "bad.jsonl"))
+
+
+def test_example_labels_mask_the_context():
+    ex = Example((5, 6, 7, 8, 9), 3, 0, 0)
+    ids, labels = labels_for(ex, 10)
+    assert labels.tolist() == [-100, -100, -100, 8, 9] and ids.tolist() == [5, 6, 7, 8, 9]
