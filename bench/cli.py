@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
@@ -199,13 +200,33 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"{stats.positions} positions from {len(stats.rollouts)} rollouts "
           f"(+{len(stats.heldout)} held out); written: {path}")
     for j, row in enumerate(stats.marginal):
-        print(f"  head {j}: top-1 {row[0]:.3f}  top-5 {row[:5].sum():.3f}  top-{stats.topk} {row.sum():.3f}")
+        print(f"  head {j}: top-1..5 " + " ".join(f"{row[:r].sum():.3f}" for r in range(1, 6))
+              + f"  top-{stats.topk} {row.sum():.3f}")
+    print(format_replay_table(stats))
     if args.plots:
         from bench.plots import plot_acceptance_heatmap
 
         for p in plot_acceptance_heatmap(stats, args.plots):
             print(f"plot: {p}")
     return 0
+
+
+def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
+    """tau of a few trees replayed on these rollouts (step walk), and under independence."""
+    from treesearch.optimal import model_for, optimal_tree
+    from treesearch.stats import tau_independent, tau_step_walk
+    from treesearch.tree import chain, load_tree
+
+    trees = [chain(min(stats.num_heads, 4))]
+    trees += [optimal_tree(model_for(stats), b, name=f"optimal-{b}")[0] for b in budgets]
+    if stats.num_heads >= 4 and stats.topk >= 10:
+        trees.append(load_tree("mc_sim_7b_63"))
+    lines = ["| tree | nodes | tau replay (fit) | tau replay (held-out) | tau independence |", "|---|---:|---:|---:|---:|"]
+    for t in trees:
+        held = f"{tau_step_walk(t, stats.heldout).tau:.3f}" if stats.heldout else "-"
+        lines.append(f"| {t.name} | {t.num_nodes - 1} | {tau_step_walk(t, stats.rollouts).tau:.3f} | {held} | "
+                     f"{tau_independent(t, stats.marginal):.3f} |")
+    return "\n".join(lines)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -232,6 +253,107 @@ def cmd_profile(args: argparse.Namespace) -> int:
         for p in plot_latency(prof, args.plots):
             print(f"plot: {p}")
     return 0
+
+
+def _configs_from_trees(trees: list[str], prompt_lookup: bool = True):
+    from bench.runner import MethodConfig
+
+    configs = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain")]
+    if prompt_lookup:
+        configs.append(MethodConfig("prompt-lookup", "prompt_lookup"))
+    configs += [MethodConfig(f"medusa {t}", "medusa", tree=t) for t in trees]
+    return configs
+
+
+def _run_replay(args, configs, turns: int):
+    from bench.analyze import records_frame, summary, to_markdown, write_tables
+    from bench.mtbench import load_questions
+    from bench.runner import ReplayConfig, replay
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+
+    questions = load_questions(args.questions, tuple(args.categories) if args.categories else None, log=_log)
+    if args.limit:
+        questions = _spread(questions, args.limit)
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    if heads is None and any(c.method == "medusa" for c in configs):
+        raise ValueError("Medusa configurations need --heads")
+    cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
+    out_dir = Path(args.out)
+    records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
+                     extra={"heads": args.heads})
+    df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
+    paths = write_tables(df, ["generate", "plain"], out_dir)
+    table = summary(df, ["generate", "plain"])
+    overall = table[table["category"] == "overall"][["config", "tokens", "tokens_per_s", "tau",
+                                                       "speedup_vs_generate", "speedup_vs_plain"]]
+    print(to_markdown(overall))
+    per_cat = table.pivot(index="category", columns="config", values="speedup_vs_generate")
+    print("\nspeedup vs transformers generate, per category:\n")
+    print(to_markdown(per_cat.reset_index()))
+    print(f"\nwritten: {out_dir / 'records.jsonl'}, {paths['summary_csv']}, {paths['summary_md']}")
+    return loaded, df
+
+
+def _spread(questions, limit: int):
+    """The first questions of each category in turn, so a small limit still covers every category."""
+    by_cat: dict[str, list] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    out, i = [], 0
+    while len(out) < min(limit, len(questions)):
+        for cat in by_cat:
+            if i < len(by_cat[cat]) and len(out) < limit:
+                out.append(by_cat[cat][i])
+        i += 1
+    return out
+
+
+def cmd_speed(args: argparse.Namespace) -> int:
+    from bench.bandwidth import bandwidth_floor
+
+    configs = _configs_from_trees(args.tree)
+    loaded, df = _run_replay(args, configs, turns=1)
+    floor = bandwidth_floor(loaded)
+    plain = df[df["config"] == "plain"]
+    step_ms = 1000 * plain["wall_time"].sum() / max(1, plain["steps"].sum() + len(plain))
+    print(f"\nbandwidth floor of one step: {floor.floor_ms:.1f} ms ({floor.weight_bytes / 1e6:.0f} MB of weights at "
+          f"{floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain step {step_ms:.1f} ms = "
+          f"{step_ms / floor.floor_ms:.2f}x the floor")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from bench.runner import MethodConfig
+
+    spec = _read_config_file(args.config)
+    for key in ("model", "heads", "dtype", "max_new_tokens", "repeats"):
+        if key in spec and getattr(args, key, None) in (None, _DEFAULTS.get(key)):
+            setattr(args, key, spec[key])
+    configs = [MethodConfig(**c) for c in spec.get("configurations", [])]
+    if not configs:
+        raise ValueError(f"{args.config} lists no configurations")
+    _run_replay(args, configs, turns=int(spec.get("turns", 2)))
+    return 0
+
+
+_DEFAULTS = {"model": "default", "heads": "none", "dtype": "float32", "max_new_tokens": 128, "repeats": 1}
+
+
+def _read_config_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
 def format_stats_table(stats, label: str) -> str:
@@ -338,6 +460,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/latency.json")
     p.add_argument("--plots", default=None)
     p.set_defaults(func=cmd_profile)
+
+    for name, helptext in (("speed", "tokens/s of generate, plain, prompt lookup and Medusa trees, interleaved"),
+                           ("replay", "replay MT-Bench for a matrix of configurations (resumable records)")):
+        p = sub.add_parser(name, help=helptext)
+        _add_model_args(p)
+        p.add_argument("--heads", default="none", help="heads folder or fresh:K")
+        if name == "speed":
+            p.add_argument("--tree", nargs="+", default=["mc_sim_7b_63"], help="trees to time (presets or files)")
+        else:
+            p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
+        p.add_argument("--questions", default=None, help="questions JSONL (default: MT-Bench, fetched offline)")
+        p.add_argument("--categories", nargs="+", default=None)
+        p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--out", default=f"results/{name}")
+        p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)
 
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
     p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")

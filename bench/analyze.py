@@ -1,0 +1,68 @@
+"""Analysis of replay records with pandas: tokens/s, speed-ups, tau, head acceptance, greedy equality.
+
+Speed-up over a baseline is the ratio of total tokens over total time (Spec-Bench's definition),
+per category and overall; tau is total tokens over total steps for the runtime's methods.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+
+def records_frame(records: Sequence[dict]) -> pd.DataFrame:
+    if not records:
+        raise ValueError("no records to analyse")
+    df = pd.DataFrame.from_records(records)
+    return df
+
+
+def summary(df: pd.DataFrame, baselines: Sequence[str]) -> pd.DataFrame:
+    """One row per (configuration, category) plus an 'overall' category."""
+    both = pd.concat([df, df.assign(category="overall")], ignore_index=True)
+    g = both.groupby(["config", "category"], sort=False)
+    out = g.agg(tokens=("new_tokens", "sum"), seconds=("wall_time", "sum"), steps=("steps", "sum"),
+                runs=("new_tokens", "size")).reset_index()
+    out["tokens_per_s"] = out["tokens"] / out["seconds"]
+    out["tau"] = out["tokens"] / out["steps"].where(out["steps"] > 0)
+    for base in baselines:
+        ref = out[out["config"] == base].set_index("category")["tokens_per_s"]
+        out[f"speedup_vs_{base}"] = out["tokens_per_s"] / out["category"].map(ref)
+    return out
+
+
+def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
+    """Share of (question, turn) outputs identical to the reference configuration's, per configuration."""
+    ref = df[(df["config"] == reference) & (df["repeat"] == 0)].set_index(["question_id", "turn"])["token_ids"]
+    rows = []
+    for name, sub in df[df["repeat"] == 0].groupby("config", sort=False):
+        keyed = sub.set_index(["question_id", "turn"])["token_ids"]
+        common = keyed.index.intersection(ref.index)
+        same = sum(list(keyed[k]) == list(ref[k]) for k in common)
+        rows.append({"config": name, "compared": len(common), "identical": same,
+                     "identical_share": same / len(common) if len(common) else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def to_markdown(table: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    cols = list(table.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, row in table.iterrows():
+        cells = [format(v, floatfmt) if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_tables(df: pd.DataFrame, baselines: Sequence[str], out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    s = summary(df, baselines)
+    eq = greedy_equality(df, baselines[0])
+    paths = {"summary_csv": out / "summary.csv", "summary_md": out / "summary.md", "equality_csv": out / "equality.csv"}
+    s.to_csv(paths["summary_csv"], index=False)
+    overall = s[s["category"] == "overall"].drop(columns=["category"])
+    paths["summary_md"].write_text(to_markdown(overall) + "\n\n" + to_markdown(eq) + "\n")
+    eq.to_csv(paths["equality_csv"], index=False)
+    return paths

@@ -1,0 +1,186 @@
+"""One runner contract for every decoding method, and the interleaved, resumable MT-Bench replay.
+
+Every configuration becomes a callable ``run(prompt_ids, max_new_tokens) -> RunOutput``; the replay
+calls them question by question, configuration by configuration (interleaved, so machine drift
+hits all alike), after an untimed warm-up, and appends one JSON record per (configuration,
+question, turn, repeat) to ``records.jsonl``. Records already in the file are skipped, so an
+interrupted replay resumes where it stopped. Speed-ups are computed afterwards from the records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from medusa_runtime.acceptance import AcceptConfig
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads import MedusaHeads
+from medusa_runtime.model import LoadedModel
+
+from .mtbench import Question
+
+RECORD_SCHEMA = "medusa-record/1"
+METHODS = ("generate", "prompt_lookup", "plain", "medusa")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    name: str  # label in tables and plots
+    method: str  # generate | prompt_lookup | plain | medusa
+    tree: str | None = None  # medusa: preset, chain:N or tree file
+    accept: str = "greedy"  # medusa: greedy | typical | sample
+    temperature: float = 0.0
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.method == "medusa" and not self.tree:
+            raise ValueError(f"configuration {self.name!r}: medusa needs a tree")
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class RunOutput:
+    token_ids: list[int]
+    wall_time: float  # seconds, synchronised
+    steps: int  # forward passes after prefill (generate: one per token)
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+Runner = Callable[[list[int], int], RunOutput]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10) -> Runner:
+    """The callable for one configuration (decoders and buffers built once, here)."""
+    if cfg.method in ("generate", "prompt_lookup"):
+        extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens} if cfg.method == "prompt_lookup" else {}
+        eos = list(loaded.eos_token_ids) or None
+
+        @torch.inference_mode()
+        def run_hf(prompt: list[int], n: int) -> RunOutput:
+            ids = torch.tensor([prompt], device=loaded.device)
+            _sync(loaded.device)
+            t0 = time.perf_counter()
+            out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                        eos_token_id=eos, pad_token_id=eos[0] if eos else 0, top_p=None, top_k=None,
+                                        temperature=None, **extra)
+            _sync(loaded.device)
+            new = out[0, len(prompt):].tolist()
+            return RunOutput(new, time.perf_counter() - t0, len(new))
+
+        return run_hf
+    accept = AcceptConfig(rule=cfg.accept, temperature=cfg.temperature, posterior_threshold=cfg.posterior_threshold,
+                          posterior_alpha=cfg.posterior_alpha)
+    use_heads = heads if cfg.method == "medusa" else None
+    decoders: dict[int, MedusaDecoder] = {}
+
+    def run_runtime(prompt: list[int], n: int) -> RunOutput:
+        if n not in decoders:
+            decoders[n] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None, accept,
+                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0))
+        res = decoders[n].generate(prompt)
+        return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths)
+
+    return run_runtime
+
+
+def chat_ids(loaded: LoadedModel, turns: Sequence[str], answers: Sequence[str]) -> list[int]:
+    """User turns interleaved with the model's own earlier answers, through the chat template."""
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import medusa_runtime
+
+    return {"medusa_bench": medusa_runtime.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def _key(r: dict) -> tuple:
+    return (r["config"], r["question_id"], r["turn"], r["repeat"])
+
+
+def load_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a crash: that record is redone
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    max_new_tokens: int = 128  # per turn
+    turns: int = 2  # 1 = first turns only
+    repeats: int = 1  # timed repeats per (configuration, question, turn)
+    warmup_tokens: int = 16  # untimed warm-up generation per configuration
+
+
+def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
+           questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
+           extra: dict | None = None) -> list[dict]:
+    """Run every configuration on every question (interleaved), appending records; resumable."""
+    path = Path(out_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load_records(path)
+    done = {_key(r): r for r in records}
+    runners = {c.name: make_runner(c, loaded, heads) for c in configs}
+    todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(cfg.repeats)
+            for c in configs if (c.name, q.question_id, t, r) not in done]
+    if not todo:
+        return records
+    warm = chat_ids(loaded, [questions[0].turns[0]], [])
+    for c in configs:  # warm-up, excluded from the records
+        runners[c.name](warm, cfg.warmup_tokens)
+    meta = {"versions": versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
+            "device": str(loaded.device), **(extra or {})}
+    bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
+    with path.open("a") as fh:
+        for q, turn, rep, c in todo:
+            earlier = [done[(c.name, q.question_id, t, 0)]["answer"] for t in range(turn)]
+            prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
+            out = runners[c.name](prompt, cfg.max_new_tokens)
+            rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
+                   "tree": c.tree, "accept": c.accept, "question_id": q.question_id, "category": q.category,
+                   "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
+                   "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
+                   "token_ids": out.token_ids,
+                   "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta}
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            done[_key(rec)] = rec
+            records.append(rec)
+            bar.update(1)
+    bar.close()
+    return records
