@@ -6,8 +6,8 @@ per category and overall; tau is total tokens over total steps for the runtime's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pandas as pd
 

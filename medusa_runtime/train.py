@@ -22,9 +22,9 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ class TrainConfig:
     lm_weight: float = 1.0  # medusa2: weight of the next-token loss
     lora_rank: int = 0  # medusa2: LoRA rank on the base (peft), 0 = full fine-tuning
     official_format: bool = True  # also write the official per-head-projection format
+    vocab: str = "full"  # medusa1 training softmax: full | replies (only tokens the replies contain: faster)
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa1", "medusa2"):
@@ -68,6 +69,8 @@ class TrainConfig:
             raise ValueError("need at least one head and one residual layer")
         if self.epochs <= 0 or self.batch_tokens < 16:
             raise ValueError("epochs must be > 0 and batch_tokens >= 16")
+        if self.vocab not in ("full", "replies"):
+            raise ValueError(f"vocab must be 'full' or 'replies', got {self.vocab!r}")
 
 
 @dataclass
@@ -182,13 +185,24 @@ def cache_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_le
 class HeadTrainer:
     """Projection of head states through a vocabulary matrix at the usable positions only."""
 
-    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, cfg: TrainConfig):
+    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, cfg: TrainConfig,
+                 subset: torch.Tensor | None = None):
         self.heads, self.cfg = heads, cfg
         self.lm_weight = lm_weight  # [V, H], frozen (shared format)
+        # optional training vocabulary: the softmax runs over these token ids only ([S]); targets are remapped
+        self.subset = subset
+        self.remap = None
+        if subset is not None:
+            self.remap = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
+            self.remap[subset] = torch.arange(len(subset))
+            self.sub_weight = lm_weight[subset]  # [S, H]
 
     def logits(self, j: int, states: torch.Tensor) -> torch.Tensor:
-        w = self.heads.proj[j] if self.heads.proj is not None else self.lm_weight
-        return states @ w.T.to(states.dtype)
+        if self.heads.proj is not None:
+            w = self.heads.proj[j] if self.subset is None else self.heads.proj[j][self.subset]
+        else:
+            w = self.lm_weight if self.subset is None else self.sub_weight
+        return states @ w.T.to(torch.bfloat16 if torch.is_autocast_enabled("cpu") else states.dtype)
 
     def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
                    ) -> tuple[torch.Tensor, list[HeadStats | None]]:
@@ -211,9 +225,17 @@ class HeadTrainer:
             if index.numel() == 0:
                 stats.append(None)  # no usable position for this head in this batch: skipped
                 continue
+            target = torch.cat(tgt)
+            if self.remap is not None:
+                target = self.remap[target]
+                keep = target >= 0  # tokens outside the training vocabulary are not trained on
+                index, target = index[keep], target[keep]
+                if index.numel() == 0:
+                    stats.append(None)
+                    continue
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
-                logits = self.logits(j, states[index, j])  # [N, V]
-            loss, hits = ce_and_accuracy(logits, torch.cat(tgt))
+                logits = self.logits(j, states[index, j])  # [N, V] (or [N, S] on a training vocabulary)
+            loss, hits = ce_and_accuracy(logits, target)
             total = total + self.cfg.loss_decay ** (j + 1) * loss
             stats.append(HeadStats(float(loss.detach()), int(index.numel()), hits))
         return total, stats
@@ -302,7 +324,14 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
-    trainer = HeadTrainer(heads, lm_weight, cfg)
+    subset = None
+    if cfg.vocab == "replies":
+        # the base model's own replies use a small part of the vocabulary; a softmax over those tokens
+        # costs a fraction of the full projection (validation still scores the full vocabulary)
+        subset = torch.tensor(sorted({t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}))
+        log(f"training vocabulary: {len(subset)} of {loaded.vocab_size} tokens (those the replies contain)")
+    trainer = HeadTrainer(heads, lm_weight, cfg, subset)
+    evaluator = HeadTrainer(heads, lm_weight, cfg)
     result = TrainResult(out, 0)
     step = 0
     ckpt = out / "checkpoint"
@@ -343,7 +372,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                 if step % cfg.checkpoint_every == 0 or step == total_steps:
                     heads.eval()
                     if hid_val:
-                        result.validation.append({"step": step, "topk": evaluate_heads(trainer, hid_val, lab_val)})
+                        result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val)})
                     _save_checkpoint(out, heads, optimizer, scheduler, step,
                                      {"history": result.history, "validation": result.validation})
     except KeyboardInterrupt:

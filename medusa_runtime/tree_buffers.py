@@ -26,7 +26,7 @@ class TreeBuffers:
     retrieve_indices: torch.Tensor  # [L, depth+1] long: node ids of each root-to-leaf path, -1 padded
     children: tuple[tuple[int, ...], ...]  # children of each node, in rank order
 
-    def to(self, device: torch.device | str) -> "TreeBuffers":
+    def to(self, device: torch.device | str) -> TreeBuffers:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return TreeBuffers(**moved)
 

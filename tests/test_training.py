@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.distill import DistillConfig, Example, build_distill_data
-from medusa_runtime.heads import load_heads
+from medusa_runtime.heads import fresh_heads, load_heads
 from medusa_runtime.model import LoadedModel, load_model
 from medusa_runtime.prompts import CATEGORIES, builtin_prompts, load_prompt_source
 from medusa_runtime.train import (
@@ -24,7 +24,6 @@ from medusa_runtime.train import (
     train_medusa1,
     train_medusa2,
 )
-from medusa_runtime.heads import fresh_heads
 
 from .conftest import hf_greedy, tiny_llama
 

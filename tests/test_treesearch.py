@@ -248,7 +248,7 @@ def _worker(tmp_path, trials, study="shared", extra=()):
 def test_two_workers_share_one_sqlite_study(tmp_path):
     workers = [_worker(tmp_path, 30), _worker(tmp_path, 30)]
     outs = [w.communicate(timeout=300) for w in workers]
-    for w, (out, err) in zip(workers, outs):
+    for w, (_out, err) in zip(workers, outs):
         assert w.returncode == 0, err
         assert "Traceback" not in err
     study = optuna.load_study(study_name="shared", storage=f"sqlite:///{tmp_path / 'shared.db'}")

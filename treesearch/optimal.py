@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

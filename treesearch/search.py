@@ -16,10 +16,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import optuna
 

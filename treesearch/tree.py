@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 TREE_SCHEMA = "medusa-tree/1"
 

@@ -1,0 +1,90 @@
+"""Replay: interleaved records, resumable after a kill with nothing lost or duplicated; analysis."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from bench import runner
+from bench.analyze import greedy_equality, summary
+from bench.mtbench import Question, load_questions
+from bench.runner import MethodConfig, ReplayConfig, load_records, replay
+from medusa_runtime.heads import fresh_heads
+
+from .conftest import SHARED
+from .test_training import tiny_chat_model
+
+QUESTIONS = [Question(1, "writing", ("Say hi.", "Again, shorter.")), Question(2, "math", ("1+1?", "And 2+2?")),
+             Question(3, "coding", ("Print hello.", "In C."))]
+CONFIGS = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain"),
+           MethodConfig("medusa chain:2", "medusa", tree="chain:2")]
+
+
+def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    cfg = ReplayConfig(max_new_tokens=8, turns=2, repeats=1, warmup_tokens=2)
+    out = tmp_path / "records.jsonl"
+    real = runner.make_runner
+    calls = {"n": 0}
+
+    def dying(cfg_, loaded_, heads_, topk=10):
+        inner = real(cfg_, loaded_, heads_, topk)
+
+        def run(prompt, n):
+            calls["n"] += 1
+            if calls["n"] > 3 + 7:  # 3 warm-ups, then 7 records, then the process "dies"
+                raise KeyboardInterrupt
+            return inner(prompt, n)
+
+        return run
+
+    monkeypatch.setattr(runner, "make_runner", dying)
+    with pytest.raises(KeyboardInterrupt):
+        replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False)
+    partial = load_records(out)
+    assert len(partial) == 7
+    monkeypatch.setattr(runner, "make_runner", real)
+    records = replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False)
+    on_disk = load_records(out)
+    keys = [(r["config"], r["question_id"], r["turn"], r["repeat"]) for r in on_disk]
+    assert len(keys) == len(set(keys)) == 3 * 3 * 2 == len(records)
+    assert on_disk[:7] == partial  # nothing already written was lost or rewritten
+    # interleaved: configurations alternate within each question
+    assert [r["config"] for r in on_disk[:3]] == [c.name for c in CONFIGS]
+    # greedy runtime outputs equal generate's (float32)
+    eq = greedy_equality(pd.DataFrame(on_disk), "generate").set_index("config")
+    assert (eq["identical_share"] == 1.0).all()
+    table = summary(pd.DataFrame(on_disk), ["generate", "plain"])
+    overall = table[table["category"] == "overall"].set_index("config")
+    assert overall.loc["generate", "speedup_vs_generate"] == pytest.approx(1.0)
+    assert set(table["category"]) == {"writing", "math", "coding", "overall"}
+    rec = on_disk[0]
+    for key in ("config_hash", "category", "new_tokens", "steps", "accept_lengths", "wall_time", "answer", "versions"):
+        assert key in rec
+
+
+def test_summary_is_ratio_of_totals():
+    rows = []
+    for cfg, t in (("generate", 2.0), ("fast", 1.0)):
+        rows += [{"config": cfg, "category": "a", "new_tokens": 10, "wall_time": t, "steps": 10, "repeat": 0,
+                  "question_id": 1, "turn": 0, "token_ids": [1]},
+                 {"config": cfg, "category": "b", "new_tokens": 30, "wall_time": 2 * t, "steps": 15, "repeat": 0,
+                  "question_id": 2, "turn": 0, "token_ids": [2]}]
+    table = summary(pd.DataFrame(rows), ["generate"]).set_index(["config", "category"])
+    assert table.loc[("fast", "overall"), "tokens_per_s"] == pytest.approx(40 / 3.0)
+    assert table.loc[("fast", "overall"), "speedup_vs_generate"] == pytest.approx((40 / 3.0) / (40 / 6.0))
+    assert table.loc[("fast", "b"), "tau"] == pytest.approx(2.0)
+
+
+def test_question_loading(tmp_path):
+    qs = load_questions(SHARED / "mt_bench" / "question.jsonl")
+    assert len(qs) == 80 and len({q.category for q in qs}) == 8 and all(len(q.turns) == 2 for q in qs)
+    assert len(load_questions(SHARED / "mt_bench" / "question.jsonl", categories=("math",))) == 10
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 5, "category": "x", "turns": ["a"]}) + "\n")
+    assert load_questions(tmp_path / "q.jsonl")[0].turns == ("a",)
+    (tmp_path / "bad.jsonl").write_text('{"question_id": 5}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_questions(tmp_path / "bad.jsonl")
