@@ -125,7 +125,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 TRAIN_PROFILES = {
     # prompts, reply tokens, epochs: 'quick' fits in 15 minutes on a 2-core CPU, data generation included
-    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 2.0, "follow_ups": False, "vocab": "replies"},
+    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 6.0, "follow_ups": False, "vocab": "replies"},
     "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True, "vocab": "replies"},
 }
 

@@ -365,9 +365,9 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                 step += 1
                 _accumulate(running, stats)
                 top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-                result.history.append({"step": step, "loss": float(loss), "lr": scheduler.get_last_lr()[0],
+                result.history.append({"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                                        "top1": top1})
-                bar.set_postfix(loss=f"{float(loss):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
                 bar.update(1)
                 if step % cfg.checkpoint_every == 0 or step == total_steps:
                     heads.eval()
