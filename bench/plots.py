@@ -105,11 +105,13 @@ def written_list(paths: Iterable[Path]) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-def plot_training(out_dir: str | Path) -> list[Path]:
-    """Loss and top-1 accuracy per head over steps, from ``training.json``."""
+def plot_training(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Loss and top-1 accuracy per head over steps, from ``run_dir/training.json`` (plots go to
+    ``out_dir``, by default beside it)."""
     import json
 
-    rec = json.loads((Path(out_dir) / "training.json").read_text())
+    rec = json.loads((Path(run_dir) / "training.json").read_text())
+    out_dir = out_dir or run_dir
     hist = rec.get("history", [])
     if not hist:
         return []

@@ -120,7 +120,7 @@ def report(out: Path) -> list[Path]:
     if shipped is not None:
         from bench.plots import plot_training
 
-        written += plot_training(shipped.parent)
+        written += plot_training(shipped.parent, plots)
     overall = table[table["category"] == "overall"][["config", "tokens", "seconds", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
     md = ("## Overall\n\n" + to_markdown(overall) + "\n\n## Speedup over transformers generate, per category\n\n"
