@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .fsutil import atomic_dir
 
 FORMATS = ("official", "shared")
 WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
@@ -125,22 +125,13 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
     if fmt == "shared" and heads.proj is not None:
         raise HeadsError("heads with their own projections cannot be saved in the shared format "
                          "(the projections would be lost); save them as 'official'")
-    target = Path(out_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(_state_dict_for(heads, fmt, lm_head), str(tmp / "medusa_lm_head.safetensors"))
         meta = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
                 "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size,
                 "vocab_size": cfg.vocab_size, "medusa_format": fmt}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return Path(out_dir)
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .fsutil import atomic_dir
+
 DEFAULT_NAME = "default"
 
 
@@ -167,20 +169,12 @@ def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[s
     plain = type(loaded)(config)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with atomic_dir(out_dir) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         provenance = {"source_package": f"{src.package}=={src.version}", "gguf": src.gguf_name,
                       "gguf_sha256": src.gguf_sha256, "name": src.display_name}
         (tmp / "medusa_bench_source.json").write_text(json.dumps(provenance, indent=1) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"saved the default model to {out_dir}")
 
 

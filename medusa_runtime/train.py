@@ -17,10 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +30,7 @@ from tqdm.auto import tqdm
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
+from .fsutil import atomic_dir
 from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
 from .model import LoadedModel
 
@@ -266,18 +264,10 @@ def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels
 
 def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict) -> None:
     """checkpoint/ = heads (shared or official format) + optimiser + progress, swapped in atomically."""
-    target = out_dir / "checkpoint"
-    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".checkpoint."))
-    try:
+    with atomic_dir(out_dir / "checkpoint") as tmp:
         save_heads(heads, tmp / "heads", fmt="shared" if heads.proj is None else "official")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                     "rng": random.getstate(), "torch_rng": torch.get_rng_state(), **state}, tmp / "trainer.pt")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _schedule(optimizer, warmup: int, total: int):

@@ -11,7 +11,6 @@ nearest to the one asked for (or the median over measured contexts).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .stats import StatsError
-from .tree import write_json_atomic
+from .tree import read_json, write_json_atomic
 
 LATENCY_SCHEMA = "medusa-latency/1"
 
@@ -108,14 +107,7 @@ def profile_from_json(obj: Any) -> LatencyProfile:
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:
-    p = Path(path)
-    if not p.is_file():
-        raise StatsError(f"latency file not found: {path}")
-    try:
-        obj = json.loads(p.read_bytes())
-    except json.JSONDecodeError as exc:
-        raise StatsError(f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
-    prof = profile_from_json(obj)
+    prof = profile_from_json(read_json(path, StatsError, "latency file"))
     model = prof.meta.get("model")
     if expect_model is not None and model is not None and model != expect_model:
         raise StatsError(f"latency file {path} was measured on model {model!r}, the statistics are for {expect_model!r}")

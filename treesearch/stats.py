@@ -21,7 +21,6 @@ runtime measures when it greedily decodes the same prompts.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections import Counter
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .tree import Tree, write_json_atomic
+from .tree import Tree, read_json, write_json_atomic
 
 ACCEPTANCE_SCHEMA = "medusa-acceptance/1"
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -158,15 +157,8 @@ def stats_from_json(obj: Any, sha: str = "") -> AcceptanceStats:
 
 
 def load_stats(path: str | os.PathLike[str]) -> AcceptanceStats:
-    p = Path(path)
-    if not p.is_file():
-        raise StatsError(f"acceptance file not found: {path}")
-    raw = p.read_bytes()
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise StatsError(f"{path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
-    return stats_from_json(obj, sha=hashlib.sha256(raw).hexdigest())
+    obj = read_json(path, StatsError, "acceptance file")
+    return stats_from_json(obj, sha=hashlib.sha256(Path(path).read_bytes()).hexdigest())
 
 
 # ---------------------------------------------------------------------------- tau estimators

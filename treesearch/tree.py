@@ -152,11 +152,7 @@ def load_tree(spec: str | Tree | Sequence[Sequence[int]]) -> Tree:
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise TreeError(f"tree file not found: {spec}")
-        try:
-            obj = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise TreeError(f"tree file {spec} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
-        return tree_from_json(obj, name=path.stem)
+        return tree_from_json(read_json(path, TreeError, "tree file"), name=path.stem)
     raise TreeError(f"unknown tree {spec!r}: use one of {', '.join(preset_names())}, or a tree JSON file")
 
 
@@ -169,6 +165,17 @@ def tree_to_json(tree: Tree, **provenance: Any) -> dict[str, Any]:
 def save_tree(tree: Tree, path: str | os.PathLike[str], **provenance: Any) -> Path:
     """Write tree JSON atomically (temp file + rename)."""
     return write_json_atomic(path, tree_to_json(tree, **provenance))
+
+
+def read_json(path: str | os.PathLike[str], error: type[ValueError], what: str) -> Any:
+    """Parse a JSON file or raise ``error`` with a one-line reason (missing file, bad JSON)."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} not found: {path}")
+    try:
+        return json.loads(p.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} {path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:

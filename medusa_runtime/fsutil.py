@@ -1,0 +1,27 @@
+"""Atomic folder writes: build a folder beside its target, then swap it in with one rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a fresh temporary folder; on success it replaces ``target``, on any failure it is removed
+    and ``target`` is left as it was (a crash never leaves a half-written folder in its place)."""
+    final = Path(target)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
