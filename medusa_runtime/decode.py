@@ -14,6 +14,7 @@ Plain decoding is the same loop with a root-only tree (one token per step, same 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -26,6 +27,11 @@ from .acceptance import AcceptConfig, accept, first_token
 from .heads import MedusaHeads
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
+
+
+# transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
+# as ``cache=`` is not filled; the old keyword is the one that works, so its notice is silenced here.
+warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)
 
 
 @dataclass(frozen=True)
