@@ -21,7 +21,6 @@ from transformers import DynamicCache
 from treesearch.cost import LatencyProfile
 from treesearch.optimal import IndependentModel, optimal_tree
 
-from .acceptance import accept_greedy
 from .decode import DecodeConfig, MedusaDecoder
 from .heads import MedusaHeads
 from .model import LoadedModel
@@ -67,6 +66,22 @@ def _median_ms(fn, sync, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _loop_cfg(topk: int = 10) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False)
+
+
+def _loop_ms(dec: MedusaDecoder, prompt: torch.Tensor, cfg: ProfileConfig) -> tuple[float, float]:
+    """(median ms per step, median ms per step outside heads and verify) of real generate calls."""
+    per_step, other = [], []
+    for i in range(cfg.warmup + max(3, cfg.repeats // 2)):
+        st = dec.generate(prompt).stats
+        if i >= cfg.warmup and st.steps:
+            loop = st.time_total - st.time_prefill
+            per_step.append(1000 * loop / st.steps)
+            other.append(1000 * (loop - st.time_heads - st.time_verify) / st.steps)
+    return statistics.median(per_step), statistics.median(other)
+
+
 @torch.inference_mode()
 def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig = ProfileConfig(),
                     progress: bool = True) -> LatencyProfile:
@@ -95,34 +110,23 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                 dec._verify(tokens, ctx, cache)
                 MedusaDecoder._compact(cache, ctx, [])  # drop the tree again
 
-            ms = _median_ms(step, sync, cfg.repeats, cfg.warmup)
-            row.append(ms)
-            if n == 1:
-                plain.append(ms)
+            row.append(_median_ms(step, sync, cfg.repeats, cfg.warmup))
             bar.update(1)
-        if 1 not in cfg.nodes:
-            tok = torch.randint(0, loaded.vocab_size, (1,), generator=gen).to(dev)
-
-            def one(tok=tok):
-                plain_dec._verify(tok, ctx, cache)
-                MedusaDecoder._compact(cache, ctx, [])  # drop the tree again
-
-            plain.append(_median_ms(one, sync, cfg.repeats, cfg.warmup))
         verify.append(tuple(row))
+        # the plain step of the real decode loop (forward + acceptance + loop overhead) at this context
+        plain.append(_loop_ms(MedusaDecoder(loaded, None, None, config=_loop_cfg()), prompt[0], cfg)[0])
     bar.close()
 
     hidden = torch.randn(loaded.hidden_size, generator=gen).to(dev, loaded.dtype)
-    any_dec = next(iter(decoders.values()), None)
-    heads_ms = 0.0
-    book_ms = 0.0
-    if any_dec is not None:
-        heads_ms = _median_ms(lambda: any_dec._propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
-        big = decoders[max(decoders)]
-        n = big.buffers.num_nodes
-        logits = torch.randn(n, loaded.vocab_size, generator=gen).to(dev)
-        tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
-        book_ms = _median_ms(lambda: accept_greedy(tokens, logits, big.buffers), sync, cfg.repeats * 3, cfg.warmup)
+    heads_ms = book_ms = 0.0
+    if decoders:
+        mid = decoders[min(decoders, key=lambda n: abs(n - 16))]
+        heads_ms = _median_ms(lambda: mid._propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
+        # everything of a real Medusa step that is neither heads nor verify: acceptance, compaction, loop
+        book_ms = _loop_ms(MedusaDecoder(loaded, heads, mid.tree, config=_loop_cfg(mid.buffers.topk)),
+                           prompt[0, : cfg.contexts[0]], cfg)[1]
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "medians in ms; verify includes mask building; bookkeeping = greedy acceptance"}
+            "note": "medians in ms; verify includes mask building; plain = a real plain decode step; "
+                    "bookkeeping = a real Medusa step minus heads and verify"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta)
