@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import matplotlib
@@ -100,9 +99,6 @@ def plot_latency(profile: LatencyProfile, out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "latency_vs_nodes")
 
-
-def written_list(paths: Iterable[Path]) -> str:
-    return ", ".join(str(p) for p in paths)
 
 
 def plot_training(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

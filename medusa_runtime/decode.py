@@ -28,7 +28,6 @@ from .heads import MedusaHeads
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 
-
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
 # as ``cache=`` is not filled; the old keyword is the one that works, so its notice is silenced here.
 warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)

@@ -15,7 +15,6 @@ the last complete one usable, and ``resume`` continues from it.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
@@ -339,7 +338,6 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     t0 = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="training heads (medusa1)", disable=not progress, unit="step")
     running = [[0.0] * (1 + TOPK_LOGGED) for _ in range(cfg.num_heads)]
-    record = {}
     try:
         while step < total_steps:
             for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
@@ -479,6 +477,3 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     log(f"medusa2: base model written to {out / 'base'} (use it with --model {out / 'base'})")
     return result
 
-
-def training_record(out_dir: str | Path) -> dict:
-    return json.loads((Path(out_dir) / "training.json").read_text())

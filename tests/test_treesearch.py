@@ -15,6 +15,7 @@ import time
 import numpy as np
 import optuna
 import pytest
+import sqlalchemy
 
 from bench.cli import main
 from treesearch.cost import LATENCY_SCHEMA, LatencyProfile, predict, save_profile
@@ -27,6 +28,7 @@ from treesearch.optimal import (
     greedy_grown_tree,
     optimal_tree,
 )
+from treesearch.search import make_storage
 from treesearch.stats import (
     ACCEPTANCE_SCHEMA,
     AcceptanceStats,
@@ -263,15 +265,15 @@ def test_killed_search_resumes(tmp_path):
     # a slow study (many trials) killed after a few are recorded
     w = _worker(tmp_path, 5000, study="resume")
     db = tmp_path / "shared.db"
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     done = 0
     while time.time() < deadline:
         time.sleep(0.5)
         if db.exists():
-            try:
-                s = optuna.load_study(study_name="resume", storage=f"sqlite:///{db}")
+            try:  # the worker may still be creating the study, or hold the write lock for a moment
+                s = optuna.load_study(study_name="resume", storage=make_storage(f"sqlite:///{db}"))
                 done = len(s.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
-            except KeyError:
+            except (KeyError, sqlalchemy.exc.OperationalError):
                 continue
             if done >= 5:
                 break

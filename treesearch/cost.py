@@ -10,7 +10,6 @@ nearest to the one asked for (or the median over measured contexts).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +112,3 @@ def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) 
         raise StatsError(f"latency file {path} was measured on model {model!r}, the statistics are for {expect_model!r}")
     return prof
 
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -11,7 +11,6 @@ Best-first search finds them without enumerating the k^depth candidates.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .stats import AcceptanceStats, StatsError, prefix_counts
+from .stats import AcceptanceStats, StatsError, path_probability_independent, prefix_counts
 from .tree import Tree, make_tree
 
 PathT = tuple[int, ...]
@@ -48,10 +47,7 @@ class IndependentModel:
         self.marginal = np.asarray(marginal, dtype=float)
 
     def prob(self, path: PathT) -> float:
-        k, topk = self.marginal.shape
-        if len(path) > k or any(r >= topk for r in path):
-            return 0.0
-        return float(math.prod(self.marginal[j, r] for j, r in enumerate(path)))
+        return path_probability_independent(path, self.marginal)
 
     def children(self, path: PathT) -> Iterable[tuple[PathT, float]]:
         depth = len(path)
