@@ -291,16 +291,22 @@ def write_outputs(out_dir: Path, heads: MedusaHeads, lm_head: torch.nn.Module, c
     return paths
 
 
-def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
-                  provenance: dict | None = None, resume: bool = False, progress: bool = True,
-                  log: Callable[[str], None] = print) -> TrainResult:
+def _start(examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path
+           ) -> tuple[Path, random.Random, list[Example], list[Example]]:
+    """Output folder, seeded RNGs and the train/validation split shared by both methods."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
     train_ex, val_ex = split_examples(examples, cfg.val_fraction, cfg.seed)
     if not train_ex:
         raise ValueError("no training examples")
+    return out, random.Random(cfg.seed), train_ex, val_ex
+
+
+def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
+                  provenance: dict | None = None, resume: bool = False, progress: bool = True,
+                  log: Callable[[str], None] = print) -> TrainResult:
+    out, rng, train_ex, val_ex = _start(examples, cfg, out_dir)
     lm_head = loaded.model.get_output_embeddings()
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
@@ -386,11 +392,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                   provenance: dict | None = None, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
     """Joint training. The original model is kept as a frozen teacher for the KL term."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    train_ex, val_ex = split_examples(examples, cfg.val_fraction, cfg.seed)
+    out, rng, train_ex, val_ex = _start(examples, cfg, out_dir)
     teacher = loaded.model
     student = copy.deepcopy(teacher).float()
     if cfg.lora_rank > 0:
