@@ -36,11 +36,18 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_and_heads(args: argparse.Namespace):
+    """The base model and the heads (``None`` for ``--heads none``) that a command's flags name."""
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from medusa_runtime.acceptance import AcceptConfig
     from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-    from medusa_runtime.heads import resolve_heads
-    from medusa_runtime.model import load_model
     from treesearch.tree import load_tree
 
     accept_cfg = AcceptConfig(rule=args.accept, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -49,8 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.topk, seed=args.seed)
     tree = load_tree(args.tree) if args.heads not in (None, "none") else None  # validate before loading a model
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    loaded, heads = _model_and_heads(args)
     decoder = MedusaDecoder(loaded, heads, tree, accept_cfg, config)
     prompt_ids = encode_prompt(loaded, args.prompt, args.chat)
     result = decoder.generate(prompt_ids)
@@ -142,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       epochs=args.epochs if args.epochs is not None else prof["epochs"], lr=args.lr,
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
                       vocab=args.vocab or prof["vocab"])
-    prompts = train_prompt_split(load_prompt_source(args.data), args.data)
+    prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.gen_batch,
@@ -168,32 +174,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_prompt_split(prompts, source: str):
-    """The built-in prompts are split once: the first 80% train heads, the rest calibrate them."""
-    if source not in ("builtin", "default", ""):
-        return prompts
-    return prompts[: int(len(prompts) * 0.8)]
+BUILTIN_TRAIN_SHARE = 0.8  # the built-in prompts: the first 80 % train heads, the rest calibrate them
 
 
-def calibration_prompt_split(prompts, source: str):
+def builtin_split(prompts, source: str, part: str):
+    """The ``train`` or ``calibration`` part of the built-in prompts; other sources are used whole."""
     if source not in ("builtin", "default", ""):
         return prompts
-    return prompts[int(len(prompts) * 0.8):]
+    cut = int(len(prompts) * BUILTIN_TRAIN_SHARE)
+    return prompts[:cut] if part == "train" else prompts[cut:]
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from medusa_runtime.calibrate import CalibrationConfig, calibrate
-    from medusa_runtime.heads import resolve_heads
-    from medusa_runtime.model import load_model
     from medusa_runtime.prompts import load_prompt_source
     from treesearch.stats import save_stats
 
     cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.topk,
                             heldout_fraction=args.heldout, batch_size=args.batch_size, limit=args.limit,
                             seed=args.seed)
-    prompts = calibration_prompt_split(load_prompt_source(args.data), args.data)
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    prompts = builtin_split(load_prompt_source(args.data), args.data, "calibration")
+    loaded, heads = _model_and_heads(args)
     if heads is None:
         raise ValueError("calibration needs heads (--heads DIR or fresh:K)")
     stats = calibrate(loaded, heads, prompts, cfg, provenance={"heads": args.heads, "data": args.data}, log=_log)
@@ -226,7 +227,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not stats.heldout:
         raise ValueError(f"{args.acceptance} has no held-out rollouts")
     source = meta.get("data", "builtin")
-    prompts = calibration_prompt_split(load_prompt_source(source), source)
+    prompts = builtin_split(load_prompt_source(source), source, "calibration")
     limit = meta.get("config", {}).get("limit")
     prompts = prompts[:limit] if limit else prompts
     held = [prompts[i] for i in meta["heldout_prompts"]]
@@ -268,13 +269,10 @@ def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from medusa_runtime.heads import resolve_heads
-    from medusa_runtime.model import load_model
     from medusa_runtime.profile import ProfileConfig, profile_latency
     from treesearch.cost import save_profile
 
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    loaded, heads = _model_and_heads(args)
     if heads is None:
         raise ValueError("profiling needs heads (--heads DIR or fresh:K)")
     cfg = ProfileConfig(nodes=tuple(args.nodes), contexts=tuple(args.contexts), repeats=args.repeats)
@@ -307,14 +305,11 @@ def _run_replay(args, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
     from bench.mtbench import load_questions
     from bench.runner import ReplayConfig, replay
-    from medusa_runtime.heads import resolve_heads
-    from medusa_runtime.model import load_model
 
     questions = load_questions(args.questions, tuple(args.categories) if args.categories else None, log=_log)
     if args.limit:
         questions = _spread(questions, args.limit)
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+    loaded, heads = _model_and_heads(args)
     if heads is None and any(c.method == "medusa" for c in configs):
         raise ValueError("Medusa configurations need --heads")
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
