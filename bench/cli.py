@@ -291,10 +291,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configs_from_trees(trees: list[str], prompt_lookup: bool = True):
+def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False):
     from bench.runner import MethodConfig
 
     configs = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain")]
+    if hf_engine:  # the runtime's loop on transformers' forward: what the lean engine saves
+        configs.append(MethodConfig("plain hf-engine", "plain", engine="hf"))
     if prompt_lookup:
         configs.append(MethodConfig("prompt-lookup", "prompt_lookup"))
     configs += [MethodConfig(f"medusa {t}", "medusa", tree=t) for t in trees]
@@ -346,7 +348,7 @@ def _spread(questions, limit: int):
 def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
 
-    configs = _configs_from_trees(args.tree)
+    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine)
     loaded, df = _run_replay(args, configs, turns=1)
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
@@ -575,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--heads", default="none", help="heads folder or fresh:K")
         if name == "speed":
             p.add_argument("--tree", nargs="+", default=["mc_sim_7b_63"], help="trees to time (presets or files)")
+            p.add_argument("--hf-engine", action="store_true",
+                           help="also time plain decoding on transformers' forward (engine 'hf')")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
         p.add_argument("--questions", default=None, help="questions JSONL (default: MT-Bench, fetched offline)")

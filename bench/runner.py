@@ -41,6 +41,7 @@ class MethodConfig:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
+    engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | hf | auto)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,7 +97,7 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
     def run_runtime(prompt: list[int], n: int) -> RunOutput:
         if n not in decoders:
             decoders[n] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None, accept,
-                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0))
+                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine))
         res = decoders[n].generate(prompt)
         return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths)
 

@@ -19,17 +19,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from torch import nn
 
 from treesearch.tree import Tree, load_tree
 
 from .acceptance import AcceptConfig, accept, first_token
+from .engine import make_engine
 from .heads import MedusaHeads
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
-# as ``cache=`` is not filled; the old keyword is the one that works, so its notice is silenced here.
+# as ``cache=`` is not filled; the old keyword is the one that works (engine 'hf'), so its notice is silenced.
 warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)
 
 
@@ -39,6 +41,7 @@ class DecodeConfig:
     topk: int = 10  # candidates read from each head's top-k
     seed: int | None = None  # RNG seed for typical / sample, set once per decoder (None: random)
     stop_on_eos: bool = True  # stop at the model's EOS token(s)
+    engine: str = "auto"  # lean | hf | auto (lean where the model is Llama-family); see engine.py
 
 
 @dataclass
@@ -85,9 +88,9 @@ class GenerateResult:
 
 
 class MedusaDecoder:
-    """Decoding with a fixed model, heads, tree and acceptance rule. Buffers are built once."""
+    """Decoding with a fixed model, heads, tree, acceptance rule and engine. Buffers are built once."""
 
-    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None = None, tree: Tree | str | None = None,
+    def __init__(self, loaded: LoadedModel, heads: nn.Module | None = None, tree: Tree | str | None = None,
                  accept_cfg: AcceptConfig = AcceptConfig(), config: DecodeConfig = DecodeConfig()):
         self.loaded = loaded
         self.model = loaded.model
@@ -95,6 +98,7 @@ class MedusaDecoder:
         self.accept_cfg = accept_cfg
         self.config = config
         self.heads = heads
+        self._levels: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if heads is None or tree is None:
             self.tree = None
             buffers = plain_buffers()
@@ -103,12 +107,12 @@ class MedusaDecoder:
             buffers = build_tree_buffers(self.tree, heads.num_heads, config.topk)
             heads.to(device=self.device, dtype=loaded.dtype).eval()
             heads.requires_grad_(False)
+            if isinstance(heads, MedusaHeads):  # only the heads the tree reads, batched per block level
+                self._levels = heads.stacked_blocks(self.tree.depth)
         self.buffers: TreeBuffers = buffers.to(self.device)
-        # additive float tree mask [1, 1, N, N]: 0 where a node may attend, dtype-min elsewhere
-        neg = torch.finfo(loaded.dtype).min
-        self.tree_bias = torch.zeros(buffers.num_nodes, buffers.num_nodes, dtype=loaded.dtype, device=self.device)
-        self.tree_bias.masked_fill_(~self.buffers.attn_mask, neg)
-        self.tree_bias = self.tree_bias[None, None]
+        self.engine = make_engine(loaded, config.engine, max_nodes=buffers.num_nodes)
+        self.lm_head = self.engine.lm_head_weight()
+        self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
         self.generator = torch.Generator()
@@ -120,49 +124,44 @@ class MedusaDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 cache: DynamicCache, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, positions [1, n] -> logits [n or 1, V] (float32), hidden [n or 1, H]."""
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, output_hidden_states=True, logits_to_keep=1 if last_only else 0)
-        hidden = out.hidden_states[-1][0]  # last layer, final norm applied: [n, H]
-        if last_only:
-            hidden = hidden[-1:]
-        return out.logits[0].float(), hidden
+    def new_cache(self, capacity: int):
+        """An empty KV cache with room for ``capacity`` positions (the lean engine preallocates it)."""
+        return self.engine.new_cache(capacity)
 
-    def _propose(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids [n] into an empty cache -> logits [1, V] and hidden [1, H] of the last position."""
+        return self.engine.forward(ids, 0, cache, last_only=True)
+
+    def propose(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
         """Tree tokens [N] from the root token and the heads' top-k on one hidden state [H]."""
         if self.tree is None:
-            return torch.tensor([root], device=self.device)
-        logits = self.heads(hidden, self.model.get_output_embeddings())  # [K, V]
-        top = torch.topk(logits[: self.tree.depth], self.config.topk, dim=-1).indices  # [depth, topk]
-        flat = torch.cat([torch.tensor([root], device=self.device), top.flatten()])
+            return self._root.fill_(root)
+        depth, topk = self.tree.depth, self.config.topk
+        if self._levels is not None:
+            states = hidden.expand(depth, 1, -1)  # [depth, 1, H]: the same state into every head
+            for weight, bias in self._levels:  # one batched matmul per residual level
+                states = states + F.silu(torch.baddbmm(bias, states, weight))
+            states = states[:, 0]  # [depth, H]
+            proj = self.heads.proj
+            logits = F.linear(states, self.lm_head) if proj is None else torch.einsum("kh,kvh->kv", states,
+                                                                                       proj[:depth])
+        else:  # any module with the heads' call signature
+            logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
+        top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
+        self._root.fill_(root)
+        flat = torch.cat([self._root, top.flatten()])
         return flat[self.buffers.candidate_index]
 
-    def _verify(self, tokens: torch.Tensor, cur_len: int, cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
-        n = tokens.shape[0]
-        positions = (cur_len + self.buffers.position_offsets)[None]  # [1, N]
-        mask = None
-        if n > 1:  # past columns all visible, tree columns by ancestry: [1, 1, N, cur_len + N]
-            past = torch.zeros(1, 1, n, cur_len, dtype=self.tree_bias.dtype, device=self.device)
-            mask = torch.cat([past, self.tree_bias], dim=-1)
-        return self._forward(tokens[None], positions, mask, cache)
+    def verify(self, tokens: torch.Tensor, cur_len: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the tree's N tokens on top of ``cur_len`` cached positions -> logits [N, V], hidden [N, H]."""
+        if tokens.shape[0] == 1:
+            return self.engine.forward(tokens, cur_len, cache)
+        positions = cur_len + self.buffers.position_offsets
+        return self.engine.forward(tokens, cur_len, cache, tree=self.buffers.attn_mask, positions=positions)
 
-    @staticmethod
-    def _compact(cache: DynamicCache, cur_len: int, path: Sequence[int]) -> None:
-        """Keep the cache's first cur_len entries plus the accepted tree nodes, in order."""
-        n_keep = cur_len + len(path)
-        contiguous = list(path) == list(range(len(path)))
-        idx = None
-        for layer in cache.layers:
-            if not contiguous:
-                if idx is None:
-                    idx = torch.tensor([cur_len + p for p in path], device=layer.keys.device)
-                # move accepted rows into place, then drop the rest: [B, heads, seq, dim]
-                layer.keys[:, :, cur_len:n_keep] = layer.keys.index_select(2, idx)
-                layer.values[:, :, cur_len:n_keep] = layer.values.index_select(2, idx)
-            layer.keys = layer.keys[:, :, :n_keep]
-            layer.values = layer.values[:, :, :n_keep]
+    def compact(self, cache, cur_len: int, path: Sequence[int]) -> None:
+        """Keep the cache's first ``cur_len`` entries plus the accepted tree nodes, in order."""
+        self.engine.compact(cache, cur_len, path)
 
     # ------------------------------------------------------------------ the loop
 
@@ -180,9 +179,10 @@ class MedusaDecoder:
             raise ValueError(f"the prompt has {ids.numel()} tokens; the model's context is {max_len}")
 
         t_start = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
-        positions = torch.arange(ids.numel(), device=self.device)[None]
-        logits, hidden = self._forward(ids[None], positions, None, cache, last_only=True)
+        # tree slots may run past the model's context (their positions never do): no clamp on the node part
+        capacity = min(max_len, ids.numel() + cfg.max_new_tokens) + self.buffers.num_nodes
+        cache = self.new_cache(capacity)
+        logits, hidden = self.prefill(ids, cache)
         root = first_token(logits[-1], self.accept_cfg, gen)
         hidden = hidden[-1]
         cur_len = int(ids.numel())
@@ -198,15 +198,15 @@ class MedusaDecoder:
                                      if len(out) >= cfg.max_new_tokens else "context")
                 break
             t0 = time.perf_counter()
-            tokens = self._propose(hidden, root)
+            tokens = self.propose(hidden, root)
             self._sync()
             t1 = time.perf_counter()
-            logits, hiddens = self._verify(tokens, cur_len, cache)
+            logits, hiddens = self.verify(tokens, cur_len, cache)
             self._sync()
             t2 = time.perf_counter()
             acc = accept(tokens, logits, self.buffers, self.accept_cfg, gen)
             committed = tokens[acc.path].tolist()
-            self._compact(cache, cur_len, acc.path)
+            self.compact(cache, cur_len, acc.path)
             cur_len += len(acc.path)
             hidden = hiddens[acc.path[-1]]
             root = acc.next_token

@@ -86,6 +86,18 @@ class MedusaHeads(nn.Module):
         """[..., H] -> [..., K, H]: each head's residual stack applied to the same hidden state."""
         return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
 
+    def stacked_blocks(self, num_heads: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``num_heads`` heads' blocks stacked per level, for one batched matmul per level:
+        ``[(W^T [K, H, H], b [K, 1, H]), ...]`` so that ``s = s + silu(baddbmm(b, s, W^T))`` on s [K, 1, H]."""
+        k = self.num_heads if num_heads is None else num_heads
+        levels = []
+        for level in range(self.config.num_layers):
+            blocks = [self.blocks[j][level].linear for j in range(k)]
+            weight = torch.stack([b.weight.detach().t() for b in blocks]).contiguous()
+            bias = torch.stack([b.bias.detach() for b in blocks])[:, None, :].contiguous()
+            levels.append((weight, bias))
+        return levels
+
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         states = self.head_states(hidden)  # [..., K, H]
         if self.proj is None:

@@ -1,7 +1,7 @@
 """Latency profile: median time of a verify step against tree size, the heads, and a plain step.
 
 Timing hygiene: warm-up excluded, device synchronised, ``perf_counter``, medians of repeats. The
-verify step is timed through the decoder's own ``_verify`` (mask building included) on top of a
+verify step is timed through the decoder's own ``verify`` (mask writing included) on top of a
 real KV cache of the given context length, which is cropped back after every forward.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from treesearch.cost import LatencyProfile
 from treesearch.optimal import IndependentModel, optimal_tree
@@ -98,17 +97,17 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
             decoders[n] = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1))
     plain_dec = MedusaDecoder(loaded, None, None)
     for ctx in cfg.contexts:
-        cache = DynamicCache(config=loaded.model.config)
+        cache = plain_dec.new_cache(ctx + max(cfg.nodes))
         prompt = torch.randint(0, loaded.vocab_size, (1, ctx), generator=gen).to(dev)
-        plain_dec._forward(prompt, torch.arange(ctx, device=dev)[None], None, cache, last_only=True)
+        plain_dec.prefill(prompt[0], cache)
         row = []
         for n in cfg.nodes:
             dec = decoders.get(n, plain_dec)
             tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
 
             def step(dec=dec, tokens=tokens):
-                dec._verify(tokens, ctx, cache)
-                MedusaDecoder._compact(cache, ctx, [])  # drop the tree again
+                dec.verify(tokens, ctx, cache)
+                dec.compact(cache, ctx, [])  # drop the tree again
 
             row.append(_median_ms(step, sync, cfg.repeats, cfg.warmup))
             bar.update(1)
@@ -121,7 +120,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     heads_ms = book_ms = 0.0
     if decoders:
         mid = decoders[min(decoders, key=lambda n: abs(n - 16))]
-        heads_ms = _median_ms(lambda: mid._propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
+        heads_ms = _median_ms(lambda: mid.propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
         # everything of a real Medusa step that is neither heads nor verify: acceptance, compaction, loop
         book_ms = _loop_ms(MedusaDecoder(loaded, heads, mid.tree, config=_loop_cfg(mid.buffers.topk)),
                            prompt[0, : cfg.contexts[0]], cfg)[1]

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from medusa_runtime.acceptance import AcceptConfig
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
@@ -16,17 +15,23 @@ from treesearch.tree import load_tree
 from .conftest import OracleHeads, hf_greedy, tiny_gpt2, tiny_llama
 from .test_tree import random_tree
 
-MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+# model x engine: the lean engine runs Llama-family models, transformers' engine runs everything
+VARIANTS = {"llama-lean": (tiny_llama, "lean"), "llama-hf": (tiny_llama, "hf"), "gpt2-hf": (tiny_gpt2, "hf")}
 
 
-def tree_logits_vs_sequential(loaded, tree, prompt, tokens):
+def make(variant):
+    build, engine = VARIANTS[variant]
+    return build(), engine
+
+
+def tree_logits_vs_sequential(loaded, tree, prompt, tokens, engine="auto"):
     """Logits of every tree node from one verify pass, and from running each root-to-node path alone."""
     heads = fresh_heads(tree.depth, 1, loaded.hidden_size, loaded.vocab_size)
-    dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1))
-    cache = DynamicCache(config=loaded.model.config)
+    dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1, engine=engine))
+    cache = dec.new_cache(len(prompt) + tree.num_nodes)
     with torch.no_grad():
-        dec._forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], None, cache)
-        tree_logits, _ = dec._verify(tokens, len(prompt), cache)
+        dec.prefill(torch.tensor(prompt), cache)
+        tree_logits, _ = dec.verify(tokens, len(prompt), cache)
         paths = [()] + list(tree.paths)
         seq_logits = []
         for i in range(len(paths)):
@@ -38,31 +43,31 @@ def tree_logits_vs_sequential(loaded, tree, prompt, tokens):
     return tree_logits, torch.stack(seq_logits)
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("tree_name", ["mc_sim_7b_63", "random"])
-def test_tree_attention_equals_sequential(arch, tree_name):
-    loaded = MODELS[arch]()
+def test_tree_attention_equals_sequential(variant, tree_name):
+    loaded, engine = make(variant)
     rng = random.Random(3)
     tree = random_tree(rng, 25, 4, 4) if tree_name == "random" else load_tree(tree_name)
     prompt = [rng.randrange(loaded.vocab_size) for _ in range(11)]
     tokens = torch.tensor([rng.randrange(loaded.vocab_size) for _ in range(tree.num_nodes)])
-    tree_logits, seq_logits = tree_logits_vs_sequential(loaded, tree, prompt, tokens)
+    tree_logits, seq_logits = tree_logits_vs_sequential(loaded, tree, prompt, tokens, engine)
     assert tree_logits.shape == seq_logits.shape == (tree.num_nodes, loaded.vocab_size)
     torch.testing.assert_close(tree_logits, seq_logits, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("seed", range(4))
-def test_greedy_equals_hf_generate_with_oracle_heads(arch, seed):
+def test_greedy_equals_hf_generate_with_oracle_heads(variant, seed):
     """Random trees and oracle heads: multi-token paths and cache compaction, still exact."""
-    loaded = MODELS[arch]()
+    loaded, engine = make(variant)
     rng = random.Random(100 + seed)
     n = 48
     prompt = [rng.randrange(loaded.vocab_size) for _ in range(rng.randint(3, 12))]
     ref = hf_greedy(loaded, prompt, n)
     tree = random_tree(rng, rng.randint(4, 30), max_depth=4, max_rank=3)
     oracle = OracleHeads(loaded, prompt + ref, num_heads=4, topk=8, max_rank=3, miss=0.15, seed=seed)
-    dec = MedusaDecoder(loaded, oracle, tree, config=DecodeConfig(max_new_tokens=n, topk=8))
+    dec = MedusaDecoder(loaded, oracle, tree, config=DecodeConfig(max_new_tokens=n, topk=8, engine=engine))
     res = dec.generate(prompt)
     assert res.token_ids == ref
     assert res.stats.new_tokens == n and res.stats.stop_reason == "max_new_tokens"
@@ -71,13 +76,13 @@ def test_greedy_equals_hf_generate_with_oracle_heads(arch, seed):
     assert sum(res.stats.accept_lengths) + 1 >= n  # every token but the pending root came from a step
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_perfect_oracle_on_chain_accepts_full_depth(arch):
-    loaded = MODELS[arch]()
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_perfect_oracle_on_chain_accepts_full_depth(variant):
+    loaded, engine = make(variant)
     prompt = [5, 9, 2, 33]
     ref = hf_greedy(loaded, prompt, 41)
     oracle = OracleHeads(loaded, prompt + ref, num_heads=4, topk=4, max_rank=0, miss=0.0)
-    dec = MedusaDecoder(loaded, oracle, "chain:4", config=DecodeConfig(max_new_tokens=41, topk=4))
+    dec = MedusaDecoder(loaded, oracle, "chain:4", config=DecodeConfig(max_new_tokens=41, topk=4, engine=engine))
     res = dec.generate(prompt)
     assert res.token_ids == ref
     # every step commits root + 4 accepted nodes = 5 tokens: 8 steps for 40 tokens + the last root
@@ -85,9 +90,9 @@ def test_perfect_oracle_on_chain_accepts_full_depth(arch):
     assert res.stats.head_acceptance == [1.0] * 4
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_eos_inside_accepted_path(arch):
-    loaded = MODELS[arch]()
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_eos_inside_accepted_path(variant):
+    loaded, engine = make(variant)
     prompt = [1, 2, 3, 4, 5]
     ref = hf_greedy(loaded, prompt, 40)
     # make the 13th generated token the EOS (its first occurrence), so the stop lands inside a path
@@ -97,21 +102,21 @@ def test_eos_inside_accepted_path(arch):
     expected = hf_greedy(loaded, prompt, 40)
     assert expected == ref[: k + 1]
     oracle = OracleHeads(loaded, prompt + ref, num_heads=4, topk=4, max_rank=0, miss=0.0)
-    dec = MedusaDecoder(loaded, oracle, "chain:4", config=DecodeConfig(max_new_tokens=40, topk=4))
+    dec = MedusaDecoder(loaded, oracle, "chain:4", config=DecodeConfig(max_new_tokens=40, topk=4, engine=engine))
     res = dec.generate(prompt)
     assert res.token_ids == expected and res.stats.stop_reason == "eos"
     assert res.stats.accept_lengths[-1] >= 2 or k % 5 == 0  # EOS arrived inside a multi-token path
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_plain_and_fresh_heads_equal_generate(arch):
-    loaded = MODELS[arch]()
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_plain_and_fresh_heads_equal_generate(variant):
+    loaded, engine = make(variant)
     prompt = [7, 7, 3]
     ref = hf_greedy(loaded, prompt, 30)
-    plain = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=30)).generate(prompt)
+    plain = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=30, engine=engine)).generate(prompt)
     assert plain.token_ids == ref and plain.stats.tau == 1.0 and plain.stats.steps == 29
     heads = fresh_heads(4, 1, loaded.hidden_size, loaded.vocab_size)
-    medusa = MedusaDecoder(loaded, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=30)).generate(prompt)
+    medusa = MedusaDecoder(loaded, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=30, engine=engine)).generate(prompt)
     assert medusa.token_ids == ref
 
 

@@ -1,0 +1,306 @@
+"""Forward engines: what one verify pass costs is decided here.
+
+Both engines answer the same three calls the decode loop makes::
+
+    cache  = engine.new_cache(capacity)                       # room for `capacity` positions
+    logits, hidden = engine.forward(ids [n], start, cache, tree)  # n new tokens at positions start..
+    engine.compact(cache, start, path)                        # keep only the accepted nodes' keys/values
+
+* ``hf``: any transformers causal LM, through its own forward with a ``DynamicCache`` and a 4D
+  float mask. The reference: slow per step, but it runs every architecture transformers runs.
+* ``lean``: Llama-family models (Llama, SmolLM, Mistral without sliding window, ...) on flat fused
+  weights: q/k/v in one matmul, gate/up in one matmul, a KV cache preallocated once per call as
+  one tensor per side ``[layers, kv_heads, T, head_dim]``, the tree mask written into a prebuilt
+  window, compaction as one gather over all layers at once. Same maths as transformers' Llama
+  (float32 RoPE tables, RMSNorm in float32), checked against it in the tests.
+
+``tree`` is ``None`` for causal rows (prefill, plain decoding) or the tree's ``[N, N]`` bool
+ancestor mask (row i may see column j).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .model import LoadedModel
+
+ENGINES = ("auto", "lean", "hf")
+
+
+class EngineError(ValueError):
+    """An engine that cannot run this model, with a one-line reason."""
+
+
+# ---------------------------------------------------------------------------- transformers engine
+
+
+class HFEngine:
+    """transformers' own forward and ``DynamicCache`` (every architecture)."""
+
+    name = "hf"
+
+    def __init__(self, loaded: LoadedModel):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+
+    def new_cache(self, capacity: int) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, tree: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [n] at ``start`` (or explicit ``positions`` [n]) -> logits [n, V] float32, hidden [n, H]."""
+        n = ids.shape[0]
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        mask = None
+        if tree is not None:  # past columns visible, tree columns by ancestry: [1, 1, n, start + n]
+            neg = torch.finfo(self.dtype).min
+            bias = torch.zeros(n, start + n, dtype=self.dtype, device=self.device)
+            bias[:, start:].masked_fill_(~tree, neg)
+            mask = bias[None, None]
+        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                         past_key_values=cache, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=1 if last_only else 0)
+        hidden = out.hidden_states[-1][0]  # last layer, final norm applied: [n, H]
+        if last_only:
+            hidden = hidden[-1:]
+        return out.logits[0].float(), hidden
+
+    @staticmethod
+    def compact(cache: DynamicCache, start: int, path: Sequence[int]) -> None:
+        """Keep the cache's first ``start`` entries plus the accepted tree nodes, in order."""
+        n_keep = start + len(path)
+        contiguous = list(path) == list(range(len(path)))
+        idx = None
+        for layer in cache.layers:
+            if not contiguous:
+                if idx is None:
+                    idx = torch.tensor([start + p for p in path], device=layer.keys.device)
+                # move accepted rows into place, then drop the rest: [B, heads, seq, dim]
+                layer.keys[:, :, start:n_keep] = layer.keys.index_select(2, idx)
+                layer.values[:, :, start:n_keep] = layer.values.index_select(2, idx)
+            layer.keys = layer.keys[:, :, :n_keep]
+            layer.values = layer.values[:, :, :n_keep]
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+
+# ---------------------------------------------------------------------------- lean Llama engine
+
+
+@dataclass
+class LeanCache:
+    """Keys and values of every layer, preallocated: ``[layers, kv_heads, capacity, head_dim]``.
+
+    ``visible`` is the attention-mask window for tree rows: ``[max_nodes, capacity]`` bool, all True
+    except while a tree is being verified, when its ancestor mask is written at the tree's columns.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
+def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN prepacked bf16 linears: on this project's CPU they stream weights at ~1.5x the rate of
+    ``F.linear`` (which re-lays out the weight on every call); float32 and CUDA keep ``F.linear``."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class _Linear:
+    """``y = x W^T`` for a fixed weight W [out, in], prepacked for oneDNN when that pays."""
+
+    __slots__ = ("weight", "packed")
+
+    def __init__(self, weight: torch.Tensor, pack: bool):
+        self.weight = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    ln1: torch.Tensor  # [H] input RMSNorm weight
+    qkv: _Linear  # [(heads + 2 kv_heads) * D, H]: q, k, v projections stacked
+    o: _Linear  # [H, heads * D]
+    ln2: torch.Tensor  # [H] post-attention RMSNorm weight
+    gate_up: _Linear  # [2 I, H]: gate and up projections stacked
+    down: _Linear  # [H, I]
+
+
+def lean_support(loaded: LoadedModel) -> str | None:
+    """None when the lean engine can run this model, else why not."""
+    cfg = loaded.model.config
+    if getattr(cfg, "model_type", "") not in ("llama", "mistral"):
+        return f"model type {getattr(cfg, 'model_type', '?')!r} is not Llama-family"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "sliding_window", None):
+        return "sliding-window attention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"RoPE scaling {rope.get('rope_type')!r}"
+    if getattr(loaded.model, "peft_config", None):
+        return "PEFT adapters attached (merge them first)"
+    return None
+
+
+class LeanEngine:
+    """A Llama forward on fused weights and a preallocated cache. Shares the model's tensors where it can."""
+
+    name = "lean"
+
+    def __init__(self, loaded: LoadedModel, max_nodes: int = 1):
+        why = lean_support(loaded)
+        if why:
+            raise EngineError(f"the lean engine cannot run {loaded.name}: {why}; use engine 'hf'")
+        model, cfg = loaded.model, loaded.model.config
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.max_nodes = max(1, max_nodes)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        inner = model.model
+        self.packed = _packing_available(self.device, self.dtype)
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight.detach()
+            self.norm = inner.norm.weight.detach()
+            self.lm_head = model.get_output_embeddings().weight.detach()
+            self._logits = _Linear(self.lm_head, self.packed)
+            self.layers = tuple(self._fuse(layer, self.packed) for layer in inner.layers)
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    @staticmethod
+    def _fuse(layer, pack: bool) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        return _Layer(ln1=layer.input_layernorm.weight.detach(),
+                      qkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
+                      o=_Linear(a.o_proj.weight, pack), ln2=layer.post_attention_layernorm.weight.detach(),
+                      gate_up=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
+                      down=_Linear(m.down_proj.weight, pack))
+
+    # -------------------------------------------------------------- buffers
+
+    def _rope(self, length: int) -> None:
+        """cos/sin tables [length, D] computed in float32 as transformers does, then cast to the dtype."""
+        if length <= self._rope_len:
+            return
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float().to(self.device) / d))
+        freqs = torch.outer(torch.arange(length, device=self.device).float(), inv_freq)  # [T, D/2]
+        table = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        self._cos, self._sin = table.cos().to(self.dtype), table.sin().to(self.dtype)
+        self._rope_len = length
+
+    def new_cache(self, capacity: int) -> LeanCache:
+        self._rope(capacity)
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        visible = torch.ones(self.max_nodes, capacity, dtype=torch.bool, device=self.device)
+        return LeanCache(keys, torch.zeros_like(keys), visible)
+
+    # -------------------------------------------------------------- the forward
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalise in float32, cast back, then scale
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    def forward(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [n] written at cache slots start..start+n-1 -> logits [n or 1, V] float32, hidden [n or 1, H].
+
+        ``positions`` [n] are the RoPE positions (default: the slots); tree rows pass ``start + depth``.
+        """
+        n = ids.shape[0]
+        end = start + n
+        if end > cache.capacity:
+            raise EngineError(f"cache of {cache.capacity} positions cannot take {end}")
+        if positions is None:
+            cos, sin = self._cos[start:end], self._sin[start:end]
+        else:
+            cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin = cos[:, None], sin[:, None]  # [n, 1, D], broadcast over heads
+        mask, causal = None, False
+        if tree is not None:  # past columns stay True; the tree's own columns get its ancestor mask
+            window = cache.visible[:n, :end]
+            window[:, start:] = tree
+            mask = window
+        elif n > 1:
+            if start != 0:
+                raise EngineError("causal multi-token forwards are only supported from an empty cache")
+            causal = True
+        try:
+            hidden = self._layers(ids, start, end, cos, sin, cache, mask, causal)
+        finally:
+            if mask is not None:
+                cache.visible[:n, start:end] = True
+        if last_only:
+            hidden = hidden[-1:]
+        return self._logits(hidden).float(), hidden
+
+    def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
+        n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)  # [n, H]
+        for i, w in enumerate(self.layers):
+            qkv = w.qkv(self._rms(x, w.ln1)).view(n, h + 2 * kv, d)
+            qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin
+            x1, x2 = qk.chunk(2, dim=-1)
+            qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin
+            cache.keys[i, :, start:end] = qk[:, h:].transpose(0, 1)  # [kv, n, D]
+            cache.values[i, :, start:end] = qkv[:, h + kv:].transpose(0, 1)
+            q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, n, D]
+            att = F.scaled_dot_product_attention(q, cache.keys[i: i + 1, :, :end], cache.values[i: i + 1, :, :end],
+                                                 attn_mask=mask, is_causal=causal, enable_gqa=True)
+            x = x + w.o(att[0].transpose(0, 1).reshape(n, h * d))
+            gate, up = w.gate_up(self._rms(x, w.ln2)).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
+        return self._rms(x, self.norm)
+
+    @staticmethod
+    def compact(cache: LeanCache, start: int, path: Sequence[int]) -> None:
+        """Move the accepted nodes' keys/values to slots start.. in one gather over all layers."""
+        if list(path) == list(range(len(path))):
+            return  # already in place; later slots are overwritten by the next forward
+        idx = torch.tensor([start + p for p in path], device=cache.keys.device)
+        end = start + len(path)
+        cache.keys[:, :, start:end] = cache.keys.index_select(2, idx)
+        cache.values[:, :, start:end] = cache.values.index_select(2, idx)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head
+
+
+def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:
+    """``auto``: the lean engine where it supports the model, else transformers'."""
+    if name not in ENGINES:
+        raise EngineError(f"unknown engine {name!r}; use one of {ENGINES}")
+    if name == "hf" or (name == "auto" and lean_support(loaded)):
+        return HFEngine(loaded)
+    return LeanEngine(loaded, max_nodes)
