@@ -291,7 +291,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False):
+def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False,
+                        lookup: int = 0):
     from bench.runner import MethodConfig
 
     configs = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain")]
@@ -300,6 +301,9 @@ def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine:
     if prompt_lookup:
         configs.append(MethodConfig("prompt-lookup", "prompt_lookup"))
     configs += [MethodConfig(f"medusa {t}", "medusa", tree=t) for t in trees]
+    if lookup:  # the runtime's own lookup chain, alone and beside each tree
+        configs.append(MethodConfig(f"plain +lookup{lookup}", "plain", lookup_tokens=lookup))
+        configs += [MethodConfig(f"medusa {t} +lookup{lookup}", "medusa", tree=t, lookup_tokens=lookup) for t in trees]
     return configs
 
 
@@ -348,7 +352,7 @@ def _spread(questions, limit: int):
 def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
 
-    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine)
+    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup)
     loaded, df = _run_replay(args, configs, turns=1)
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
@@ -579,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tree", nargs="+", default=["mc_sim_7b_63"], help="trees to time (presets or files)")
             p.add_argument("--hf-engine", action="store_true",
                            help="also time plain decoding on transformers' forward (engine 'hf')")
+            p.add_argument("--lookup", type=int, default=0,
+                           help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
         p.add_argument("--questions", default=None, help="questions JSONL (default: MT-Bench, fetched offline)")

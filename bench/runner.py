@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from medusa_runtime.acceptance import AcceptConfig
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import MedusaHeads
+from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.model import LoadedModel
 
 from .mtbench import Question
@@ -42,6 +43,7 @@ class MethodConfig:
     posterior_alpha: float = 0.3
     prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
     engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | hf | auto)
+    lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -97,7 +99,8 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
     def run_runtime(prompt: list[int], n: int) -> RunOutput:
         if n not in decoders:
             decoders[n] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None, accept,
-                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine))
+                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
+                                                     lookup=LookupConfig(cfg.lookup_tokens)))
         res = decoders[n].generate(prompt)
         return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths)
 

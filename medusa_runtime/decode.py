@@ -26,6 +26,7 @@ from treesearch.tree import Tree, load_tree
 
 from .acceptance import AcceptConfig, accept, first_token
 from .engine import make_engine
+from .lookup import LookupConfig, NgramIndex, with_lookup_chain
 from .heads import MedusaHeads
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
@@ -42,6 +43,7 @@ class DecodeConfig:
     seed: int | None = None  # RNG seed for typical / sample, set once per decoder (None: random)
     stop_on_eos: bool = True  # stop at the model's EOS token(s)
     engine: str = "auto"  # lean | hf | auto (lean where the model is Llama-family); see engine.py
+    lookup: LookupConfig = LookupConfig()  # prompt-lookup draft chain beside the heads (num_tokens 0: off)
 
 
 @dataclass
@@ -109,8 +111,12 @@ class MedusaDecoder:
             heads.requires_grad_(False)
             if isinstance(heads, MedusaHeads):  # only the heads the tree reads, batched per block level
                 self._levels = heads.stacked_blocks(self.tree.depth)
-        self.buffers: TreeBuffers = buffers.to(self.device)
-        self.engine = make_engine(loaded, config.engine, max_nodes=buffers.num_nodes)
+        # with prompt lookup: one buffer set per draft length k = 0..L (each a prefix of the full tree)
+        heads_depth = buffers.depth
+        self.variants: list[TreeBuffers] = [with_lookup_chain(buffers, k, heads_depth).to(self.device)
+                                            for k in range(config.lookup.num_tokens + 1)]
+        self.buffers: TreeBuffers = self.variants[-1]
+        self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
         self.lm_head = self.engine.lm_head_weight()
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
@@ -132,10 +138,13 @@ class MedusaDecoder:
         """Prompt ids [n] into an empty cache -> logits [1, V] and hidden [1, H] of the last position."""
         return self.engine.forward(ids, 0, cache, last_only=True)
 
-    def propose(self, hidden: torch.Tensor, root: int) -> torch.Tensor:
-        """Tree tokens [N] from the root token and the heads' top-k on one hidden state [H]."""
+    def propose(self, hidden: torch.Tensor, root: int, draft: Sequence[int] = ()) -> torch.Tensor:
+        """Tree tokens [N] from the root token, the heads' top-k on one hidden state [H] and a lookup draft."""
+        buffers = self.variants[len(draft)]
         if self.tree is None:
-            return self._root.fill_(root)
+            if not draft:
+                return self._root.fill_(root)
+            return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
         depth, topk = self.tree.depth, self.config.topk
         if self._levels is not None:
             states = hidden.expand(depth, 1, -1)  # [depth, 1, H]: the same state into every head
@@ -149,15 +158,19 @@ class MedusaDecoder:
             logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
         top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
         self._root.fill_(root)
-        flat = torch.cat([self._root, top.flatten()])
-        return flat[self.buffers.candidate_index]
+        parts = [self._root, top.flatten()]
+        if draft:
+            parts.append(torch.tensor(list(draft), device=self.device))
+        return torch.cat(parts)[buffers.candidate_index]
 
-    def verify(self, tokens: torch.Tensor, cur_len: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the tree's N tokens on top of ``cur_len`` cached positions -> logits [N, V], hidden [N, H]."""
         if tokens.shape[0] == 1:
             return self.engine.forward(tokens, cur_len, cache)
-        positions = cur_len + self.buffers.position_offsets
-        return self.engine.forward(tokens, cur_len, cache, tree=self.buffers.attn_mask, positions=positions)
+        buffers = buffers or self.variants[-1]
+        positions = cur_len + buffers.position_offsets
+        return self.engine.forward(tokens, cur_len, cache, tree=buffers.attn_mask, positions=positions)
 
     def compact(self, cache, cur_len: int, path: Sequence[int]) -> None:
         """Keep the cache's first ``cur_len`` entries plus the accepted tree nodes, in order."""
@@ -187,6 +200,7 @@ class MedusaDecoder:
         hidden = hidden[-1]
         cur_len = int(ids.numel())
         out: list[int] = []
+        ngrams = NgramIndex(cfg.lookup, ids.tolist()) if cfg.lookup.num_tokens else None
         self._sync()
         stats.time_prefill = time.perf_counter() - t_start
 
@@ -198,14 +212,18 @@ class MedusaDecoder:
                                      if len(out) >= cfg.max_new_tokens else "context")
                 break
             t0 = time.perf_counter()
-            tokens = self.propose(hidden, root)
+            draft = ngrams.draft(root) if ngrams is not None else []
+            buffers = self.variants[len(draft)]
+            tokens = self.propose(hidden, root, draft)
             self._sync()
             t1 = time.perf_counter()
-            logits, hiddens = self.verify(tokens, cur_len, cache)
+            logits, hiddens = self.verify(tokens, cur_len, cache, buffers)
             self._sync()
             t2 = time.perf_counter()
-            acc = accept(tokens, logits, self.buffers, self.accept_cfg, gen)
+            acc = accept(tokens, logits, buffers, self.accept_cfg, gen)
             committed = tokens[acc.path].tolist()
+            if ngrams is not None:
+                ngrams.extend(committed)
             self.compact(cache, cur_len, acc.path)
             cur_len += len(acc.path)
             hidden = hiddens[acc.path[-1]]

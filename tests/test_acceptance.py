@@ -13,6 +13,7 @@ from medusa_runtime import acceptance, decode
 from medusa_runtime.acceptance import AcceptConfig, accept_greedy, accept_sample, accept_typical, warp
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import fresh_heads
+from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.tree_buffers import build_tree_buffers
 from treesearch.tree import make_tree
 
@@ -114,10 +115,11 @@ def _model_target_second_token(loaded, prompt, temperature):
     return (joint / joint.sum()).numpy(), (p1 / p1.sum()).numpy()
 
 
-def _sample_counts(loaded, heads, prompt, n, temperature):
+def _sample_counts(loaded, heads, prompt, n, temperature, lookup=0):
     cfg = AcceptConfig(rule="sample", temperature=temperature)
     dec = MedusaDecoder(loaded, heads, make_tree([[0], [1], [2], [0, 0], [1, 0]]), cfg,
-                        DecodeConfig(max_new_tokens=3, topk=3, seed=123))
+                        DecodeConfig(max_new_tokens=3, topk=3, seed=123,
+                                     lookup=LookupConfig(num_tokens=lookup, min_ngram=1)))
     first, second = np.zeros(loaded.vocab_size), np.zeros(loaded.vocab_size)
     accepted = 0
     for _ in range(n):
@@ -128,9 +130,10 @@ def _sample_counts(loaded, heads, prompt, n, temperature):
     return first, second, accepted
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_sample_rule_preserves_model_distribution(monkeypatch, residual):
-    """Chi-square over the second new token (the first one decided by tree rejection sampling)."""
+@pytest.mark.parametrize("residual,lookup", [(True, 0), (False, 0), (True, 2)])
+def test_sample_rule_preserves_model_distribution(monkeypatch, residual, lookup):
+    """Chi-square over the second new token (the first one decided by tree rejection sampling);
+    with ``lookup`` a prompt-lookup chain is a further deterministic sibling under the root."""
     loaded, heads, prompt = _tiny_sampling_setup()
     temperature = 1.5
     if not residual:  # the deliberately wrong rule: resample from p instead of the residual
@@ -139,7 +142,7 @@ def test_sample_rule_preserves_model_distribution(monkeypatch, residual):
                             lambda t, lg, b, c, g=None: wrong(t, lg, b, c, g))
     n = 3000
     target2, target1 = _model_target_second_token(loaded, prompt, temperature)
-    first, second, accepted = _sample_counts(loaded, heads, prompt, n, temperature)
+    first, second, accepted = _sample_counts(loaded, heads, prompt, n, temperature, lookup)
     assert accepted > n * 0.2  # the tree really proposed tokens that were accepted
     assert chisquare(first, target1 * n).pvalue > 1e-3  # prefill draw, no rejection involved
     p = chisquare(second, target2 * n).pvalue
