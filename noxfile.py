@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the default), ``lint``, ``bench``.
+"""Sessions: ``tests`` (the default), ``lint``, ``bench``, ``perf``.
 
 torch is installed first with an exact pin so that pip takes the local CPU wheel instead of a
 multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GPU machine).
@@ -27,6 +27,16 @@ def tests(session: nox.Session) -> None:
     """The test suite (slow end-to-end checks: ``nox -s tests -- -m slow``)."""
     _install(session)
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def perf(session: nox.Session) -> None:
+    """The microbenchmarks of tests/test_perf.py, timed (the default test run only checks their results)."""
+    _install(session)
+    os.makedirs("results/perf", exist_ok=True)
+    session.run("pytest", "tests/test_perf.py", "--benchmark-enable", "--benchmark-only",
+                "--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name",
+                "--benchmark-json=results/perf/benchmarks.json", *session.posargs)
 
 
 @nox.session

@@ -356,9 +356,11 @@ def cmd_speed(args: argparse.Namespace) -> int:
     loaded, df = _run_replay(args, configs, turns=1)
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
-    step_ms = 1000 * plain["wall_time"].sum() / max(1, plain["steps"].sum() + len(plain))
+    # a decode step: the plain runs' time after the prompt forward, per forward
+    prefill = plain["prefill_time"].fillna(0) if "prefill_time" in plain else 0.0  # older records lack it
+    step_ms = 1000 * (plain["wall_time"] - prefill).sum() / max(1, plain["steps"].sum())
     print(f"\nbandwidth floor of one step: {floor.floor_ms:.1f} ms ({floor.weight_bytes / 1e6:.0f} MB of weights at "
-          f"{floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain step {step_ms:.1f} ms = "
+          f"{floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain decode step {step_ms:.1f} ms = "
           f"{step_ms / floor.floor_ms:.2f}x the floor")
     return 0
 

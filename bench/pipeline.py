@@ -21,6 +21,10 @@ from pathlib import Path
 
 from treesearch.tree import write_json_atomic
 
+# bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
+# (stage keys hash the stages' inputs, not the code). 2: the lean engine.
+RUNTIME_REVISION = 2
+
 
 @dataclass(frozen=True)
 class BenchProfile:
@@ -106,7 +110,7 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
                                   "--plots", str(out / "plots")))
     lat = out / "latency.json"
     cache.run("profile", {"heads": heads_key, "nodes": prof.latency_nodes, "ctx": prof.latency_contexts,
-                          "dtype": dtype}, [lat],
+                          "dtype": dtype, "runtime": RUNTIME_REVISION}, [lat],
               lambda: _cli("profile", "--heads", heads, "--dtype", dtype, "--nodes", *map(str, prof.latency_nodes),
                            "--contexts", *map(str, prof.latency_contexts), "--repeats", str(prof.latency_repeats),
                            "--out", str(lat), "--plots", str(out / "plots")))
@@ -133,7 +137,8 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
-    cache.run("replay", {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions},
+    cache.run("replay", {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions,
+                         "runtime": RUNTIME_REVISION},
               [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", heads, "--dtype", dtype,
                            "--max-new-tokens", str(prof.max_new_tokens), "--limit", str(prof.questions),

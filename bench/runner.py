@@ -62,6 +62,7 @@ class RunOutput:
     wall_time: float  # seconds, synchronised
     steps: int  # forward passes after prefill (generate: one per token)
     accept_lengths: list[int] = field(default_factory=list)
+    prefill_time: float | None = None  # seconds of the prompt forward (the runtime's methods only)
 
 
 Runner = Callable[[list[int], int], RunOutput]
@@ -102,7 +103,8 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
                                         DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
                                                      lookup=LookupConfig(cfg.lookup_tokens)))
         res = decoders[n].generate(prompt)
-        return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths)
+        return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths,
+                         res.stats.time_prefill)
 
     return run_runtime
 
@@ -179,6 +181,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                    "tree": c.tree, "accept": c.accept, "question_id": q.question_id, "category": q.category,
                    "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
+                   "prefill_time": out.prefill_time,
                    "token_ids": out.token_ids,
                    "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta}
             fh.write(json.dumps(rec) + "\n")

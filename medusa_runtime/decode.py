@@ -26,8 +26,8 @@ from treesearch.tree import Tree, load_tree
 
 from .acceptance import AcceptConfig, accept, first_token
 from .engine import make_engine
-from .lookup import LookupConfig, NgramIndex, with_lookup_chain
 from .heads import MedusaHeads
+from .lookup import LookupConfig, NgramIndex, with_lookup_chain
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 

@@ -20,6 +20,7 @@ ancestor mask (row i may see column j).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -164,6 +165,34 @@ def lean_support(loaded: LoadedModel) -> str | None:
     return None
 
 
+def _fuse(layer, pack: bool) -> _Layer:
+    a, m = layer.self_attn, layer.mlp
+    return _Layer(ln1=layer.input_layernorm.weight.detach(),
+                  qkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
+                  o=_Linear(a.o_proj.weight, pack), ln2=layer.post_attention_layernorm.weight.detach(),
+                  gate_up=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
+                  down=_Linear(m.down_proj.weight, pack))
+
+
+# fused weights per model, shared by all its engines (a profile builds one decoder per tree size);
+# keyed by the parameters' version counters too, so a model trained in place gets fresh copies
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fused_weights(model, pack: bool):
+    stamp = (pack, sum(p._version for p in model.parameters()))
+    hit = _FUSED.get(model)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    inner = model.model
+    with torch.no_grad():
+        lm_head = model.get_output_embeddings().weight.detach()
+        weights = (inner.embed_tokens.weight.detach(), inner.norm.weight.detach(), lm_head,
+                   _Linear(lm_head, pack), tuple(_fuse(layer, pack) for layer in inner.layers))
+    _FUSED[model] = (stamp, weights)
+    return weights
+
+
 class LeanEngine:
     """A Llama forward on fused weights and a preallocated cache. Shares the model's tensors where it can."""
 
@@ -183,25 +212,10 @@ class LeanEngine:
         self.max_nodes = max(1, max_nodes)
         rope = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        inner = model.model
         self.packed = _packing_available(self.device, self.dtype)
-        with torch.no_grad():
-            self.embed = inner.embed_tokens.weight.detach()
-            self.norm = inner.norm.weight.detach()
-            self.lm_head = model.get_output_embeddings().weight.detach()
-            self._logits = _Linear(self.lm_head, self.packed)
-            self.layers = tuple(self._fuse(layer, self.packed) for layer in inner.layers)
+        self.embed, self.norm, self.lm_head, self._logits, self.layers = _fused_weights(model, self.packed)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
-
-    @staticmethod
-    def _fuse(layer, pack: bool) -> _Layer:
-        a, m = layer.self_attn, layer.mlp
-        return _Layer(ln1=layer.input_layernorm.weight.detach(),
-                      qkv=_Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), pack),
-                      o=_Linear(a.o_proj.weight, pack), ln2=layer.post_attention_layernorm.weight.detach(),
-                      gate_up=_Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]), pack),
-                      down=_Linear(m.down_proj.weight, pack))
 
     # -------------------------------------------------------------- buffers
 
@@ -242,6 +256,7 @@ class LeanEngine:
         end = start + n
         if end > cache.capacity:
             raise EngineError(f"cache of {cache.capacity} positions cannot take {end}")
+        self._rope(cache.capacity)  # positions never exceed the slots; no-op once the table is long enough
         if positions is None:
             cos, sin = self._cos[start:end], self._sin[start:end]
         else:
@@ -249,6 +264,8 @@ class LeanEngine:
         cos, sin = cos[:, None], sin[:, None]  # [n, 1, D], broadcast over heads
         mask, causal = None, False
         if tree is not None:  # past columns stay True; the tree's own columns get its ancestor mask
+            if n > cache.visible.shape[0]:  # a cache made for smaller trees (shared between decoders)
+                cache.visible = torch.ones(n, cache.capacity, dtype=torch.bool, device=self.device)
             window = cache.visible[:n, :end]
             window[:, start:] = tree
             mask = window

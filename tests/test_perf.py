@@ -1,0 +1,100 @@
+"""Microbenchmarks of the hot pieces of a decode step (pytest-benchmark).
+
+In the default test session timing is disabled (``--benchmark-disable``): each benchmark runs once
+and its assertions check the result. ``nox -s perf`` runs them timed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_runtime.acceptance import accept_greedy
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.engine import LeanEngine
+from medusa_runtime.heads import fresh_heads
+from medusa_runtime.lookup import with_lookup_chain
+from medusa_runtime.model import load_model
+from medusa_runtime.tree_buffers import build_tree_buffers
+from treesearch.tree import load_tree, make_tree
+
+from .conftest import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def bf16_default():
+    return load_model("default", "bfloat16", log=lambda m: None)
+
+
+def test_bench_build_buffers(benchmark):
+    tree = load_tree("mc_sim_7b_63")
+
+    def build():
+        return with_lookup_chain(build_tree_buffers(tree, 5, 10), 6, tree.depth)
+
+    buffers = benchmark(build)
+    assert buffers.num_nodes == 64 + 6
+    assert bool(buffers.attn_mask.diagonal().all())
+
+
+def test_bench_propose(benchmark):
+    """Heads (batched per level) + top-k + gather into the tree's N tokens."""
+    loaded = tiny_llama(vocab=512)
+    heads = fresh_heads(5, 1, loaded.hidden_size, loaded.vocab_size)
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].linear.weight.normal_(0, 0.1)
+    dec = MedusaDecoder(loaded, heads, "mc_sim_7b_63")
+    hidden = torch.randn(loaded.hidden_size)
+    tokens = benchmark(dec.propose, hidden, 7)
+    # reference: the module path (one head at a time) and the tree's candidate slots
+    logits = heads(hidden, loaded.model.get_output_embeddings())
+    top = torch.topk(logits[: dec.tree.depth], 10, dim=-1).indices.flatten()
+    flat = torch.cat([torch.tensor([7]), top])
+    assert torch.equal(tokens, flat[dec.buffers.candidate_index])
+
+
+def test_bench_accept_greedy(benchmark):
+    tree = load_tree("mc_sim_7b_63")
+    buffers = build_tree_buffers(tree, 5, 10)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(buffers.num_nodes, 49152, generator=gen)
+    tokens = torch.randint(0, 49152, (buffers.num_nodes,), generator=gen)
+    # make the path root -> (0,) -> (0, 0) correct
+    first, second = 1, int(buffers.children[1][0])
+    tokens[first], tokens[second] = int(logits[0].argmax()), int(logits[first].argmax())
+    acc = benchmark(accept_greedy, tokens, logits, buffers)
+    assert acc.path[:3] == [0, first, second] and acc.next_token == int(logits[acc.path[-1]].argmax())
+
+
+def test_bench_compact(benchmark, bf16_default):
+    """Accepted nodes' keys/values moved into place for all layers at once."""
+    engine = LeanEngine(bf16_default, max_nodes=64)
+    cache = engine.new_cache(600)
+    cache.keys.normal_()
+    cache.values.normal_()
+    path = [0, 3, 17, 40]
+    rows = [512 + p for p in path]
+    want_k, want_v = cache.keys[:, :, rows].clone(), cache.values[:, :, rows].clone()
+    past = cache.keys[:, :, :512].clone()
+    engine.compact(cache, 512, path)  # the checked call
+    assert torch.equal(cache.keys[:, :, 512:516], want_k) and torch.equal(cache.values[:, :, 512:516], want_v)
+    assert torch.equal(cache.keys[:, :, :512], past)
+    benchmark(engine.compact, cache, 512, path)  # timing: the same gather again
+
+
+@pytest.mark.parametrize("nodes", [1, 16])
+def test_bench_verify_default_bf16(benchmark, bf16_default, nodes):
+    """One lean verify forward of the default model in bf16 at context 256."""
+    heads = fresh_heads(5, 1, bf16_default.hidden_size, bf16_default.vocab_size)
+    tree = make_tree(load_tree("mc_sim_7b_63").paths[: nodes - 1]) if nodes > 1 else None
+    dec = MedusaDecoder(bf16_default, heads if tree else None, tree, config=DecodeConfig(topk=10))
+    assert dec.engine.name == "lean"
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, bf16_default.vocab_size, (256,), generator=gen)
+    cache = dec.new_cache(256 + nodes)
+    dec.prefill(prompt, cache)
+    tokens = torch.randint(0, bf16_default.vocab_size, (nodes,), generator=gen)
+    logits, hidden = benchmark(dec.verify, tokens, 256, cache)
+    assert logits.shape == (nodes, bf16_default.vocab_size) and hidden.shape == (nodes, bf16_default.hidden_size)
+    assert torch.isfinite(logits).all()
