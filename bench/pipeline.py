@@ -133,6 +133,9 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
                   {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
                   {"name": f"medusa {best_chain}", "method": "medusa", "tree": best_chain},
                   {"name": "medusa searched", "method": "medusa", "tree": str(tree)},
+                  # the runtime's prompt-lookup chain (4 draft tokens), alone and beside the searched tree
+                  {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
+                  {"name": "medusa searched +lookup4", "method": "medusa", "tree": str(tree), "lookup_tokens": 4},
               ]}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
