@@ -48,13 +48,15 @@ def _model_and_heads(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from medusa_runtime.acceptance import AcceptConfig
     from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
+    from medusa_runtime.lookup import LookupConfig
     from treesearch.tree import load_tree
 
     accept_cfg = AcceptConfig(rule=args.accept, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.topk, seed=args.seed)
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.topk, seed=args.seed,
+                          engine=args.engine, lookup=LookupConfig(args.lookup))
     tree = load_tree(args.tree) if args.heads not in (None, "none") else None  # validate before loading a model
     loaded, heads = _model_and_heads(args)
     decoder = MedusaDecoder(loaded, heads, tree, accept_cfg, config)
@@ -515,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=10, help="candidates per head")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--engine", default="auto", choices=["auto", "lean", "hf"],
+                   help="forward engine: lean (Llama family, fast) or hf (transformers, any model); auto picks")
+    p.add_argument("--lookup", type=int, default=4,
+                   help="prompt-lookup draft tokens laid beside the heads' tree (0: off; measured to pay on MT-Bench)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")

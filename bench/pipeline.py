@@ -65,8 +65,12 @@ class StageCache:
         self.file = out / "stages.json"
         self.keys: dict[str, str] = json.loads(self.file.read_text()) if self.file.is_file() else {}
 
+    @staticmethod
+    def key_of(inputs: dict) -> str:
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def run(self, name: str, inputs: dict, outputs: list[Path], fn: Callable[[], None]) -> bool:
-        key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        key = self.key_of(inputs)
         if self.keys.get(name) == key and all(p.exists() for p in outputs):
             print(f"[bench] {name}: cached ({key})", flush=True)
             return False
@@ -140,8 +144,10 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
-    cache.run("replay", {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions,
-                         "runtime": RUNTIME_REVISION},
+    replay_inputs = {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions,
+                     "runtime": RUNTIME_REVISION}
+    _records_for(replay_dir, StageCache.key_of(replay_inputs))
+    cache.run("replay", replay_inputs,
               [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", heads, "--dtype", dtype,
                            "--max-new-tokens", str(prof.max_new_tokens), "--limit", str(prof.questions),
@@ -152,6 +158,17 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     print(f"\n[bench] finished in {(time.perf_counter() - t_start) / 60:.1f} min; plots and tables:")
     for p in written:
         print(f"  {p}")
+
+
+def _records_for(folder: Path, key: str) -> None:
+    """Records resume only within one set of replay inputs: records made under other inputs (another
+    runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker, records = folder / "inputs.key", folder / "records.jsonl"
+    old = marker.read_text().strip() if marker.is_file() else "unknown"
+    if old != key and records.is_file():
+        records.rename(folder / f"records.{old}.jsonl")
+    marker.write_text(key + "\n")
 
 
 def _best_chain(acc: Path, lat: Path) -> str:

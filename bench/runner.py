@@ -130,7 +130,8 @@ def versions() -> dict[str, str]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["config"], r["question_id"], r["turn"], r["repeat"])
+    # the configuration's hash too: a record made under the same name with other settings is not reused
+    return (r["config"], r.get("config_hash"), r["question_id"], r["turn"], r["repeat"])
 
 
 def load_records(path: Path) -> list[dict]:
@@ -163,7 +164,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     done = {_key(r): r for r in records}
     runners = {c.name: make_runner(c, loaded, heads) for c in configs}
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(cfg.repeats)
-            for c in configs if (c.name, q.question_id, t, r) not in done]
+            for c in configs if (c.name, c.digest, q.question_id, t, r) not in done]
     if not todo:
         return records
     warm = chat_ids(loaded, [questions[0].turns[0]], [])
@@ -174,7 +175,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
-            earlier = [done[(c.name, q.question_id, t, 0)]["answer"] for t in range(turn)]
+            earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
             out = runners[c.name](prompt, cfg.max_new_tokens)
             rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
