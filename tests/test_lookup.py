@@ -114,15 +114,20 @@ def expected_lookup_lengths(prompt: list[int], ref: list[int], n: int, cfg: Look
     return lengths
 
 
+def repeating_case(variant: str, seed: int, n: int = 40):
+    """A model, its engine, a prompt repeating a random 6-token phrase, and generate's n tokens after it."""
+    loaded, engine = make(variant)
+    rng = random.Random(seed)
+    phrase = [rng.randrange(loaded.vocab_size) for _ in range(6)]
+    prompt = phrase * 4 + phrase[:3]
+    return loaded, engine, prompt, hf_greedy(loaded, prompt, n)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_plain_lookup_accepts_exactly_the_matching_drafts(variant):
     """Plain decoding + lookup: same tokens as generate, and per step exactly the draft prefix generate agrees with."""
-    loaded, engine = make(variant)
-    rng = random.Random(11)
-    phrase = [rng.randrange(loaded.vocab_size) for _ in range(6)]
-    prompt = phrase * 4 + phrase[:3]
     n = 40
-    ref = hf_greedy(loaded, prompt, n)
+    loaded, engine, prompt, ref = repeating_case(variant, 11, n)
     look = LookupConfig(num_tokens=5, min_ngram=1)
     res = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=n, engine=engine, lookup=look)
                         ).generate(prompt)
@@ -134,12 +139,8 @@ def test_plain_lookup_accepts_exactly_the_matching_drafts(variant):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_heads_plus_lookup_equal_generate(variant):
-    loaded, engine = make(variant)
-    rng = random.Random(12)
-    phrase = [rng.randrange(loaded.vocab_size) for _ in range(6)]
-    prompt = phrase * 4 + phrase[:3]
     n = 40
-    ref = hf_greedy(loaded, prompt, n)
+    loaded, engine, prompt, ref = repeating_case(variant, 12, n)
     heads = OracleHeads(loaded, prompt + ref, num_heads=3, topk=4, max_rank=2, miss=0.5, seed=1)
     cfg = DecodeConfig(max_new_tokens=n, topk=4, engine=engine, lookup=LookupConfig(num_tokens=5, min_ngram=1))
     res = MedusaDecoder(loaded, heads, load_tree("chain:2"), config=cfg).generate(prompt)
