@@ -207,7 +207,6 @@ class LeanEngine:
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.hidden_size = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.max_nodes = max(1, max_nodes)
         rope = getattr(cfg, "rope_parameters", None) or {}
