@@ -86,7 +86,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     joint = {"auto": None, "joint": True, "independent": False}[args.estimator]
     cfg = SearchConfig(budget=args.budget, trials=args.trials, objective=args.objective, storage=args.storage,
                        study_name=args.study, seed=args.seed, joint=joint, min_budget=args.min_budget,
-                       context=args.context, baseline=args.baseline)
+                       context=args.context, baseline=args.baseline, accept=args.accept,
+                       max_regret=args.max_regret)
     result = run_search(stats, cfg, latency, show_progress=not args.quiet)
     best = result.best
     provenance = {
@@ -99,6 +100,16 @@ def cmd_search(args: argparse.Namespace) -> int:
         "search": {"tool": "optuna", "study": cfg.study_name, "storage": cfg.storage, "objective": result.objective,
                    "trials_complete": result.trials_complete, "seed": cfg.seed},
     }
+    if best.typical is not None:
+        provenance["acceptance"] = {"rule": "typical", "temperature": stats.typical.temperature,
+                                    "posterior_threshold": best.typical.posterior_threshold,
+                                    "posterior_alpha": best.typical.posterior_alpha,
+                                    "predicted_regret": round(best.regret, 6), "max_regret": cfg.max_regret,
+                                    "pareto": [{"medusa_choices": s.tree.as_lists(), "tau": round(s.tau, 6),
+                                                "speedup": s.speedup, "regret": round(s.regret, 6),
+                                                "posterior_threshold": s.typical.posterior_threshold,
+                                                "posterior_alpha": s.typical.posterior_alpha}
+                                               for s in result.pareto]}
     path = save_tree(best.tree, args.out, **provenance)
     print(format_search_table(result))
     print(f"\nwritten: {path}")
@@ -114,10 +125,17 @@ def format_search_table(result) -> str:
     rows = [("search best", result.best), ("exact optimum (full budget)", result.optimum)]
     if result.baseline is not None:
         rows.append((f"baseline {result.baseline.tree.name}", result.baseline))
-    lines = ["| tree | nodes | depth | tau | speedup |", "|---|---:|---:|---:|---:|"]
+    typical = result.best.typical is not None
+    lines = ["| tree | nodes | depth | tau | speedup |" + (" eps | delta | regret |" if typical else ""),
+             "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if typical else "")]
+    if typical:
+        rows += [(f"Pareto {i}", s) for i, s in enumerate(result.pareto)]
     for label, s in rows:
         sp = f"{s.speedup:.3f}x" if s.speedup is not None else "-"
-        lines.append(f"| {label} | {s.tree.num_nodes - 1} | {s.tree.depth} | {s.tau:.4f} | {sp} |")
+        extra = ""
+        if s.typical is not None:
+            extra = f" {s.typical.posterior_threshold:.4f} | {s.typical.posterior_alpha:.4f} | {s.regret:.4f} |"
+        lines.append(f"| {label} | {s.tree.num_nodes - 1} | {s.tree.depth} | {s.tau:.4f} | {sp} |{extra}")
     lines.append(f"\nobjective: {result.objective}; study {result.study_name!r}: "
                  f"{result.trials_complete} complete trials ({result.storage})")
     return "\n".join(lines)
@@ -194,7 +212,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.topk,
                             heldout_fraction=args.heldout, batch_size=args.batch_size, limit=args.limit,
-                            seed=args.seed)
+                            seed=args.seed, typical_temperature=args.typical_temperature)
     prompts = builtin_split(load_prompt_source(args.data), args.data, "calibration")
     loaded, heads = _model_and_heads(args)
     if heads is None:
@@ -559,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", type=float, default=0.2, help="share of prompts held out")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--typical-temperature", type=float, default=None,
+                   help="also store what typical acceptance at this temperature needs (search --accept typical)")
     p.add_argument("--out", default="results/acceptance.json")
     p.add_argument("--plots", default=None, help="folder for the heatmap")
     p.set_defaults(func=cmd_calibrate)
@@ -629,6 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=None, help="context length for the latency model")
     p.add_argument("--baseline", default="mc_sim_7b_63", help="tree evaluated as a baseline trial ('' for none)")
+    p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
+                   help="acceptance rule; typical also searches its thresholds against a quality proxy (Pareto front)")
+    p.add_argument("--max-regret", type=float, default=0.05,
+                   help="typical: pick the fastest Pareto tree losing at most this many nats per token")
     p.add_argument("--out", default="results/tree.json")
     p.add_argument("--plots", default=None, help="folder for the search plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -24,6 +24,7 @@ from treesearch.tree import write_json_atomic
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine.
 RUNTIME_REVISION = 2
+TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,11 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     heads_key = folder_hash(heads_dir)
 
     acc = out / "acceptance.json"
-    cache.run("calibrate", {"heads": heads_key, "p": prof.calib_prompts, "t": prof.calib_tokens, "dtype": dtype},
+    cache.run("calibrate", {"heads": heads_key, "p": prof.calib_prompts, "t": prof.calib_tokens, "dtype": dtype,
+                            "typical_t": TYPICAL_TEMPERATURE},
               [acc], lambda: _cli("calibrate", "--heads", heads, "--dtype", dtype, "--limit", str(prof.calib_prompts),
                                   "--max-new-tokens", str(prof.calib_tokens), "--heldout", "0.25", "--out", str(acc),
-                                  "--plots", str(out / "plots")))
+                                  "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))
     lat = out / "latency.json"
     cache.run("profile", {"heads": heads_key, "nodes": prof.latency_nodes, "ctx": prof.latency_contexts,
                           "dtype": dtype, "runtime": RUNTIME_REVISION}, [lat],
@@ -127,6 +129,15 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
                            str(prof.search_budget), "--trials", str(prof.search_trials), "--storage",
                            f"sqlite:///{db}", "--study", study, "--out", str(tree), "--plots", str(out / "plots"),
                            "--quiet"))
+    # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
+    tree_typical = out / "tree-typical.json"
+    cache.run("search-typical", {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
+                                 "trials": prof.search_trials},
+              [tree_typical],
+              lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
+                           str(prof.search_budget), "--trials", str(prof.search_trials), "--accept", "typical",
+                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical", "--out", str(tree_typical),
+                           "--plots", str(out / "plots"), "--quiet"))
     best_chain = _best_chain(acc, lat)
     config = {"model": "default", "heads": heads, "dtype": dtype, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1,

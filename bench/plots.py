@@ -82,7 +82,33 @@ def plot_search(result, stats: AcceptanceStats, latency: LatencyProfile | None, 
     ax.set_title("tau and predicted speedup vs tree size")
     fig.legend(fontsize=8, loc="lower right")
     written += _save(fig, out_dir, "speedup_vs_budget")
+    if result.pareto:
+        written += _plot_pareto(result, out_dir)
     return written
+
+
+def _plot_pareto(result, out_dir: str | Path) -> list[Path]:
+    """Typical acceptance: every trial's speed (or tau) against its regret, the Pareto front, the pick."""
+    hist = [h for h in result.history if h.get("regret") is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.scatter([h["regret"] for h in hist], [h["value"] for h in hist], s=10, color="tab:gray", alpha=0.6,
+               label="trial")
+    front = result.pareto
+    ax.plot([s.regret for s in front], [_objective_value(s, result.objective) for s in front], marker="o", ms=4,
+            color="tab:red", label="Pareto front")
+    best = result.best
+    ax.scatter([best.regret], [_objective_value(best, result.objective)], marker="*", s=160, color="black",
+               label=f"chosen: eps {best.typical.posterior_threshold:.3f}, delta {best.typical.posterior_alpha:.3f}",
+               zorder=3)
+    ax.set_xlabel("regret: nats per token lost against the base model's own choice")
+    ax.set_ylabel(result.objective)
+    ax.set_title("typical acceptance: speed against the quality proxy")
+    ax.legend(fontsize=8)
+    return _save(fig, out_dir, "pareto_typical")
+
+
+def _objective_value(score, objective: str) -> float:
+    return score.speedup if objective == "speedup" else score.tau
 
 
 def plot_latency(profile: LatencyProfile, out_dir: str | Path) -> list[Path]:

@@ -125,10 +125,27 @@ def report(out: Path) -> list[Path]:
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
     md = ("## Overall\n\n" + to_markdown(overall) + "\n\n## Speedup over transformers generate, per category\n\n"
           + to_markdown(table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index())
-          + "\n\n## Greedy outputs identical to generate\n\n" + to_markdown(eq) + "\n")
+          + "\n\n## Greedy outputs identical to generate\n\n" + to_markdown(eq) + "\n" + typical_section(out))
     (out / "summary.md").write_text(md)
     print(md)
     return [out / "summary.md", *[p for p in written if p.suffix == ".png"]]
+
+
+def typical_section(out: Path) -> str:
+    """The typical-acceptance search's Pareto front (predicted by replay, not measured)."""
+    f = out / "tree-typical.json"
+    if not f.is_file():
+        return ""
+    acc = json.loads(f.read_text()).get("acceptance") or {}
+    front = pd.DataFrame([{"nodes": len(p["medusa_choices"]), "epsilon": p["posterior_threshold"],
+                           "delta": p["posterior_alpha"], "tau": p["tau"], "predicted_speedup": p["speedup"],
+                           "regret_nats_per_token": p["regret"]} for p in acc.get("pareto", [])])
+    if front.empty:
+        return ""
+    return (f"\n## Typical acceptance at temperature {acc['temperature']} (replayed, predicted)\n\n"
+            f"Chosen (fastest within {acc['max_regret']} nats/token of regret): epsilon "
+            f"{acc['posterior_threshold']:.4f}, delta {acc['posterior_alpha']:.4f}, regret "
+            f"{acc['predicted_regret']:.4f}. Pareto front:\n\n" + to_markdown(front.round(4)) + "\n")
 
 
 def _training_json() -> Path | None:

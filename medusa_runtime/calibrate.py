@@ -15,10 +15,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from treesearch.stats import AcceptanceStats, marginal_from_rollouts
+from treesearch.typical import TypicalSeq, TypicalStats
 
 from .decode import encode_prompt
 from .heads import MedusaHeads
@@ -34,12 +36,15 @@ class CalibrationConfig:
     batch_size: int = 16  # prompts generated together
     limit: int | None = None  # use only the first N prompts
     seed: int = 0  # split seed
+    typical_temperature: float | None = None  # also store typical-acceptance arrays at this temperature
 
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= 36:
             raise ValueError(f"topk must be within 1..36, got {self.topk}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.typical_temperature is not None and self.typical_temperature <= 0:
+            raise ValueError(f"typical_temperature must be > 0, got {self.typical_temperature}")
 
 
 @torch.inference_mode()
@@ -73,32 +78,75 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
     return out
 
 
-@torch.inference_mode()
-def rank_vectors(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
-                 topk: int) -> list[tuple[int, ...]]:
-    """Rank of y_{i+j+2} in head j's top-k at each position i = 0..M-2 (-1: not in the top-k)."""
-    m = len(rollout)
-    if m < 2:
-        return []
-    ids = torch.tensor([list(prompt) + list(rollout)], device=loaded.device)
-    out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1)
-    p = len(prompt)
-    hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
+def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int) -> torch.Tensor:
+    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H]."""
     lm_head = loaded.model.get_output_embeddings()
-    roll = torch.tensor(list(rollout), device=loaded.device)
-    ranks = torch.full((m - 1, heads.num_heads), -1, dtype=torch.long)
-    states = heads.head_states(hidden)  # [M-1, K, H]
+    states = heads.head_states(hidden)  # [P, K, H]
+    tops = []
     for j in range(heads.num_heads):
-        logits = lm_head(states[:, j]) if heads.proj is None else states[:, j] @ heads.proj[j].T  # [M-1, V]
-        top = torch.topk(logits.float(), topk, dim=-1).indices  # [M-1, topk]
-        i = torch.arange(m - 1, device=loaded.device)
+        logits = lm_head(states[:, j]) if heads.proj is None else states[:, j] @ heads.proj[j].T  # [P, V]
+        tops.append(torch.topk(logits.float(), topk, dim=-1).indices)
+    return torch.stack(tops, dim=1)
+
+
+def _ranks(top: torch.Tensor, rollout: torch.Tensor) -> list[tuple[int, ...]]:
+    """Rank of y_{i+j+2} in head j's top-k (top: [P, K, k], P = M - 1), -1 when absent or past the end."""
+    p, k_heads, _ = top.shape
+    m = rollout.shape[0]
+    ranks = torch.full((p, k_heads), -1, dtype=torch.long)
+    i = torch.arange(p, device=top.device)
+    for j in range(k_heads):
         tgt_pos = i + j + 1  # index of y_{i+j+2} in the rollout (y_1 is rollout[0])
         valid = tgt_pos < m
-        target = roll[tgt_pos.clamp(max=m - 1)]
-        hit = (top == target[:, None]) & valid[:, None]  # [M-1, topk]
+        hit = (top[:, j] == rollout[tgt_pos.clamp(max=m - 1)][:, None]) & valid[:, None]  # [P, k]
         found = hit.any(dim=-1)
         ranks[found.cpu(), j] = hit.float().argmax(dim=-1)[found].cpu()
     return [tuple(r) for r in ranks.tolist()]
+
+
+def _typical_seq(base_logits: torch.Tensor, top: torch.Tensor, temperature: float) -> TypicalSeq:
+    """Typical-acceptance arrays of one rollout (see ``treesearch.typical``).
+
+    base_logits: [M, V], row q predicts rollout token q; top: [P, K, k] head guesses at step positions.
+    """
+    lp = torch.log_softmax(base_logits.float() / temperature, dim=-1)  # [M, V]
+    m = lp.shape[0]
+    entropy = -(lp.exp() * lp).sum(-1)  # [M]
+    own = lp.max(dim=-1).values  # [M]: the argmax token's log p
+    p, k_heads, _ = top.shape
+    q = torch.arange(p)[:, None] + torch.arange(k_heads)[None, :] + 1  # [P, K]: verify position of each guess
+    inside = q < m
+    logp = lp[q.clamp(max=m - 1)[:, :, None], top]  # [P, K, k]
+    logp = torch.where(inside[:, :, None], logp, torch.full_like(logp, float("-inf")))
+    return TypicalSeq(logp.numpy(), entropy.numpy(), own.numpy())
+
+
+@torch.inference_mode()
+def rollout_statistics(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
+                       topk: int, typical_temperature: float | None = None
+                       ) -> tuple[list[tuple[int, ...]], TypicalSeq | None]:
+    """Rank vectors of one rollout and, with a temperature, its typical-acceptance arrays."""
+    m = len(rollout)
+    if m < 2:
+        empty = TypicalSeq(np.zeros((0, heads.num_heads, topk), np.float32), np.zeros(1, np.float32),
+                           np.zeros(1, np.float32))
+        return [], (empty if typical_temperature else None)
+    ids = torch.tensor([list(prompt) + list(rollout)], device=loaded.device)
+    # logits of the last M + 1 positions: prompt's last token .. y_M; rows 0..M-1 predict y_1..y_M
+    out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=m + 1 if typical_temperature else 1)
+    p = len(prompt)
+    hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
+    top = _head_topk(loaded, heads, hidden, topk)  # [M-1, K, topk]
+    ranks = _ranks(top, torch.tensor(list(rollout), device=loaded.device))
+    if not typical_temperature:
+        return ranks, None
+    return ranks, _typical_seq(out.logits[0, :m].cpu(), top.cpu(), typical_temperature)
+
+
+def rank_vectors(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
+                 topk: int) -> list[tuple[int, ...]]:
+    """Rank of y_{i+j+2} in head j's top-k at each position i = 0..M-2 (-1: not in the top-k)."""
+    return rollout_statistics(loaded, heads, prompt, rollout, topk)[0]
 
 
 def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -119,12 +167,17 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
                for p in prompts]
     rollouts = greedy_rollouts(loaded, encoded, cfg.max_new_tokens, cfg.batch_size, progress)
     fit_idx, held_idx = split_prompts(len(prompts), cfg.heldout_fraction, cfg.seed)
-    vectors = [rank_vectors(loaded, heads, encoded[i], rollouts[i], cfg.topk)
-               for i in tqdm(range(len(prompts)), desc="head ranks", disable=not progress, unit="prompt")]
+    measured = [rollout_statistics(loaded, heads, encoded[i], rollouts[i], cfg.topk, cfg.typical_temperature)
+                for i in tqdm(range(len(prompts)), desc="head ranks", disable=not progress, unit="prompt")]
+    vectors = [ranks for ranks, _ in measured]
     fit = tuple(tuple(vectors[i]) for i in fit_idx)
     held = tuple(tuple(vectors[i]) for i in held_idx)
+    typical = None
+    if cfg.typical_temperature:
+        typical = TypicalStats(cfg.typical_temperature, tuple(measured[i][1] for i in fit_idx),
+                               tuple(measured[i][1] for i in held_idx))
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "rule": "greedy",
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
             "machine": platform.node(), **(provenance or {})}
-    return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta)
+    return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta, typical=typical)

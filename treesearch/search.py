@@ -28,6 +28,7 @@ from .cost import LatencyProfile, predict
 from .optimal import Constraints, PathModel, expected_depth, model_for, optimal_tree
 from .stats import AcceptanceStats, StatsError
 from .tree import Tree, load_tree, make_tree
+from .typical import TypicalParams, typical_walk
 
 BASELINE_TREE = "mc_sim_7b_63"
 
@@ -44,8 +45,14 @@ class SearchConfig:
     min_budget: int = 1  # smallest node budget a trial may pick
     context: int | None = None  # context length for the latency model (None: median)
     baseline: str = BASELINE_TREE  # official tree evaluated as a baseline trial
+    accept: str = "greedy"  # greedy | typical (searches the thresholds too; needs typical statistics)
+    max_regret: float = 0.05  # typical: quality floor, nats per token, for the tree chosen from the Pareto front
 
     def __post_init__(self) -> None:
+        if self.accept not in ("greedy", "typical"):
+            raise StatsError(f"unknown acceptance rule {self.accept!r}; use greedy or typical")
+        if self.max_regret < 0:
+            raise StatsError(f"max_regret must be >= 0, got {self.max_regret}")
         if self.budget < 1:
             raise StatsError(f"the node budget must be >= 1, got {self.budget}")
         if self.trials < 1:
@@ -60,6 +67,8 @@ class TreeScore:
     tau: float  # predicted tokens per step
     speedup: float | None  # predicted over plain decoding (None without a latency profile)
     tokens_per_s: float | None
+    typical: TypicalParams | None = None  # thresholds (typical acceptance only)
+    regret: float | None = None  # typical: quality proxy, nats per token lost against the base model's choice
 
 
 @dataclass
@@ -72,14 +81,27 @@ class SearchResult:
     objective: str
     trials_complete: int
     history: list[dict[str, Any]] = field(default_factory=list)  # per trial: number, value, nodes, depth
+    pareto: list[TreeScore] = field(default_factory=list)  # typical: speed (or tau) vs regret front
+
+
+def _with_speed(tree: Tree, tau: float, latency: LatencyProfile | None, context: int | None, **extra) -> TreeScore:
+    if latency is None:
+        return TreeScore(tree, tau, None, None, **extra)
+    pred = predict(latency, tau, tree.num_nodes, context)
+    return TreeScore(tree, tau, pred.speedup, pred.tokens_per_s, **extra)
 
 
 def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, context: int | None) -> TreeScore:
-    tau = 1.0 + expected_depth(tree, model)
-    if latency is None:
-        return TreeScore(tree, tau, None, None)
-    pred = predict(latency, tau, tree.num_nodes, context)
-    return TreeScore(tree, tau, pred.speedup, pred.tokens_per_s)
+    return _with_speed(tree, 1.0 + expected_depth(tree, model), latency, context)
+
+
+def score_typical(tree: Tree, stats: AcceptanceStats, params: TypicalParams, latency: LatencyProfile | None,
+                  context: int | None) -> TreeScore:
+    """Tau and regret by replaying typical acceptance on the fitting rollouts (``treesearch.typical``)."""
+    if stats.typical is None:
+        raise StatsError("typical acceptance needs typical statistics: calibrate with --typical-temperature")
+    walk = typical_walk(tree, stats.typical.rollouts, params)
+    return _with_speed(tree, walk.tau, latency, context, typical=params, regret=walk.regret)
 
 
 class TreeObjective:
@@ -91,9 +113,26 @@ class TreeObjective:
         self.objective = cfg.objective if cfg.objective != "auto" else ("speedup" if latency else "tau")
         if self.objective == "speedup" and latency is None:
             raise StatsError("objective 'speedup' needs a latency profile (--latency)")
+        if cfg.accept == "typical" and stats.typical is None:
+            raise StatsError("typical acceptance needs typical statistics: calibrate with --typical-temperature")
+
+    @property
+    def directions(self) -> list[str]:
+        """Speed (or tau) up; for typical acceptance also the quality proxy (minus regret) up."""
+        return ["maximize", "maximize"] if self.cfg.accept == "typical" else ["maximize"]
 
     def value(self, score: TreeScore) -> float:
         return score.speedup if self.objective == "speedup" else score.tau
+
+    def values(self, score: TreeScore) -> float | tuple[float, float]:
+        if self.cfg.accept == "typical":
+            return self.value(score), -score.regret
+        return self.value(score)
+
+    def score(self, tree: Tree, params: TypicalParams | None) -> TreeScore:
+        if self.cfg.accept == "typical":
+            return score_typical(tree, self.stats, params or TypicalParams(), self.latency, self.cfg.context)
+        return score_tree(tree, self.model, self.latency, self.cfg.context)
 
     def tree_for(self, params: dict[str, int]) -> Tree:
         depth = params["depth"]
@@ -101,8 +140,15 @@ class TreeObjective:
         tree, _ = optimal_tree(self.model, params["nodes"], Constraints(max_depth=depth, rank_caps=caps), "search")
         return tree
 
-    def __call__(self, trial: optuna.Trial) -> float:
+    def typical_params(self, trial: optuna.Trial) -> TypicalParams | None:
+        if self.cfg.accept != "typical":
+            return None
+        return TypicalParams(trial.suggest_float("posterior_threshold", 0.01, 0.5, log=True),
+                             trial.suggest_float("posterior_alpha", 0.03, 1.0, log=True))
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         baseline = trial.user_attrs.get("baseline_tree")
+        typical = self.typical_params(trial)
         if baseline:
             tree = load_tree(baseline)
         else:
@@ -113,14 +159,16 @@ class TreeObjective:
             for d in range(k):  # suggested for every depth so the space is fixed; used up to 'depth'
                 params[f"rank_cap_{d}"] = trial.suggest_int(f"rank_cap_{d}", 1, topk)
             tree = self.tree_for(params)
-        score = score_tree(tree, self.model, self.latency, self.cfg.context)
+        score = self.score(tree, typical)
         trial.set_user_attr("num_nodes", tree.num_nodes)
         trial.set_user_attr("depth", tree.depth)
         trial.set_user_attr("tau", score.tau)
         if score.speedup is not None:
             trial.set_user_attr("speedup", score.speedup)
+        if score.regret is not None:
+            trial.set_user_attr("regret", score.regret)
         trial.set_user_attr("medusa_choices", tree.as_lists())
-        return self.value(score)
+        return self.values(score)
 
 
 def make_storage(url: str) -> optuna.storages.BaseStorage:
@@ -149,8 +197,12 @@ def _setup_lock(url: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _warm_start_params(k: int, topk: int, budget: int) -> dict[str, int]:
-    return {"nodes": budget, "depth": k, **{f"rank_cap_{d}": topk for d in range(k)}}
+def _warm_start_params(k: int, topk: int, budget: int, accept: str) -> dict[str, float]:
+    params: dict[str, float] = {"nodes": budget, "depth": k, **{f"rank_cap_{d}": topk for d in range(k)}}
+    if accept == "typical":  # the Medusa paper's defaults
+        defaults = TypicalParams()
+        params.update(posterior_threshold=defaults.posterior_threshold, posterior_alpha=defaults.posterior_alpha)
+    return params
 
 
 def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfile | None = None,
@@ -159,13 +211,15 @@ def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfil
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with _setup_lock(cfg.storage):
         storage = make_storage(cfg.storage)
-        study = optuna.create_study(study_name=cfg.study_name, storage=storage, direction="maximize",
+        study = optuna.create_study(study_name=cfg.study_name, storage=storage, directions=objective.directions,
                                     sampler=optuna.samplers.TPESampler(seed=cfg.seed), load_if_exists=True)
         _check_study_matches(study, cfg, objective.objective, stats)
         if not study.trials:  # first worker seeds the study: exact optimum, then the official baseline
-            study.enqueue_trial(_warm_start_params(stats.num_heads, stats.topk, cfg.budget))
+            warm = _warm_start_params(stats.num_heads, stats.topk, cfg.budget, cfg.accept)
+            study.enqueue_trial(warm)
             if cfg.baseline:
-                study.enqueue_trial({}, user_attrs={"baseline_tree": cfg.baseline})
+                typical = {k: v for k, v in warm.items() if k.startswith("posterior_")}
+                study.enqueue_trial(typical, user_attrs={"baseline_tree": cfg.baseline})
     done = _complete(study)
     remaining = max(0, cfg.trials - done)
     if remaining:
@@ -182,32 +236,62 @@ def _complete(study: optuna.Study) -> int:
 
 def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: str, stats: AcceptanceStats) -> None:
     """Refuse to mix runs of different objectives or statistics in one study."""
-    want = {"objective": objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget}
+    want = {"objective": objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
+            "accept": cfg.accept}
     have = study.user_attrs
     if not have:
         for k, v in want.items():
             study.set_user_attr(k, v)
         return
     for k, v in want.items():
-        if have.get(k) != v:
+        if have.get(k, "greedy" if k == "accept" else None) != v:  # studies from before 'accept' were greedy
             raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
                              "use another --study name")
+
+
+def _trial_typical(trial: optuna.trial.FrozenTrial) -> TypicalParams | None:
+    if "posterior_threshold" not in trial.params:
+        return None
+    return TypicalParams(trial.params["posterior_threshold"], trial.params["posterior_alpha"])
+
+
+def _trial_tree(trial: optuna.trial.FrozenTrial, name: str) -> Tree:
+    return make_tree(trial.user_attrs["medusa_choices"], name=name)
+
+
+def _pick_best(complete: list[optuna.trial.FrozenTrial], cfg: SearchConfig) -> optuna.trial.FrozenTrial:
+    """Greedy: the highest value (fewest nodes on ties). Typical: the fastest trial within the quality
+    floor (regret <= max_regret); when none is, the one with the least regret."""
+    if cfg.accept != "typical":
+        return max(complete, key=lambda t: (t.value, -t.user_attrs.get("num_nodes", 0)))
+    within = [t for t in complete if -t.values[1] <= cfg.max_regret + 1e-12]
+    if within:
+        return max(within, key=lambda t: (t.values[0], t.values[1], -t.user_attrs.get("num_nodes", 0)))
+    return max(complete, key=lambda t: (t.values[1], t.values[0]))
+
+
+def _history_row(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    row = {"number": t.number, "value": t.values[0], "num_nodes": t.user_attrs.get("num_nodes"),
+           "depth": t.user_attrs.get("depth"), "tau": t.user_attrs.get("tau"), "speedup": t.user_attrs.get("speedup"),
+           "baseline": t.user_attrs.get("baseline_tree")}
+    if "regret" in t.user_attrs:
+        row.update(regret=t.user_attrs["regret"], **t.params)
+    return row
 
 
 def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) -> SearchResult:
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     if not complete:
         raise StatsError(f"study {cfg.study_name!r} has no complete trial")
-    best_trial = max(complete, key=lambda t: (t.value, -t.user_attrs.get("num_nodes", 0)))
-    best_tree = make_tree(best_trial.user_attrs["medusa_choices"], name=f"{cfg.study_name}-best")
-    model, lat, ctx = objective.model, objective.latency, cfg.context
-    opt_tree, _ = optimal_tree(model, cfg.budget, name=f"optimal-{cfg.budget}")
-    baseline = None
-    if cfg.baseline:
-        baseline = score_tree(load_tree(cfg.baseline), model, lat, ctx)
-    history = [{"number": t.number, "value": t.value, "num_nodes": t.user_attrs.get("num_nodes"),
-                "depth": t.user_attrs.get("depth"), "tau": t.user_attrs.get("tau"),
-                "speedup": t.user_attrs.get("speedup"), "baseline": t.user_attrs.get("baseline_tree")}
-               for t in sorted(complete, key=lambda t: t.number)]
-    return SearchResult(score_tree(best_tree, model, lat, ctx), score_tree(opt_tree, model, lat, ctx), baseline,
-                        cfg.study_name, cfg.storage, objective.objective, len(complete), history)
+    best_trial = _pick_best(complete, cfg)
+    best_tree = _trial_tree(best_trial, f"{cfg.study_name}-best")
+    opt_tree, _ = optimal_tree(objective.model, cfg.budget, name=f"optimal-{cfg.budget}")
+    default = TypicalParams() if cfg.accept == "typical" else None  # optimum and baseline: the paper's thresholds
+    baseline = objective.score(load_tree(cfg.baseline), default) if cfg.baseline else None
+    pareto = []
+    if cfg.accept == "typical":
+        front = sorted(study.best_trials, key=lambda t: t.values[0])
+        pareto = [objective.score(_trial_tree(t, f"pareto-{t.number}"), _trial_typical(t)) for t in front]
+    history = [_history_row(t) for t in sorted(complete, key=lambda t: t.number)]
+    return SearchResult(objective.score(best_tree, _trial_typical(best_trial)), objective.score(opt_tree, default),
+                        baseline, cfg.study_name, cfg.storage, objective.objective, len(complete), history, pareto)

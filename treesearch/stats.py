@@ -27,11 +27,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .tree import Tree, read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from .typical import TypicalStats
 
 ACCEPTANCE_SCHEMA = "medusa-acceptance/1"
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -60,6 +63,7 @@ class AcceptanceStats:
     heldout: tuple[tuple[tuple[int, ...], ...], ...] = ()  # same, held-out sequences
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # provenance
     sha256: str = ""  # hash of the file it came from
+    typical: TypicalStats | None = field(default=None, compare=False, hash=False)  # for typical acceptance
 
     @property
     def num_heads(self) -> int:
@@ -115,10 +119,15 @@ def marginal_from_rollouts(rollouts: Iterable[Sequence[Sequence[int]]], num_head
 
 
 def stats_to_json(stats: AcceptanceStats) -> dict[str, Any]:
-    return {"schema": ACCEPTANCE_SCHEMA, **stats.meta, "num_heads": stats.num_heads, "topk": stats.topk,
-            "positions": stats.positions, "marginal": stats.marginal.round(6).tolist(),
-            "rollouts": ["".join(encode_ranks(r) for r in seq) for seq in stats.rollouts],
-            "heldout": ["".join(encode_ranks(r) for r in seq) for seq in stats.heldout]}
+    from .typical import typical_to_json
+
+    out = {"schema": ACCEPTANCE_SCHEMA, **stats.meta, "num_heads": stats.num_heads, "topk": stats.topk,
+           "positions": stats.positions, "marginal": stats.marginal.round(6).tolist(),
+           "rollouts": ["".join(encode_ranks(r) for r in seq) for seq in stats.rollouts],
+           "heldout": ["".join(encode_ranks(r) for r in seq) for seq in stats.heldout]}
+    if stats.typical is not None:
+        out["typical"] = typical_to_json(stats.typical)
+    return out
 
 
 def save_stats(stats: AcceptanceStats, path: str | os.PathLike[str]) -> Path:
@@ -151,9 +160,17 @@ def stats_from_json(obj: Any, sha: str = "") -> AcceptanceStats:
     heldout = _decode_rollouts(obj.get("heldout", []), k, "heldout")
     if any(r >= marginal.shape[1] for seq in rollouts for ranks in seq for r in ranks):
         raise StatsError(f"'rollouts' use ranks beyond the {marginal.shape[1]} columns of 'marginal'")
-    skip = ("schema", "marginal", "rollouts", "heldout", "num_heads", "topk", "positions")
+    typical = None
+    if obj.get("typical") is not None:
+        from .typical import typical_from_json
+
+        typical = typical_from_json(obj["typical"], k, marginal.shape[1])
+        if [s.logp.shape[0] for s in typical.rollouts] != [len(s) for s in rollouts] or \
+                [s.logp.shape[0] for s in typical.heldout] != [len(s) for s in heldout]:
+            raise StatsError("'typical' rollouts do not match the rank rollouts position for position")
+    skip = ("schema", "marginal", "rollouts", "heldout", "num_heads", "topk", "positions", "typical")
     meta = {key: v for key, v in obj.items() if key not in skip}
-    return AcceptanceStats(marginal, rollouts, heldout, meta, sha)
+    return AcceptanceStats(marginal, rollouts, heldout, meta, sha, typical)
 
 
 def load_stats(path: str | os.PathLike[str]) -> AcceptanceStats:
