@@ -34,7 +34,10 @@ def summary(df: pd.DataFrame, baselines: Sequence[str]) -> pd.DataFrame:
 
 
 def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
-    """Share of (question, turn) outputs identical to the reference configuration's, per configuration."""
+    """Share of (question, turn) outputs identical to the reference configuration's, per configuration
+    (greedy runs only: sampled answers are not expected to match)."""
+    if "temperature" in df.columns:
+        df = df[df["temperature"].fillna(0.0) == 0.0]
     ref = df[(df["config"] == reference) & (df["repeat"] == 0)].set_index(["question_id", "turn"])["token_ids"]
     rows = []
     for name, sub in df[df["repeat"] == 0].groupby("config", sort=False):

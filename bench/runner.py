@@ -30,6 +30,9 @@ from .mtbench import Question
 
 RECORD_SCHEMA = "medusa-record/1"
 METHODS = ("generate", "prompt_lookup", "plain", "medusa")
+# FastChat's MT-Bench sampling temperatures per category (fastchat/llm_judge/common.py); 0 = greedy
+FASTCHAT_TEMPERATURES = {"writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0,
+                         "reasoning": 0.0, "stem": 0.1, "humanities": 0.1}
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,25 @@ class MethodConfig:
     prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
     engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | hf | auto)
     lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
+    temperature_policy: str = "fixed"  # fixed: 'temperature' everywhere | fastchat: FastChat's per category
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.method == "medusa" and not self.tree:
             raise ValueError(f"configuration {self.name!r}: medusa needs a tree")
+        if self.temperature_policy not in ("fixed", "fastchat"):
+            raise ValueError(f"configuration {self.name!r}: temperature_policy must be fixed or fastchat, "
+                             f"got {self.temperature_policy!r}")
+        samples = self.temperature > 0 or self.temperature_policy == "fastchat"
+        if samples and self.method == "medusa" and self.accept == "greedy":
+            raise ValueError(f"configuration {self.name!r} samples at temperature > 0: use accept typical or "
+                             "sample for Medusa (greedy acceptance would ignore the temperature)")
+
+    def temperature_for(self, category: str) -> float:
+        if self.temperature_policy == "fastchat":
+            return FASTCHAT_TEMPERATURES.get(category, 0.0)
+        return self.temperature
 
     @property
     def digest(self) -> str:
@@ -65,7 +81,7 @@ class RunOutput:
     prefill_time: float | None = None  # seconds of the prompt forward (the runtime's methods only)
 
 
-Runner = Callable[[list[int], int], RunOutput]
+Runner = Callable[[list[int], int, float], RunOutput]  # (prompt ids, new tokens, temperature)
 
 
 def _sync(device: torch.device) -> None:
@@ -80,29 +96,38 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
         eos = list(loaded.eos_token_ids) or None
 
         @torch.inference_mode()
-        def run_hf(prompt: list[int], n: int) -> RunOutput:
+        def run_hf(prompt: list[int], n: int, temperature: float = 0.0) -> RunOutput:
             ids = torch.tensor([prompt], device=loaded.device)
+            # FastChat samples when temperature >= 1e-4, with top_p 1 and no top-k
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} \
+                if temperature >= 1e-4 else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+            torch.manual_seed(0)
             _sync(loaded.device)
             t0 = time.perf_counter()
-            out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                        eos_token_id=eos, pad_token_id=eos[0] if eos else 0, top_p=None, top_k=None,
-                                        temperature=None, **extra)
+            out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, eos_token_id=eos,
+                                        pad_token_id=eos[0] if eos else 0, **sampling, **extra)
             _sync(loaded.device)
             new = out[0, len(prompt):].tolist()
             return RunOutput(new, time.perf_counter() - t0, len(new))
 
         return run_hf
-    accept = AcceptConfig(rule=cfg.accept, temperature=cfg.temperature, posterior_threshold=cfg.posterior_threshold,
-                          posterior_alpha=cfg.posterior_alpha)
     use_heads = heads if cfg.method == "medusa" else None
-    decoders: dict[int, MedusaDecoder] = {}
+    decoders: dict[tuple[int, float], MedusaDecoder] = {}
 
-    def run_runtime(prompt: list[int], n: int) -> RunOutput:
-        if n not in decoders:
-            decoders[n] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None, accept,
-                                        DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
-                                                     lookup=LookupConfig(cfg.lookup_tokens)))
-        res = decoders[n].generate(prompt)
+    def accept_at(temperature: float) -> AcceptConfig:
+        # plain decoding has no candidates: at temperature > 0 it simply samples from the warped distribution
+        rule = cfg.accept if (temperature == 0 or cfg.method == "medusa" or cfg.accept != "greedy") else "sample"
+        return AcceptConfig(rule=rule, temperature=temperature, posterior_threshold=cfg.posterior_threshold,
+                            posterior_alpha=cfg.posterior_alpha)
+
+    def run_runtime(prompt: list[int], n: int, temperature: float = 0.0) -> RunOutput:
+        key = (n, temperature)
+        if key not in decoders:
+            decoders[key] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None,
+                                          accept_at(temperature),
+                                          DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
+                                                       lookup=LookupConfig(cfg.lookup_tokens)))
+        res = decoders[key].generate(prompt)
         return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths,
                          res.stats.time_prefill)
 
@@ -169,7 +194,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         return records
     warm = chat_ids(loaded, [questions[0].turns[0]], [])
     for c in configs:  # warm-up, excluded from the records
-        runners[c.name](warm, cfg.warmup_tokens)
+        runners[c.name](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
     meta = {"versions": versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
             "device": str(loaded.device), **(extra or {})}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
@@ -177,9 +202,11 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         for q, turn, rep, c in todo:
             earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
-            out = runners[c.name](prompt, cfg.max_new_tokens)
+            temperature = c.temperature_for(q.category)
+            out = runners[c.name](prompt, cfg.max_new_tokens, temperature)
             rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
-                   "tree": c.tree, "accept": c.accept, "question_id": q.question_id, "category": q.category,
+                   "tree": c.tree, "accept": c.accept, "temperature": temperature,
+                   "question_id": q.question_id, "category": q.category,
                    "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
                    "prefill_time": out.prefill_time,

@@ -33,11 +33,11 @@ def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monk
     def dying(cfg_, loaded_, heads_, topk=10):
         inner = real(cfg_, loaded_, heads_, topk)
 
-        def run(prompt, n):
+        def run(prompt, n, temperature=0.0):
             calls["n"] += 1
             if calls["n"] > 3 + 7:  # 3 warm-ups, then 7 records, then the process "dies"
                 raise KeyboardInterrupt
-            return inner(prompt, n)
+            return inner(prompt, n, temperature)
 
         return run
 
@@ -64,6 +64,26 @@ def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monk
     rec = on_disk[0]
     for key in ("config_hash", "category", "new_tokens", "steps", "accept_lengths", "wall_time", "answer", "versions"):
         assert key in rec
+
+
+def test_fastchat_temperature_policy(tmp_path):
+    """FastChat's per-category temperatures: writing samples at 0.7, math stays greedy (equal to generate)."""
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    configs = [MethodConfig("generate", "generate", temperature_policy="fastchat"),
+               MethodConfig("plain", "plain", temperature_policy="fastchat"),
+               MethodConfig("medusa typical", "medusa", tree="chain:2", accept="typical",
+                            temperature_policy="fastchat")]
+    records = replay(loaded, heads, configs, QUESTIONS[:2], ReplayConfig(max_new_tokens=12, turns=1, warmup_tokens=2),
+                     tmp_path / "r.jsonl", progress=False)
+    temps = {(r["config"], r["category"]): r["temperature"] for r in records}
+    assert all(temps[(c.name, "writing")] == 0.7 and temps[(c.name, "math")] == 0.0 for c in configs)
+    eq = greedy_equality(pd.DataFrame(records), "generate").set_index("config")
+    assert (eq["compared"] == 1).all() and (eq["identical_share"] == 1.0).all()  # only the greedy math question
+    with pytest.raises(ValueError, match="typical or sample"):
+        MethodConfig("m", "medusa", tree="chain:2", temperature_policy="fastchat")
+    with pytest.raises(ValueError, match="temperature_policy"):
+        MethodConfig("m", "plain", temperature_policy="per-category")
 
 
 def test_summary_is_ratio_of_totals():
