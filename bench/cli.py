@@ -205,6 +205,45 @@ def builtin_split(prompts, source: str, part: str):
     return prompts[:cut] if part == "train" else prompts[cut:]
 
 
+def spread_over_categories(questions, n: int):
+    """The first ``n`` questions taking categories in turn (MT-Bench order within each)."""
+    by_cat: dict[str, list] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    out, rank = [], 0
+    while len(out) < min(n, len(questions)):
+        for qs in by_cat.values():
+            if rank < len(qs) and len(out) < n:
+                out.append(qs[rank])
+        rank += 1
+    return out
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from bench.mtbench import load_questions
+    from bench.quality import fidelity
+    from medusa_runtime.decode import encode_prompt
+    from medusa_runtime.model import load_model
+    from treesearch.tree import write_json_atomic
+
+    questions = spread_over_categories(load_questions(args.questions, log=_log), args.limit)
+    original = load_model(args.reference, args.dtype, args.device, log=_log)
+    trained = load_model(args.model, args.dtype, args.device, log=_log)
+    prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
+    res = fidelity(original, trained, prompts, args.max_new_tokens, args.batch_size)
+    obj = {"schema": "medusa-fidelity/1", "model": args.model, "reference": args.reference, "dtype": args.dtype,
+           "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+           "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
+           "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
+    write_json_atomic(args.out, obj)
+    print(f"{res.prompts} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:")
+    print(f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers {res.identical:.2f})")
+    print(f"  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, trained "
+          f"{res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)")
+    print(f"written: {args.out}")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from medusa_runtime.calibrate import CalibrationConfig, calibrate
     from medusa_runtime.prompts import load_prompt_source
@@ -582,6 +621,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/acceptance.json")
     p.add_argument("--plots", default=None, help="folder for the heatmap")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
+    _add_model_args(p)
+    p.add_argument("--reference", default="default", help="the original model")
+    p.add_argument("--questions", default=None, help="question JSONL (default: MT-Bench, offline)")
+    p.add_argument("--limit", type=int, default=20, help="first turns, spread over the categories")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--out", default="results/fidelity.json")
+    p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("validate", help="replay-predicted tau vs measured tau on held-out calibration prompts")
     p.add_argument("--acceptance", required=True)

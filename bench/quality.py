@@ -4,6 +4,7 @@ log-likelihood of each answer under the base model."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,3 +29,41 @@ def mean_log_likelihood(loaded: LoadedModel, prompt: Sequence[int], answer: Sequ
     logp = torch.log_softmax(logits, dim=-1)
     target = torch.tensor(list(answer), device=loaded.device)
     return float(logp.gather(1, target[:, None]).mean())
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How far a retrained model (Medusa-2) drifted from the original on the same prompts."""
+
+    prompts: int
+    agreement: float  # mean token agreement of the trained model's greedy answers with the original's
+    identical: float  # share of answers identical to the original's
+    ll_original: float  # mean log-likelihood of the original's answers under the original (per token)
+    ll_trained: float  # the same answers under the trained model
+
+    @property
+    def ll_drop(self) -> float:
+        """Nats per token the trained model gives up on the original's own answers (>= 0 is a loss)."""
+        return self.ll_original - self.ll_trained
+
+
+def _mean_ll(loaded: LoadedModel, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> float:
+    total = count = 0.0
+    for p, a in zip(prompts, answers):
+        if a:
+            total += mean_log_likelihood(loaded, p, a) * len(a)
+            count += len(a)
+    return total / count if count else float("nan")
+
+
+def fidelity(original: LoadedModel, trained: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             batch_size: int = 8, progress: bool = True) -> Fidelity:
+    """Greedy answers of both models on ``prompts``: token agreement, and the log-likelihood of the
+    original's answers under each model (token-weighted means)."""
+    from medusa_runtime.calibrate import greedy_rollouts
+
+    ref = greedy_rollouts(original, prompts, max_new_tokens, batch_size, progress, desc="original answers")
+    got = greedy_rollouts(trained, prompts, max_new_tokens, batch_size, progress, desc="trained answers")
+    agreement = sum(token_agreement(g, r) for g, r in zip(got, ref)) / len(prompts)
+    identical = sum(list(g) == list(r) for g, r in zip(got, ref)) / len(prompts)
+    return Fidelity(len(prompts), agreement, identical, _mean_ll(original, prompts, ref), _mean_ll(trained, prompts, ref))

@@ -167,3 +167,40 @@ def test_example_labels_mask_the_context():
     ex = Example((5, 6, 7, 8, 9), 3, 0, 0)
     ids, labels = labels_for(ex, 10)
     assert labels.tolist() == [-100, -100, -100, 8, 9] and ids.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_fidelity_against_direct_computation():
+    """Medusa-2 drift measure: a model against itself agrees fully; a perturbed copy's figures match
+    a direct computation (sequential log-softmax, position-by-position agreement)."""
+    import copy
+
+    from bench.cli import spread_over_categories
+    from bench.mtbench import Question
+    from bench.quality import fidelity
+
+    original = tiny_llama(vocab=32, seed=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9, 8]]
+    same = fidelity(original, original, prompts, 10, batch_size=2, progress=False)
+    assert same.agreement == 1.0 and same.identical == 1.0 and same.ll_drop == pytest.approx(0.0, abs=1e-6)
+    model = copy.deepcopy(original.model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.add_(torch.randn_like(model.model.layers[0].mlp.down_proj.weight))
+    trained = LoadedModel(model, None, "perturbed", torch.float32, torch.device("cpu"))
+    res = fidelity(original, trained, prompts, 10, batch_size=2, progress=False)
+    ref = [hf_greedy(original, p, 10) for p in prompts]
+    got = [hf_greedy(trained, p, 10) for p in prompts]
+    agree = sum(sum(a == b for a, b in zip(g, r)) / max(len(g), len(r)) for g, r in zip(got, ref)) / 3
+    assert res.agreement == pytest.approx(agree) and res.agreement < 1.0
+
+    def ll(m, p, a):  # token-weighted mean log p(a | p) by one forward per token
+        out = []
+        for i, tok in enumerate(a):
+            logits = m(torch.tensor([p + a[:i]])).logits[0, -1]
+            out.append(float(torch.log_softmax(logits, -1)[tok]))
+        return out
+
+    want = [x for p, a in zip(prompts, ref) for x in ll(model, p, a)]
+    assert res.ll_trained == pytest.approx(sum(want) / len(want), abs=1e-5)
+    assert res.ll_drop == pytest.approx(res.ll_original - res.ll_trained) and res.ll_drop > 0  # seeded: a real drop
+    qs = [Question(i, c, ("q",)) for i, c in enumerate(["a", "a", "a", "b", "c", "c"])]
+    assert [q.question_id for q in spread_over_categories(qs, 4)] == [0, 3, 4, 1]
