@@ -274,12 +274,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Replay-predicted tau on the held-out calibration prompts against the runtime's measured tau."""
+    from medusa_runtime.acceptance import AcceptConfig
     from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
     from medusa_runtime.prompts import load_prompt_source
     from treesearch.stats import load_stats, tau_step_walk
     from treesearch.tree import load_tree
+    from treesearch.typical import TypicalParams, typical_walk
 
     stats = load_stats(args.acceptance)
     meta = stats.meta
@@ -295,13 +297,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
     heads = resolve_heads(args.heads or meta.get("heads"), loaded.hidden_size, loaded.vocab_size)
     n = int(meta.get("config", {}).get("max_new_tokens", 128))
     encoded = [encode_prompt(loaded, p.turns[0], chat=True) for p in held]
+    accept, typical = AcceptConfig(), None
+    if args.accept == "typical":
+        if stats.typical is None or not stats.typical.heldout:
+            raise ValueError(f"{args.acceptance} has no typical statistics: calibrate with --typical-temperature")
+        typical = TypicalParams(args.posterior_threshold, args.posterior_alpha)
+        accept = AcceptConfig("typical", stats.typical.temperature, posterior_threshold=typical.posterior_threshold,
+                              posterior_alpha=typical.posterior_alpha)
+        print(f"typical acceptance at temperature {stats.typical.temperature}: epsilon "
+              f"{typical.posterior_threshold}, delta {typical.posterior_alpha} (sampled: seed {args.seed})")
     rows = ["| tree | nodes | predicted tau (replay) | measured tau (runtime) | error |", "|---|---:|---:|---:|---:|"]
     for spec in args.trees:
         tree = load_tree(spec)
-        dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(max_new_tokens=n, topk=stats.topk))
+        dec = MedusaDecoder(loaded, heads, tree, accept,
+                            config=DecodeConfig(max_new_tokens=n, topk=stats.topk, seed=args.seed))
         lengths = [length for ids in encoded for length in dec.generate(ids).stats.accept_lengths]
         measured = sum(lengths) / len(lengths)
-        predicted = tau_step_walk(tree, stats.heldout).tau
+        if typical is None:
+            predicted = tau_step_walk(tree, stats.heldout).tau
+        else:
+            predicted = typical_walk(tree, stats.typical.heldout, typical).tau
         rows.append(f"| {tree.name} | {tree.num_nodes - 1} | {predicted:.4f} | {measured:.4f} | "
                     f"{100 * (predicted - measured) / measured:+.2f} % |")
     print(f"{len(held)} held-out prompts, {n} new tokens each")
@@ -639,6 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default=None, help="default: the heads the statistics name")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
+                   help="typical: sample at the calibration's typical temperature and replay typical acceptance")
+    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon")
+    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (typical)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
