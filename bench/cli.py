@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -174,6 +175,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.gen_batch,
                          follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
     examples, cache = build_distill_data(loaded, prompts, dcfg)
+    if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
+        examples = random.Random(args.seed).sample(examples, min(args.max_examples, len(examples)))
     provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
@@ -610,6 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")
     p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--gen-batch", type=int, default=32, help="prompts generated together")
+    p.add_argument("--max-examples", type=int, default=None,
+                   help="train on a random subset of this many examples of the (cached) data")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
