@@ -430,6 +430,12 @@ def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
 
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup)
+    if args.only:
+        unknown = set(args.only) - {c.name for c in configs}
+        if unknown:
+            raise ValueError(f"--only names no configuration: {', '.join(sorted(unknown))}; "
+                             f"have {', '.join(c.name for c in configs)}")
+        configs = [c for c in configs if c.name in (*args.only, "generate", "plain")]
     loaded, df = _run_replay(args, configs, turns=1)
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
@@ -687,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also time plain decoding on transformers' forward (engine 'hf')")
             p.add_argument("--lookup", type=int, default=0,
                            help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
+            p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                           help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
         p.add_argument("--questions", default=None, help="questions JSONL (default: MT-Bench, fetched offline)")
