@@ -369,7 +369,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False,
-                        lookup: int = 0):
+                        lookup: int = 0, gates: Sequence[float] = ()):
     from bench.runner import MethodConfig
 
     configs = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain")]
@@ -381,6 +381,10 @@ def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine:
     if lookup:  # the runtime's own lookup chain, alone and beside each tree
         configs.append(MethodConfig(f"plain +lookup{lookup}", "plain", lookup_tokens=lookup))
         configs += [MethodConfig(f"medusa {t} +lookup{lookup}", "medusa", tree=t, lookup_tokens=lookup) for t in trees]
+    for g in gates:  # confidence-gated trees (levels tried only when the heads are sure enough)
+        suffix = f" +lookup{lookup}" if lookup else ""
+        configs += [MethodConfig(f"medusa {t}{suffix} gate{g:g}", "medusa", tree=t, lookup_tokens=lookup, gate=g)
+                    for t in trees]
     return configs
 
 
@@ -429,7 +433,7 @@ def _spread(questions, limit: int):
 def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
 
-    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup)
+    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate)
     if args.only:
         unknown = set(args.only) - {c.name for c in configs}
         if unknown:
@@ -693,6 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also time plain decoding on transformers' forward (engine 'hf')")
             p.add_argument("--lookup", type=int, default=0,
                            help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
+            p.add_argument("--gate", type=float, nargs="+", default=[],
+                           help="also time each tree with these confidence gates (with the lookup chain when given)")
             p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:

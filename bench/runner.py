@@ -48,6 +48,7 @@ class MethodConfig:
     engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | hf | auto)
     lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
     temperature_policy: str = "fixed"  # fixed: 'temperature' everywhere | fastchat: FastChat's per category
+    gate: float = 0.0  # medusa: confidence gate on the tree's levels (see DecodeConfig.gate; 0: off)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -126,7 +127,7 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
             decoders[key] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None,
                                           accept_at(temperature),
                                           DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
-                                                       lookup=LookupConfig(cfg.lookup_tokens)))
+                                                       lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate))
         res = decoders[key].generate(prompt)
         return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths,
                          res.stats.time_prefill)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treesearch.tree import Tree, load_tree
+from treesearch.tree import Tree, load_tree, make_tree
 
 from .acceptance import AcceptConfig, accept, first_token
 from .engine import make_engine
@@ -44,6 +44,14 @@ class DecodeConfig:
     stop_on_eos: bool = True  # stop at the model's EOS token(s)
     engine: str = "auto"  # lean | hf | auto (lean where the model is Llama-family); see engine.py
     lookup: LookupConfig = LookupConfig()  # prompt-lookup draft chain beside the heads (num_tokens 0: off)
+    # confidence gate on the heads' levels: each step verifies only the tree's levels 1..d where d is the
+    # deepest level whose top-1 chain has an estimated probability (product of the heads' top-1 softmax
+    # probabilities) >= gate; 0 = always the whole tree. Acceptance stays exact: only fewer nodes are tried.
+    gate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gate <= 1.0:
+            raise ValueError(f"gate must be within [0, 1], got {self.gate}")
 
 
 @dataclass
@@ -111,10 +119,13 @@ class MedusaDecoder:
             heads.requires_grad_(False)
             if isinstance(heads, MedusaHeads):  # only the heads the tree reads, batched per block level
                 self._levels = heads.stacked_blocks(self.tree.depth)
-        # with prompt lookup: one buffer set per draft length k = 0..L (each a prefix of the full tree)
+        # with prompt lookup: one buffer set per draft length k = 0..L (each a prefix of the full tree);
+        # with a gate, one such list per heads' depth d = 0..depth (the tree cut below level d)
         heads_depth = buffers.depth
-        self.variants: list[TreeBuffers] = [with_lookup_chain(buffers, k, heads_depth).to(self.device)
-                                            for k in range(config.lookup.num_tokens + 1)]
+        self.variants: list[TreeBuffers] = self._with_lookup(buffers, heads_depth)
+        self.gated: list[list[TreeBuffers]] | None = None
+        if config.gate > 0 and self.tree is not None:
+            self.gated = [self._with_lookup(self._cut(d), heads_depth) for d in range(heads_depth)] + [self.variants]
         self.buffers: TreeBuffers = self.variants[-1]
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
         self.lm_head = self.engine.lm_head_weight()
@@ -123,6 +134,23 @@ class MedusaDecoder:
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
         self.generator = torch.Generator()
         self.generator.manual_seed(config.seed if config.seed is not None else int(torch.seed()))
+
+    def _with_lookup(self, buffers: TreeBuffers, heads_depth: int) -> list[TreeBuffers]:
+        return [with_lookup_chain(buffers, k, heads_depth).to(self.device)
+                for k in range(self.config.lookup.num_tokens + 1)]
+
+    def _cut(self, depth: int) -> TreeBuffers:
+        """Buffers of the tree's levels 1..depth (the root alone for 0); same candidate slots as the full tree."""
+        if depth == 0:  # the root alone; topk kept so that lookup slots sit after all heads' candidates
+            return replace(plain_buffers(), topk=self.config.topk)
+        sub = make_tree([p for p in self.tree.paths if len(p) <= depth], name=f"{self.tree.name}[:{depth}]")
+        return build_tree_buffers(sub, self.heads.num_heads, self.config.topk)
+
+    def _gated_depth(self, head_logits: torch.Tensor) -> int:
+        """Deepest level whose top-1 chain probability (product of the heads' top-1 probabilities) passes the gate."""
+        top1 = torch.softmax(head_logits.float(), dim=-1).amax(dim=-1)  # [depth]
+        chain = torch.cumprod(top1, dim=0)
+        return int((chain >= self.config.gate).sum())  # cumprod is non-increasing: a prefix passes
 
     # ------------------------------------------------------------------ model calls
 
@@ -157,6 +185,9 @@ class MedusaDecoder:
         else:  # any module with the heads' call signature
             logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
         top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
+        self.last_depth = self._gated_depth(logits) if self.gated is not None else depth
+        if self.gated is not None:
+            buffers = self.gated[self.last_depth][len(draft)]
         self._root.fill_(root)
         parts = [self._root, top.flatten()]
         if draft:
@@ -213,8 +244,8 @@ class MedusaDecoder:
                 break
             t0 = time.perf_counter()
             draft = ngrams.draft(root) if ngrams is not None else []
-            buffers = self.variants[len(draft)]
             tokens = self.propose(hidden, root, draft)
+            buffers = self.variants[len(draft)] if self.gated is None else self.gated[self.last_depth][len(draft)]
             self._sync()
             t1 = time.perf_counter()
             logits, hiddens = self.verify(tokens, cur_len, cache, buffers)

@@ -146,3 +146,50 @@ def test_heads_plus_lookup_equal_generate(variant):
     res = MedusaDecoder(loaded, heads, load_tree("chain:2"), config=cfg).generate(prompt)
     assert res.token_ids == ref
     assert max(res.stats.accept_lengths) >= 2
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_confidence_gate_is_exact_and_bounded(variant):
+    """The gate only drops levels: outputs stay generate's; gate 1 is plain + lookup step for step."""
+    n = 40
+    loaded, engine, prompt, ref = repeating_case(variant, 12, n)
+    look = LookupConfig(num_tokens=5, min_ngram=1)
+
+    def oracle():  # the oracle draws from its own RNG: a fresh one per run keeps runs comparable
+        return OracleHeads(loaded, prompt + ref, num_heads=3, topk=4, max_rank=2, miss=0.5, seed=1)
+
+    runs = {}
+    for gate in (0.0, 0.3, 1.0):
+        cfg = DecodeConfig(max_new_tokens=n, topk=4, engine=engine, lookup=look, gate=gate)
+        runs[gate] = MedusaDecoder(loaded, oracle(), load_tree("chain:3"), config=cfg).generate(prompt)
+        assert runs[gate].token_ids == ref
+    plain = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=n, engine=engine, lookup=look)
+                          ).generate(prompt)
+    # random heads never reach probability 1: at gate 1 every step is the root plus the lookup chain
+    weak = fresh_heads(3, 1, loaded.hidden_size, loaded.vocab_size)
+    cfg = DecodeConfig(max_new_tokens=n, topk=4, engine=engine, lookup=look, gate=1.0)
+    gated = MedusaDecoder(loaded, weak, load_tree("chain:3"), config=cfg).generate(prompt)
+    assert gated.token_ids == ref and gated.stats.accept_lengths == plain.stats.accept_lengths
+    full = MedusaDecoder(loaded, oracle(), load_tree("chain:3"),
+                         config=DecodeConfig(max_new_tokens=n, topk=4, engine=engine, lookup=look)).generate(prompt)
+    assert runs[0.0].stats.accept_lengths == full.stats.accept_lengths
+
+
+def test_gated_depth_against_direct_products():
+    loaded, _, _, _ = repeating_case("llama-lean", 3, 4)
+    heads = fresh_heads(3, 1, loaded.hidden_size, loaded.vocab_size)
+    dec = MedusaDecoder(loaded, heads, load_tree("chain:3"), config=DecodeConfig(topk=4, gate=0.2))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(3, loaded.vocab_size, generator=g) * 4
+        p = torch.softmax(logits, -1).max(-1).values.tolist()
+        want = 0
+        prod = 1.0
+        for pj in p:
+            prod *= pj
+            if prod < 0.2:
+                break
+            want += 1
+        assert dec._gated_depth(logits) == want
+    with pytest.raises(ValueError, match="gate"):
+        DecodeConfig(gate=1.5)
