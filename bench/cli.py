@@ -208,20 +208,6 @@ def builtin_split(prompts, source: str, part: str):
     return prompts[:cut] if part == "train" else prompts[cut:]
 
 
-def spread_over_categories(questions, n: int):
-    """The first ``n`` questions taking categories in turn (MT-Bench order within each)."""
-    by_cat: dict[str, list] = {}
-    for q in questions:
-        by_cat.setdefault(q.category, []).append(q)
-    out, rank = [], 0
-    while len(out) < min(n, len(questions)):
-        for qs in by_cat.values():
-            if rank < len(qs) and len(out) < n:
-                out.append(qs[rank])
-        rank += 1
-    return out
-
-
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from bench.mtbench import load_questions
     from bench.quality import fidelity
@@ -395,7 +381,7 @@ def _run_replay(args, configs, turns: int):
 
     questions = load_questions(args.questions, tuple(args.categories) if args.categories else None, log=_log)
     if args.limit:
-        questions = _spread(questions, args.limit)
+        questions = spread_over_categories(questions, args.limit)
     loaded, heads = _model_and_heads(args)
     if heads is None and any(c.method == "medusa" for c in configs):
         raise ValueError("Medusa configurations need --heads")
@@ -416,7 +402,7 @@ def _run_replay(args, configs, turns: int):
     return loaded, df
 
 
-def _spread(questions, limit: int):
+def spread_over_categories(questions, limit: int):
     """The first questions of each category in turn, so a small limit still covers every category."""
     by_cat: dict[str, list] = {}
     for q in questions:
