@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 
 from treesearch.cost import LatencyProfile, predict  # noqa: E402
 from treesearch.optimal import model_for, optimal_tree  # noqa: E402
+from treesearch.search import objective_value  # noqa: E402
 from treesearch.stats import AcceptanceStats  # noqa: E402
 
 
@@ -94,10 +95,10 @@ def _plot_pareto(result, out_dir: str | Path) -> list[Path]:
     ax.scatter([h["regret"] for h in hist], [h["value"] for h in hist], s=10, color="tab:gray", alpha=0.6,
                label="trial")
     front = result.pareto
-    ax.plot([s.regret for s in front], [_objective_value(s, result.objective) for s in front], marker="o", ms=4,
+    ax.plot([s.regret for s in front], [objective_value(s, result.objective) for s in front], marker="o", ms=4,
             color="tab:red", label="Pareto front")
     best = result.best
-    ax.scatter([best.regret], [_objective_value(best, result.objective)], marker="*", s=160, color="black",
+    ax.scatter([best.regret], [objective_value(best, result.objective)], marker="*", s=160, color="black",
                label=f"chosen: eps {best.typical.posterior_threshold:.3f}, delta {best.typical.posterior_alpha:.3f}",
                zorder=3)
     ax.set_xlabel("regret: nats per token lost against the base model's own choice")
@@ -105,10 +106,6 @@ def _plot_pareto(result, out_dir: str | Path) -> list[Path]:
     ax.set_title("typical acceptance: speed against the quality proxy")
     ax.legend(fontsize=8)
     return _save(fig, out_dir, "pareto_typical")
-
-
-def _objective_value(score, objective: str) -> float:
-    return score.speedup if objective == "speedup" else score.tau
 
 
 def plot_latency(profile: LatencyProfile, out_dir: str | Path) -> list[Path]:

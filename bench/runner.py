@@ -117,7 +117,7 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
 
     def accept_at(temperature: float) -> AcceptConfig:
         # plain decoding has no candidates: at temperature > 0 it simply samples from the warped distribution
-        rule = cfg.accept if (temperature == 0 or cfg.method == "medusa" or cfg.accept != "greedy") else "sample"
+        rule = "sample" if temperature > 0 and cfg.method == "plain" and cfg.accept == "greedy" else cfg.accept
         return AcceptConfig(rule=rule, temperature=temperature, posterior_threshold=cfg.posterior_threshold,
                             posterior_alpha=cfg.posterior_alpha)
 

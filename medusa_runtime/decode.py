@@ -127,6 +127,7 @@ class MedusaDecoder:
         if config.gate > 0 and self.tree is not None:
             self.gated = [self._with_lookup(self._cut(d), heads_depth) for d in range(heads_depth)] + [self.variants]
         self.buffers: TreeBuffers = self.variants[-1]
+        self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
         self.lm_head = self.engine.lm_head_weight()
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -167,8 +168,11 @@ class MedusaDecoder:
         return self.engine.forward(ids, 0, cache, last_only=True)
 
     def propose(self, hidden: torch.Tensor, root: int, draft: Sequence[int] = ()) -> torch.Tensor:
-        """Tree tokens [N] from the root token, the heads' top-k on one hidden state [H] and a lookup draft."""
-        buffers = self.variants[len(draft)]
+        """Tree tokens [N] from the root token, the heads' top-k on one hidden state [H] and a lookup draft.
+
+        The buffers the tokens are laid out for (the full tree, or its gated cut) are left in ``step_buffers``.
+        """
+        buffers = self.step_buffers = self.variants[len(draft)]
         if self.tree is None:
             if not draft:
                 return self._root.fill_(root)
@@ -185,9 +189,8 @@ class MedusaDecoder:
         else:  # any module with the heads' call signature
             logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
         top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
-        self.last_depth = self._gated_depth(logits) if self.gated is not None else depth
         if self.gated is not None:
-            buffers = self.gated[self.last_depth][len(draft)]
+            buffers = self.step_buffers = self.gated[self._gated_depth(logits)][len(draft)]
         self._root.fill_(root)
         parts = [self._root, top.flatten()]
         if draft:
@@ -245,7 +248,7 @@ class MedusaDecoder:
             t0 = time.perf_counter()
             draft = ngrams.draft(root) if ngrams is not None else []
             tokens = self.propose(hidden, root, draft)
-            buffers = self.variants[len(draft)] if self.gated is None else self.gated[self.last_depth][len(draft)]
+            buffers = self.step_buffers
             self._sync()
             t1 = time.perf_counter()
             logits, hiddens = self.verify(tokens, cur_len, cache, buffers)

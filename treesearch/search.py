@@ -84,6 +84,17 @@ class SearchResult:
     pareto: list[TreeScore] = field(default_factory=list)  # typical: speed (or tau) vs regret front
 
 
+def objective_value(score: TreeScore, objective: str) -> float:
+    """The number a study maximises for a score: predicted speed-up or tau."""
+    return score.speedup if objective == "speedup" else score.tau
+
+
+def _typical_stats(stats: AcceptanceStats):
+    if stats.typical is None:
+        raise StatsError("typical acceptance needs typical statistics: calibrate with --typical-temperature")
+    return stats.typical
+
+
 def _with_speed(tree: Tree, tau: float, latency: LatencyProfile | None, context: int | None, **extra) -> TreeScore:
     if latency is None:
         return TreeScore(tree, tau, None, None, **extra)
@@ -98,9 +109,7 @@ def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, con
 def score_typical(tree: Tree, stats: AcceptanceStats, params: TypicalParams, latency: LatencyProfile | None,
                   context: int | None) -> TreeScore:
     """Tau and regret by replaying typical acceptance on the fitting rollouts (``treesearch.typical``)."""
-    if stats.typical is None:
-        raise StatsError("typical acceptance needs typical statistics: calibrate with --typical-temperature")
-    walk = typical_walk(tree, stats.typical.rollouts, params)
+    walk = typical_walk(tree, _typical_stats(stats).rollouts, params)
     return _with_speed(tree, walk.tau, latency, context, typical=params, regret=walk.regret)
 
 
@@ -113,8 +122,8 @@ class TreeObjective:
         self.objective = cfg.objective if cfg.objective != "auto" else ("speedup" if latency else "tau")
         if self.objective == "speedup" and latency is None:
             raise StatsError("objective 'speedup' needs a latency profile (--latency)")
-        if cfg.accept == "typical" and stats.typical is None:
-            raise StatsError("typical acceptance needs typical statistics: calibrate with --typical-temperature")
+        if cfg.accept == "typical":
+            _typical_stats(stats)  # fail before the study starts
 
     @property
     def directions(self) -> list[str]:
@@ -122,7 +131,7 @@ class TreeObjective:
         return ["maximize", "maximize"] if self.cfg.accept == "typical" else ["maximize"]
 
     def value(self, score: TreeScore) -> float:
-        return score.speedup if self.objective == "speedup" else score.tau
+        return objective_value(score, self.objective)
 
     def values(self, score: TreeScore) -> float | tuple[float, float]:
         if self.cfg.accept == "typical":
