@@ -80,13 +80,12 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
 
 def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int) -> torch.Tensor:
     """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H]."""
-    lm_head = loaded.model.get_output_embeddings()
-    states = heads.head_states(hidden)  # [P, K, H]
+    lm_weight = loaded.model.get_output_embeddings().weight
     tops = []
-    for j in range(heads.num_heads):
-        logits = lm_head(states[:, j]) if heads.proj is None else states[:, j] @ heads.proj[j].T  # [P, V]
-        tops.append(torch.topk(logits.float(), topk, dim=-1).indices)
-    return torch.stack(tops, dim=1)
+    for chunk in hidden.split(64):  # [p, K, S] logits at a time (S: the heads' draft vocabulary, else V)
+        logits = heads.draft_logits(heads.head_states(chunk), lm_weight)
+        tops.append(heads.token_ids(torch.topk(logits.float(), topk, dim=-1).indices))
+    return torch.cat(tops)
 
 
 def _ranks(top: torch.Tensor, rollout: torch.Tensor) -> list[tuple[int, ...]]:
@@ -177,6 +176,7 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
         typical = TypicalStats(cfg.typical_temperature, tuple(measured[i][1] for i in fit_idx),
                                tuple(measured[i][1] for i in held_idx))
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "rule": "greedy",
+            "draft_vocab": None if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
             "machine": platform.node(), **(provenance or {})}

@@ -48,6 +48,8 @@ class DecodeConfig:
     # deepest level whose top-1 chain has an estimated probability (product of the heads' top-1 softmax
     # probabilities) >= gate; 0 = always the whole tree. Acceptance stays exact: only fewer nodes are tried.
     gate: float = 0.0
+    # heads that carry a draft vocabulary (heads.draft_vocab) score only those tokens; False: the whole vocabulary
+    draft_vocab: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gate <= 1.0:
@@ -130,6 +132,13 @@ class MedusaDecoder:
         self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
         self.lm_head = self.engine.lm_head_weight()
+        self._project = self._draft_ids = None
+        if self._levels is not None:  # the heads' vocabulary projection, built (and prepacked) once
+            use_vocab = config.draft_vocab and heads.draft_vocab is not None
+            self._draft_ids = heads.draft_vocab.to(self.device) if use_vocab else None
+            weight = heads.projection(self.lm_head, self.tree.depth, use_draft_vocab=use_vocab)
+            self._project = (self.engine.projector(weight) if weight.dim() == 2 else
+                             lambda states: torch.einsum("kh,kvh->kv", states, weight))  # [depth, S]
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
@@ -182,13 +191,12 @@ class MedusaDecoder:
             states = hidden.expand(depth, 1, -1)  # [depth, 1, H]: the same state into every head
             for weight, bias in self._levels:  # one batched matmul per residual level
                 states = states + F.silu(torch.baddbmm(bias, states, weight))
-            states = states[:, 0]  # [depth, H]
-            proj = self.heads.proj
-            logits = F.linear(states, self.lm_head) if proj is None else torch.einsum("kh,kvh->kv", states,
-                                                                                       proj[:depth])
+            logits = self._project(states[:, 0])  # [depth, S]: S the draft vocabulary's size (else V)
         else:  # any module with the heads' call signature
             logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
         top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
+        if self._draft_ids is not None:
+            top = self._draft_ids[top]  # rows of the draft vocabulary -> token ids
         if self.gated is not None:
             buffers = self.step_buffers = self.gated[self._gated_depth(logits)][len(draft)]
         self._root.fill_(root)

@@ -93,6 +93,11 @@ class HFEngine:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
+    @staticmethod
+    def projector(weight: torch.Tensor):
+        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in]."""
+        return lambda x: F.linear(x, weight)
+
 
 # ---------------------------------------------------------------------------- lean Llama engine
 
@@ -227,6 +232,9 @@ class LeanEngine:
         freqs = torch.outer(torch.arange(length, device=self.device).float(), inv_freq)  # [T, D/2]
         table = torch.cat([freqs, freqs], dim=-1)  # [T, D]
         self._cos, self._sin = table.cos().to(self.dtype), table.sin().to(self.dtype)
+        # rotate_half(x) sin = roll(x, D/2) * [-sin_lo, sin_hi]: the sign moves into the table (exact)
+        half = d // 2
+        self._sin = torch.cat([-self._sin[:, :half], self._sin[:, half:]], dim=-1)
         self._rope_len = length
 
     def new_cache(self, capacity: int) -> LeanCache:
@@ -286,9 +294,8 @@ class LeanEngine:
         x = F.embedding(ids, self.embed)  # [n, H]
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._rms(x, w.ln1)).view(n, h + 2 * kv, d)
-            qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin
-            x1, x2 = qk.chunk(2, dim=-1)
-            qk = qk * cos + torch.cat([-x2, x1], dim=-1) * sin
+            qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin (sign in the table)
+            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
             cache.keys[i, :, start:end] = qk[:, h:].transpose(0, 1)  # [kv, n, D]
             cache.values[i, :, start:end] = qkv[:, h + kv:].transpose(0, 1)
             q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, n, D]
@@ -311,6 +318,10 @@ class LeanEngine:
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head
+
+    def projector(self, weight: torch.Tensor) -> _Linear:
+        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in], prepacked like the model's own."""
+        return self._logits if weight is self.lm_head else _Linear(weight, self.packed)
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:

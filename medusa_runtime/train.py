@@ -325,6 +325,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         # costs a fraction of the full projection (validation still scores the full vocabulary)
         subset = torch.tensor(sorted({t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}))
         log(f"training vocabulary: {len(subset)} of {loaded.vocab_size} tokens (those the replies contain)")
+        heads.set_draft_vocab(subset)  # saved with the heads: they propose only tokens they were trained on
     trainer = HeadTrainer(heads, lm_weight, cfg, subset)
     evaluator = HeadTrainer(heads, lm_weight, cfg)
     result = TrainResult(out, 0)

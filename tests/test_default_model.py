@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.heads import fresh_heads
+from medusa_runtime.heads import fresh_heads, resolve_heads
 from medusa_runtime.model import describe_model, load_model
 from treesearch.tree import load_tree
 
@@ -61,6 +61,29 @@ def test_bf16_plain_decoding_equals_hf_generate_in_bf16():
     ref = hf_greedy(bf16, prompt, 16)
     res = MedusaDecoder(bf16, None, None, config=DecodeConfig(max_new_tokens=16)).generate(prompt)
     assert res.token_ids == ref
+
+
+def test_shipped_heads_draft_vocabulary_bf16_projection(default_model, mt_bench_first_turns):
+    """The shipped heads carry their training vocabulary; the decoder's prepacked bf16 projection of it
+    proposes what the module path (full logits, -inf outside the vocabulary) ranks first."""
+    bf16 = load_model("default", "bfloat16", log=lambda m: None)
+    heads = resolve_heads("default", bf16.hidden_size, bf16.vocab_size)
+    assert heads.draft_vocab is not None and 1000 < heads.draft_vocab.numel() < bf16.vocab_size
+    decoder = MedusaDecoder(bf16, heads, "chain:3", config=DecodeConfig(max_new_tokens=24, topk=1))
+    prompt = encode_prompt(bf16, mt_bench_first_turns[10]["turns"][0], chat=True)
+    hidden = decoder.prefill(torch.tensor(prompt), decoder.new_cache(len(prompt) + 8))[1][-1]
+    proposed = decoder.propose(hidden, root=7)[1:]  # the heads' top-1 on three levels
+    with torch.inference_mode():
+        reference = heads(hidden, bf16.model.get_output_embeddings())[:3].float()  # [3, V]
+    chosen = reference.gather(-1, proposed[:, None])[:, 0]
+    # ties aside, the proposal is the module's argmax (bf16 kernels may round a near-tie differently)
+    assert torch.all(chosen >= reference.amax(-1) - 0.05)
+    assert set(proposed.tolist()) <= set(heads.draft_vocab.tolist())
+    # and in float32, shipped heads drafting from their vocabulary decode exactly what generate does
+    f32 = MedusaDecoder(default_model, resolve_heads("default", bf16.hidden_size, bf16.vocab_size), "chain:3",
+                        config=DecodeConfig(max_new_tokens=24))
+    res = f32.generate(prompt)
+    assert res.token_ids == hf_greedy(default_model, prompt, 24) and res.stats.tau > 1.0
 
 
 @pytest.mark.slow

@@ -126,3 +126,65 @@ def test_resolve_heads_specs():
     for bad in ("fresh:", "fresh:x", "fresh:0"):
         with pytest.raises(HeadsError, match="bad heads spec"):
             resolve_heads(bad, 64, 64)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_draft_vocabulary_restricts_proposals_and_round_trips(tmp_path, shared):
+    """Heads with a draft vocabulary score only those tokens (-inf elsewhere), keep it through save/load
+    in both formats, and decoding with them still equals generate (verification is unchanged)."""
+    from medusa_runtime.calibrate import _head_topk
+
+    from .conftest import hf_greedy
+
+    loaded = tiny_llama()
+    lm_head = loaded.model.get_output_embeddings()
+    heads = MedusaHeads(HeadsConfig(4, 1, loaded.hidden_size, loaded.vocab_size, shared_lm_head=shared))
+    heads.init_projection_from(lm_head)
+    _randomise(heads, seed=3)
+    full = heads(torch.randn(1, loaded.hidden_size), lm_head)
+    vocab = [1, 5, 9, 17, 30, 31, 40, 41, 42, 50, 51, 60, 63]
+    heads.set_draft_vocab(list(reversed(vocab)) + [5])  # kept sorted and unique
+    assert heads.draft_vocab.tolist() == vocab
+    h = torch.randn(5, loaded.hidden_size)
+    out = heads(h, lm_head)  # [5, 4, V]
+    heads.set_draft_vocab(None)
+    reference = heads(h, lm_head)
+    heads.set_draft_vocab(vocab)
+    torch.testing.assert_close(out[..., vocab], reference[..., vocab], rtol=1e-6, atol=1e-6)
+    outside = [t for t in range(loaded.vocab_size) if t not in vocab]
+    assert torch.isinf(out[..., outside]).all() and not torch.equal(full, out[:1])
+
+    # calibration ranks the same candidates: the top-k of the full logits masked to the vocabulary
+    top = _head_topk(loaded, heads, h, 4)  # [5, 4, 4]
+    assert torch.equal(top, torch.topk(out, 4, dim=-1).indices)
+
+    fmt = "shared" if shared else "official"
+    again = load_heads(save_heads(heads, tmp_path / fmt, fmt=fmt, lm_head=lm_head), loaded.hidden_size,
+                       loaded.vocab_size)
+    assert again.draft_vocab.tolist() == vocab
+    torch.testing.assert_close(again(h, lm_head), out, rtol=0, atol=0)
+
+    prompt = [3, 14, 15, 9, 2]
+    cfg = DecodeConfig(max_new_tokens=30, topk=10)
+    decoder = MedusaDecoder(loaded, again, "mc_sim_7b_63", config=cfg)
+    proposed = decoder.propose(torch.randn(loaded.hidden_size), root=7)
+    assert set(proposed[1:].tolist()) <= set(vocab)  # every head candidate comes from the draft vocabulary
+    assert decoder.generate(prompt).token_ids == hf_greedy(loaded, prompt, 30)
+    whole = MedusaDecoder(loaded, again, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=30, topk=10,
+                                                                              draft_vocab=False))
+    assert not set(whole.propose(torch.randn(loaded.hidden_size), root=7)[1:].tolist()) <= set(vocab)
+
+
+def test_bad_draft_vocabulary_is_refused(tmp_path):
+    heads = fresh_heads(2, 1, 64, 64)
+    with pytest.raises(HeadsError, match="within \\[0, 64\\)"):
+        heads.set_draft_vocab([3, 64])
+    with pytest.raises(HeadsError, match="1 or more"):
+        heads.set_draft_vocab([])
+    folder = save_heads(heads, tmp_path / "h")
+    (folder / "draft_vocab.json").write_text('{"ids": [1, 2]}')
+    with pytest.raises(HeadsError, match="not a list of token ids"):
+        load_heads(folder, 64, 64)
+    (folder / "draft_vocab.json").write_text("[1, 2, 99]")
+    with pytest.raises(HeadsError, match="within \\[0, 64\\)"):
+        load_heads(folder, 64, 64)

@@ -116,6 +116,17 @@ def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
     assert rec2["history"][: res.steps] == rec["history"][: res.steps]
 
 
+def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_path):
+    """Heads trained on the replies' vocabulary keep it: they propose only tokens they were trained on."""
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(num_heads=2, epochs=1, batch_tokens=256, val_fraction=0.0, vocab="replies")
+    train_medusa1(loaded, examples, cfg, tmp_path / "run", progress=False, log=lambda m: None)
+    replies = sorted({t for e in examples for t in e.input_ids[e.reply_start:cfg.max_len]})
+    for folder in ("heads", "heads-official"):
+        heads = load_heads(tmp_path / "run" / folder, loaded.hidden_size, loaded.vocab_size)
+        assert heads.draft_vocab.tolist() == replies
+
+
 def test_medusa2_smoke(tiny_examples, tmp_path):
     loaded, _, examples, _ = tiny_examples
     cfg = TrainConfig(method="medusa2", num_heads=2, epochs=1, batch_tokens=512, val_fraction=0.0,
