@@ -374,9 +374,25 @@ def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine:
     return configs
 
 
+def _replay_inputs(args, configs) -> dict:
+    """What records of a replay depend on besides their configuration's fields (which each record's hash
+    carries): the runtime revision, model, heads' and tree files' contents, questions, lengths."""
+    from bench.pipeline import RUNTIME_REVISION, file_hash, folder_hash
+    from medusa_runtime.heads import shipped_heads_dir
+
+    heads = args.heads
+    folder = shipped_heads_dir() if heads == "default" else Path(heads)
+    return {"runtime": RUNTIME_REVISION, "model": args.model, "dtype": args.dtype, "device": args.device,
+            "heads": folder_hash(folder) if folder is not None and folder.is_dir() else heads,
+            "questions": file_hash(Path(args.questions)) if args.questions else "mt-bench",
+            "max_new_tokens": args.max_new_tokens,
+            "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
+
+
 def _run_replay(args, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
     from bench.mtbench import load_questions
+    from bench.pipeline import StageCache, isolate_records
     from bench.runner import ReplayConfig, replay
 
     questions = load_questions(args.questions, tuple(args.categories) if args.categories else None, log=_log)
@@ -387,6 +403,7 @@ def _run_replay(args, configs, turns: int):
         raise ValueError("Medusa configurations need --heads")
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
     out_dir = Path(args.out)
+    isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
                      extra={"heads": args.heads})
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])

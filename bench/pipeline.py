@@ -22,8 +22,9 @@ from pathlib import Path
 from treesearch.tree import write_json_atomic
 
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
-# (stage keys hash the stages' inputs, not the code). 2: the lean engine.
-RUNTIME_REVISION = 2
+# (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
+# prepacked head projection.
+RUNTIME_REVISION = 3
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 
 
@@ -157,7 +158,6 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     replay_dir = out / "replay"
     replay_inputs = {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions,
                      "runtime": RUNTIME_REVISION}
-    _records_for(replay_dir, StageCache.key_of(replay_inputs))
     cache.run("replay", replay_inputs,
               [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", heads, "--dtype", dtype,
@@ -171,9 +171,9 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
         print(f"  {p}")
 
 
-def _records_for(folder: Path, key: str) -> None:
-    """Records resume only within one set of replay inputs: records made under other inputs (another
-    runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
+def isolate_records(folder: Path, key: str) -> None:
+    """Records resume only within one set of replay inputs (``replay`` and ``speed`` call this): records made
+    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
     folder.mkdir(parents=True, exist_ok=True)
     marker, records = folder / "inputs.key", folder / "records.jsonl"
     old = marker.read_text().strip() if marker.is_file() else "unknown"

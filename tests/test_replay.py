@@ -108,3 +108,40 @@ def test_question_loading(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question_id": 5}\n')
     with pytest.raises(ValueError, match="line 1"):
         load_questions(tmp_path / "bad.jsonl")
+
+
+def test_records_resume_only_under_the_same_inputs(tmp_path):
+    """A replay or speed run into a folder of older records (another runtime revision, heads or tree file)
+    moves them aside instead of resuming them."""
+    import argparse
+
+    from bench.cli import _replay_inputs
+    from bench.pipeline import StageCache, isolate_records
+
+    heads_dir, tree = tmp_path / "heads", tmp_path / "tree.json"
+    heads_dir.mkdir()
+    (heads_dir / "config.json").write_text("{}")
+    tree.write_text('{"medusa_choices": [[0]]}')
+    args = argparse.Namespace(heads=str(heads_dir), model="default", dtype="bfloat16", device="cpu",
+                              questions=None, max_new_tokens=64)
+    configs = [MethodConfig("medusa t", "medusa", tree=str(tree)), MethodConfig("plain", "plain")]
+
+    def key():
+        return StageCache.key_of(_replay_inputs(args, configs))
+
+    first = key()
+    out = tmp_path / "run"
+    isolate_records(out, first)
+    (out / "records.jsonl").write_text('{"config": "plain"}\n')
+    isolate_records(out, key())  # same inputs: the records stay to be resumed
+    assert (out / "records.jsonl").read_text() == '{"config": "plain"}\n'
+    tree.write_text('{"medusa_choices": [[0], [1]]}')  # same path, other tree
+    assert key() != first
+    (heads_dir / "draft_vocab.json").write_text("[1, 2]")  # same folder, other heads
+    changed = key()
+    isolate_records(out, changed)
+    assert not (out / "records.jsonl").exists()
+    assert (out / f"records.{first}.jsonl").read_text() == '{"config": "plain"}\n'
+    assert (out / "inputs.key").read_text().strip() == changed
+    args.max_new_tokens = 128
+    assert key() != changed
