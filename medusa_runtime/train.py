@@ -57,7 +57,7 @@ class TrainConfig:
     lm_weight: float = 1.0  # medusa2: weight of the next-token loss
     lora_rank: int = 0  # medusa2: LoRA rank on the base (peft), 0 = full fine-tuning
     official_format: bool = True  # also write the official per-head-projection format
-    vocab: str = "full"  # medusa1 training softmax: full | replies (only tokens the replies contain: faster)
+    vocab: str = "full"  # heads' training softmax: full | replies (only tokens the replies contain: faster)
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa1", "medusa2"):
@@ -192,13 +192,12 @@ class HeadTrainer:
         if subset is not None:
             self.remap = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
             self.remap[subset] = torch.arange(len(subset))
-            self.sub_weight = lm_weight[subset]  # [S, H]
 
     def logits(self, j: int, states: torch.Tensor) -> torch.Tensor:
         if self.heads.proj is not None:
             w = self.heads.proj[j] if self.subset is None else self.heads.proj[j][self.subset]
-        else:
-            w = self.lm_weight if self.subset is None else self.sub_weight
+        else:  # rows taken per call: Medusa-2's lm_head changes while it trains
+            w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]  # [S, H]
         return states @ w.T.to(torch.bfloat16 if torch.is_autocast_enabled("cpu") else states.dtype)
 
     def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
@@ -303,6 +302,20 @@ def _start(examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path
     return out, random.Random(cfg.seed), train_ex, val_ex
 
 
+def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: TrainConfig, vocab_size: int,
+                         log: Callable[[str], None]) -> torch.Tensor | None:
+    """``vocab: replies``: the token ids the training replies contain ([S], sorted), also set as the
+    heads' draft vocabulary (saved with them: they propose only tokens they were trained on)."""
+    if cfg.vocab != "replies":
+        return None
+    # the base model's own replies use a small part of the vocabulary; a softmax over those tokens
+    # costs a fraction of the full projection (validation still scores the full vocabulary)
+    subset = torch.tensor(sorted({t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}))
+    log(f"training vocabulary: {len(subset)} of {vocab_size} tokens (those the replies contain)")
+    heads.set_draft_vocab(subset)
+    return subset
+
+
 def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
@@ -319,13 +332,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
-    subset = None
-    if cfg.vocab == "replies":
-        # the base model's own replies use a small part of the vocabulary; a softmax over those tokens
-        # costs a fraction of the full projection (validation still scores the full vocabulary)
-        subset = torch.tensor(sorted({t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}))
-        log(f"training vocabulary: {len(subset)} of {loaded.vocab_size} tokens (those the replies contain)")
-        heads.set_draft_vocab(subset)  # saved with the heads: they propose only tokens they were trained on
+    subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
     trainer = HeadTrainer(heads, lm_weight, cfg, subset)
     evaluator = HeadTrainer(heads, lm_weight, cfg)
     result = TrainResult(out, 0)
@@ -389,10 +396,67 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
 # ---------------------------------------------------------------------------- Medusa-2
 
 
+def padded_batch(examples: Sequence[Example], max_len: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T], labels [B, T] (-100 on prompts and padding) and attention mask [B, T]."""
+    rows = [labels_for(e, max_len) for e in examples]
+    t = max(len(ids) for ids, _ in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    labels = torch.full((len(rows), t), -100, dtype=torch.long)
+    attn = torch.zeros(len(rows), t, dtype=torch.long)
+    for b, (i, lab) in enumerate(rows):
+        ids[b, : len(i)], labels[b, : len(i)], attn[b, : len(i)] = i, lab, 1
+    return ids.to(device), labels.to(device), attn.to(device)
+
+
+def _last_hidden(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden state (final norm applied) [B, T, H], without the vocabulary projection."""
+    return model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+
+
+def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, labels: torch.Tensor,
+                  attn: torch.Tensor, cfg: TrainConfig, joint: bool) -> tuple[torch.Tensor, list[HeadStats | None]]:
+    """Head losses on the student's hidden states (+ next-token loss and KL to the teacher when joint)."""
+    cpu = ids.device.type == "cpu"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu), torch.set_grad_enabled(joint):
+        hidden = _last_hidden(student, ids, attn).float()  # [B, T, H]
+    lengths = attn.sum(1).tolist()
+    loss, stats = trainer.batch_loss([hidden[b, :n] for b, n in enumerate(lengths)],
+                                     [labels[b, :n] for b, n in enumerate(lengths)])
+    mask, targets = head_targets(labels, 1)  # next-token positions of the replies
+    if joint and int(mask.sum()):
+        with torch.no_grad():
+            t_logits = teacher.get_output_embeddings()(_last_hidden(teacher, ids, attn)[mask]).float()  # [n, V]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu):
+            s_logits = student.get_output_embeddings()(hidden[mask]).float()  # [n, V]
+        lm_loss = F.cross_entropy(s_logits, targets[mask])
+        kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                      reduction="batchmean")
+        loss = loss + cfg.lm_weight * lm_loss + cfg.distill_weight * kl
+    return loss, stats
+
+
+@torch.no_grad()
+def _student_hidden(student, examples: Sequence[Example], max_len: int) -> list[torch.Tensor]:
+    out = []
+    for e in examples:
+        ids, _, attn = padded_batch([e], max_len, next(student.parameters()).device)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
+            out.append(_last_hidden(student, ids, attn)[0].to(torch.bfloat16).cpu())
+    return out
+
+
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
-    """Joint training. The original model is kept as a frozen teacher for the KL term."""
+    """Joint training. The original model is kept as a frozen teacher for the KL term.
+
+    Each step: the batch's examples right-padded into one forward of the student (bf16 autocast on CPU,
+    float32 master weights); the heads read its last hidden states at the usable positions only (on the
+    replies' vocabulary with ``vocab: replies``, through the student's current lm_head, not trained by
+    the heads); after the heads-only warm-up, the next-token loss and KL(teacher || student) at the reply
+    positions join, and gradients reach the base.
+    """
     out, rng, train_ex, val_ex = _start(examples, cfg, out_dir)
     teacher = loaded.model
     student = copy.deepcopy(teacher).float()
@@ -401,12 +465,14 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
 
         student = get_peft_model(student, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    base_params = [p for p in student.parameters()]
-    for p in base_params:
+    for p in student.parameters():
         p.requires_grad_(False)
     trainable_base = [p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n]
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name))
+    subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
+    lm_weight = student.get_output_embeddings().weight
+    trainer = HeadTrainer(heads, lm_weight.detach(), cfg, subset)  # a view: follows the student's updates
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     warm = int(cfg.heads_warmup_ratio * total_steps)
@@ -425,48 +491,29 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
             for p in trainable_base:
                 p.requires_grad_(joint)
             student.train(joint)
-            loss_total = torch.zeros(())
-            all_stats: list[list[HeadStats | None]] = []
-            for i in batch:
-                ids, labels = labels_for(train_ex[i], cfg.max_len)
-                ids, labels = ids[None].to(loaded.device), labels[None].to(loaded.device)
-                with torch.no_grad():
-                    t_logits = teacher(input_ids=ids).logits.float()  # [1, T, V]
-                with torch.set_grad_enabled(True):
-                    s_out = student(input_ids=ids, output_hidden_states=True)
-                    hidden = s_out.hidden_states[-1]
-                    if not joint:
-                        hidden = hidden.detach()
-                    lm = student.get_output_embeddings()
-                    head_logits = [lm(heads.head_states(hidden)[:, :, j]) for j in range(cfg.num_heads)]
-                    h_loss, stats = medusa_loss(head_logits, labels, cfg.loss_decay)
-                    mask, targets = head_targets(labels, 1)
-                    loss = h_loss
-                    if joint and int(mask.sum()):
-                        s_logits = s_out.logits.float()
-                        lm_loss = F.cross_entropy(s_logits[mask], targets[mask])
-                        kl = F.kl_div(F.log_softmax(s_logits[mask], -1), F.log_softmax(t_logits[mask], -1),
-                                      log_target=True, reduction="batchmean")
-                        loss = loss + cfg.lm_weight * lm_loss + cfg.distill_weight * kl
-                loss_total = loss_total + loss.detach()
-                (loss / len(batch)).backward()
-                all_stats.append(stats)
-            optimizer.step()
+            heads.train()
+            ids, labels, attn = padded_batch([train_ex[i] for i in batch], cfg.max_len, loaded.device)
+            loss, stats = _medusa2_loss(student, teacher, trainer, ids, labels, attn, cfg, joint)
+            if loss.requires_grad:
+                loss.backward()
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step += 1
-            top1 = []
-            for j in range(cfg.num_heads):
-                got = [s[j] for s in all_stats if s[j] is not None]
-                pos = sum(g.positions for g in got)
-                top1.append(sum(g.topk_correct[0] for g in got) / pos if pos else None)
-            result.history.append({"step": step, "loss": float(loss_total) / len(batch), "joint": joint,
-                                   "top1": top1})
-            bar.set_postfix(loss=f"{float(loss_total) / len(batch):.3f}")
+            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
+            result.history.append({"step": step, "loss": float(loss.detach()), "joint": joint, "top1": top1})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
             bar.update(1)
     bar.close()
     result.steps = step
     result.seconds = time.perf_counter() - t0
+    student.eval()
+    heads.eval()
+    if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
+        hid_val = _student_hidden(student, val_ex, cfg.max_len)
+        lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
+        topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg), hid_val, lab_val)
+        result.validation.append({"step": step, "topk": topk})
     if cfg.lora_rank > 0:
         student = student.merge_and_unload()
     student = student.to(loaded.dtype).eval()
@@ -474,8 +521,10 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(out / "base")
     record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
-              "examples": {"train": len(train_ex), "validation": len(val_ex)}, "steps": step,
-              "train_seconds": result.seconds, "history": result.history, **(provenance or {})}
+              "examples": {"train": len(train_ex), "validation": len(val_ex),
+                           "train_tokens": sum(len(e.input_ids) for e in train_ex)}, "steps": step,
+              "train_seconds": result.seconds, "history": result.history, "validation": result.validation,
+              **(provenance or {})}
     write_outputs(out, heads, student.get_output_embeddings(), cfg, record)
     log(f"medusa2: base model written to {out / 'base'} (use it with --model {out / 'base'})")
     return result

@@ -127,13 +127,54 @@ def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_
         assert heads.draft_vocab.tolist() == replies
 
 
+def test_medusa2_joint_loss_at_start_is_heads_plus_next_token_ce(tiny_examples):
+    """Before the base moves, student == teacher: the joint loss of a padded batch is the heads' loss on
+    unpadded single forwards plus the teacher's own next-token cross-entropy on the replies (KL = 0)."""
+    import copy
+
+    from medusa_runtime.train import _medusa2_loss, padded_batch
+
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(method="medusa2", num_heads=2)
+    student = copy.deepcopy(loaded.model).float()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].linear.weight.normal_(0, 0.05)
+    trainer = HeadTrainer(heads, student.get_output_embeddings().weight.detach(), cfg)
+    batch = sorted(examples[:3], key=lambda e: len(e.input_ids))  # different lengths: padding is exercised
+    assert len({len(e.input_ids) for e in batch}) > 1
+    ids, labels, attn = padded_batch(batch, cfg.max_len, torch.device("cpu"))
+    heads_only, _ = _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=False)
+    joint, _ = _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=True)
+    with torch.no_grad():  # reference: every example alone, float32, no padding
+        pairs = [labels_for(e, cfg.max_len) for e in batch]
+        outs = [student(input_ids=i[None], output_hidden_states=True) for i, _ in pairs]
+        ref_heads, _ = trainer.batch_loss([o.hidden_states[-1][0] for o in outs], [lab for _, lab in pairs])
+        logits = torch.cat([o.logits[0, :-1][lab[1:] != -100] for o, (_, lab) in zip(outs, pairs)])
+        targets = torch.cat([lab[1:][lab[1:] != -100] for _, lab in pairs])
+        ce = F.cross_entropy(logits.float(), targets)
+    torch.testing.assert_close(heads_only, ref_heads, rtol=2e-2, atol=2e-2)  # bf16 autocast in training
+    torch.testing.assert_close(joint - heads_only, ce, rtol=2e-2, atol=2e-2)
+    # gradients reach the base only in the joint phase
+    layer = student.model.layers[0].mlp.down_proj.weight
+    layer.requires_grad_(True)
+    _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=False)[0].backward()
+    assert layer.grad is None
+    _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=True)[0].backward()
+    assert layer.grad is not None and float(layer.grad.abs().sum()) > 0
+
+
 def test_medusa2_smoke(tiny_examples, tmp_path):
     loaded, _, examples, _ = tiny_examples
-    cfg = TrainConfig(method="medusa2", num_heads=2, epochs=1, batch_tokens=512, val_fraction=0.0,
-                      heads_warmup_ratio=0.5, base_lr=1e-4)
-    res = train_medusa2(loaded, examples[:12], cfg, tmp_path / "m2", progress=False, log=lambda m: None)
+    cfg = TrainConfig(method="medusa2", num_heads=2, epochs=1, batch_tokens=512, val_fraction=0.2,
+                      heads_warmup_ratio=0.5, base_lr=1e-4, vocab="replies")
+    res = train_medusa2(loaded, examples[:16], cfg, tmp_path / "m2", progress=False, log=lambda m: None)
     hist = res.history
     assert any(not h["joint"] for h in hist) and any(h["joint"] for h in hist)
+    topk = res.validation[-1]["topk"]  # heads scored on the trained base's hidden states
+    assert len(topk) == 2 and all(0 <= a <= b <= 1 for row in topk for a, b in zip(row, row[1:]))
+    assert load_heads(tmp_path / "m2" / "heads", loaded.hidden_size, loaded.vocab_size).draft_vocab is not None
     base = tmp_path / "m2" / "base"
     assert (base / "config.json").is_file() and (tmp_path / "m2" / "heads" / "config.json").is_file()
     # the original model is untouched (the teacher stays frozen)
