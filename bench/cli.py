@@ -168,6 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"], lr=args.lr,
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
+                      head_grad_to_base=args.head_grad_to_base,
                       vocab=args.vocab or prof["vocab"])
     prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
@@ -632,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--head-grad-to-base", type=float, default=0.2,
+                   help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
     p.add_argument("--vocab", default=None, choices=["full", "replies"],
                    help="medusa1 training softmax over the full vocabulary or the replies' tokens (default: profile)")
     p.add_argument("--seed", type=int, default=0)

@@ -156,13 +156,21 @@ def test_medusa2_joint_loss_at_start_is_heads_plus_next_token_ce(tiny_examples):
         ce = F.cross_entropy(logits.float(), targets)
     torch.testing.assert_close(heads_only, ref_heads, rtol=2e-2, atol=2e-2)  # bf16 autocast in training
     torch.testing.assert_close(joint - heads_only, ce, rtol=2e-2, atol=2e-2)
-    # gradients reach the base only in the joint phase
+    # gradients reach the base only in the joint phase, the heads' share scaled by head_grad_to_base:
+    # the base's gradient is linear in it, so the gradient at 0.5 is the mean of those at 0 and 1
     layer = student.model.layers[0].mlp.down_proj.weight
     layer.requires_grad_(True)
     _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=False)[0].backward()
     assert layer.grad is None
-    _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, cfg, joint=True)[0].backward()
-    assert layer.grad is not None and float(layer.grad.abs().sum()) > 0
+    grads = {}
+    for share in (0.0, 0.5, 1.0):
+        layer.grad = None
+        share_cfg = TrainConfig(**{**cfg.__dict__, "head_grad_to_base": share})
+        _medusa2_loss(student, loaded.model, trainer, ids, labels, attn, share_cfg, joint=True)[0].backward()
+        grads[share] = layer.grad.clone()
+    assert float(grads[0.0].abs().sum()) > 0 and not torch.allclose(grads[0.0], grads[1.0])
+    error = float((grads[0.5] - (grads[0.0] + grads[1.0]) / 2).norm())  # bf16 autocast rounds the backward
+    assert error < 0.02 * float(grads[0.5].norm()) and error < 0.05 * float((grads[1.0] - grads[0.0]).norm())
 
 
 def test_medusa2_smoke(tiny_examples, tmp_path):
