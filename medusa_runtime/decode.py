@@ -46,7 +46,8 @@ class DecodeConfig:
     lookup: LookupConfig = LookupConfig()  # prompt-lookup draft chain beside the heads (num_tokens 0: off)
     # confidence gate on the heads' levels: each step verifies only the tree's levels 1..d where d is the
     # deepest level whose top-1 chain has an estimated probability (product of the heads' top-1 softmax
-    # probabilities) >= gate; 0 = always the whole tree. Acceptance stays exact: only fewer nodes are tried.
+    # probabilities, over the draft vocabulary when the heads carry one) >= gate; 0 = always the whole tree.
+    # Acceptance stays exact: only fewer nodes are tried.
     gate: float = 0.0
     # heads that carry a draft vocabulary (heads.draft_vocab) score only those tokens; False: the whole vocabulary
     draft_vocab: bool = True
