@@ -636,7 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-grad-to-base", type=float, default=0.2,
                    help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
     p.add_argument("--vocab", default=None, choices=["full", "replies"],
-                   help="medusa1 training softmax over the full vocabulary or the replies' tokens (default: profile)")
+                   help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
+                        "heads' draft vocabulary (default: profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--out", default="results/heads")
