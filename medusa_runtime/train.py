@@ -171,13 +171,14 @@ def token_batches(examples: Sequence[Example], batch_tokens: int, max_len: int, 
 
 
 @torch.inference_mode()
-def cache_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
+def cache_hidden_states(model, examples: Sequence[Example], max_len: int,
                         progress: bool = True) -> list[torch.Tensor]:
-    """Last hidden state (after the final norm) of every example, once, in bf16: [T, H] each."""
+    """Last hidden state (after the final norm) of every example of a causal LM, once, in bf16: [T, H] each."""
     out = []
+    device = next(model.parameters()).device
     for ex in tqdm(examples, desc="caching base hidden states", disable=not progress, unit="ex"):
-        ids = torch.tensor([ex.input_ids[:max_len]], device=loaded.device)
-        hs = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
+        ids = torch.tensor([ex.input_ids[:max_len]], device=device)
+        hs = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
         out.append(hs.to(torch.bfloat16).cpu())
     return out
 
@@ -327,9 +328,9 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name))
-    hid_train = cache_hidden_states(loaded, train_ex, cfg.max_len, progress)
+    hid_train = cache_hidden_states(loaded.model, train_ex, cfg.max_len, progress)
     lab_train = [labels_for(e, cfg.max_len)[1] for e in train_ex]
-    hid_val = cache_hidden_states(loaded, val_ex, cfg.max_len, progress) if val_ex else []
+    hid_val = cache_hidden_states(loaded.model, val_ex, cfg.max_len, progress) if val_ex else []
     lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
@@ -442,16 +443,6 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     return loss, stats
 
 
-@torch.no_grad()
-def _student_hidden(student, examples: Sequence[Example], max_len: int) -> list[torch.Tensor]:
-    out = []
-    for e in examples:
-        ids, _, attn = padded_batch([e], max_len, next(student.parameters()).device)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
-            out.append(_last_hidden(student, ids, attn)[0].to(torch.bfloat16).cpu())
-    return out
-
-
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
@@ -516,7 +507,8 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     student.eval()
     heads.eval()
     if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
-        hid_val = _student_hidden(student, val_ex, cfg.max_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
+            hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
         lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
         topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg), hid_val, lab_val)
         result.validation.append({"step": step, "topk": topk})
