@@ -182,8 +182,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
     train = train_medusa1 if cfg.method == "medusa1" else train_medusa2
-    kwargs = {"resume": args.resume} if cfg.method == "medusa1" else {}
-    result = train(loaded, examples, cfg, args.out, provenance=provenance, log=_log, **kwargs)
+    result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log)
     from bench.plots import plot_training
 
     plots = plot_training(args.out)

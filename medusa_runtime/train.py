@@ -18,7 +18,7 @@ import copy
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -264,12 +264,57 @@ def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels
     return _rates(acc)
 
 
-def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict) -> None:
-    """checkpoint/ = heads (shared or official format) + optimiser + progress, swapped in atomically."""
+# configuration fields a resumed run may change: a longer run continues a shorter one's checkpoint
+RESUMABLE_CHANGES = ("epochs", "checkpoint_every")
+
+
+def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict,
+                     cfg: TrainConfig, num_train: int, extra: dict[str, object] | None = None) -> None:
+    """checkpoint/ = heads (shared or official format) + optimiser + progress (+ ``extra`` files, each
+    saved with torch.save under its name), swapped in atomically: all of one step or none of it."""
     with atomic_dir(out_dir / "checkpoint") as tmp:
         save_heads(heads, tmp / "heads", fmt="shared" if heads.proj is None else "official")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "rng": random.getstate(), "torch_rng": torch.get_rng_state(), **state}, tmp / "trainer.pt")
+                    "config": asdict(cfg), "num_train": num_train, **state}, tmp / "trainer.pt")
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+
+
+def _load_checkpoint(ckpt: Path, heads: MedusaHeads, optimizer, scheduler, cfg: TrainConfig, num_train: int,
+                     hidden_size: int, vocab_size: int) -> dict:
+    """Restore heads, optimiser and scheduler from ``ckpt``; the rest of its state is returned.
+
+    Refuses, in one line, a checkpoint made with another configuration or another number of examples.
+    """
+    state = torch.load(ckpt / "trainer.pt", weights_only=False)
+    saved = state.get("config")
+    if saved is not None:
+        now = asdict(cfg)
+        changed = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+        if changed:
+            k = changed[0]
+            raise ValueError(f"cannot resume from {ckpt}: it was trained with {k}={saved.get(k)!r}, this run "
+                             f"has {k}={now[k]!r} (only {', '.join(RESUMABLE_CHANGES)} may change)")
+    if state.get("num_train", num_train) != num_train:
+        raise ValueError(f"cannot resume from {ckpt}: it was trained on {state['num_train']} examples, "
+                         f"this run has {num_train}")
+    heads.load_state_dict(load_heads(ckpt / "heads", hidden_size, vocab_size).state_dict())
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
+
+
+def batch_stream(train_ex: Sequence[Example], cfg: TrainConfig, start_step: int = 0) -> Iterator[list[int]]:
+    """The training batches from step ``start_step`` on, endlessly, in the order an uninterrupted run
+    takes them: one seeded shuffle per epoch, the epochs already done replayed (cheap: index lists only),
+    so that a resumed run trains on exactly the batches the interrupted one had left."""
+    rng = random.Random(cfg.seed)
+    step = 0
+    while True:
+        for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
+            if step >= start_step:
+                yield batch
+            step += 1
 
 
 def _schedule(optimizer, warmup: int, total: int):
@@ -295,15 +340,15 @@ def write_outputs(out_dir: Path, heads: MedusaHeads, lm_head: torch.nn.Module, c
 
 
 def _start(examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path
-           ) -> tuple[Path, random.Random, list[Example], list[Example]]:
-    """Output folder, seeded RNGs and the train/validation split shared by both methods."""
+           ) -> tuple[Path, list[Example], list[Example]]:
+    """Output folder, seeded torch RNG and the train/validation split shared by both methods."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     train_ex, val_ex = split_examples(examples, cfg.val_fraction, cfg.seed)
     if not train_ex:
         raise ValueError("no training examples")
-    return out, random.Random(cfg.seed), train_ex, val_ex
+    return out, train_ex, val_ex
 
 
 def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: TrainConfig, vocab_size: int,
@@ -323,7 +368,7 @@ def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: T
 def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
-    out, rng, train_ex, val_ex = _start(examples, cfg, out_dir)
+    out, train_ex, val_ex = _start(examples, cfg, out_dir)
     lm_head = loaded.model.get_output_embeddings()
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
@@ -343,44 +388,39 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     step = 0
     ckpt = out / "checkpoint"
     if resume and ckpt.is_dir():
-        state = torch.load(ckpt / "trainer.pt", weights_only=False)
-        heads.load_state_dict(load_heads(ckpt / "heads", loaded.hidden_size, loaded.vocab_size).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        state = _load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
+                                 loaded.vocab_size)
         step = state["step"]
-        random.setstate(state["rng"])
-        torch.set_rng_state(state["torch_rng"])
         result.history, result.validation = state["history"], state["validation"]
-        rng = random.Random(cfg.seed + step)
         log(f"resuming from step {step}/{total_steps}")
     t0 = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="training heads (medusa1)", disable=not progress, unit="step")
     running = [[0.0] * (1 + TOPK_LOGGED) for _ in range(cfg.num_heads)]
+    batches = batch_stream(train_ex, cfg, step)
     try:
         while step < total_steps:
-            for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
-                if step >= total_steps:
-                    break
-                heads.train()
-                loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch])
-                optimizer.zero_grad(set_to_none=True)
-                if loss.requires_grad:
-                    loss.backward()
-                    optimizer.step()
-                scheduler.step()
-                step += 1
-                _accumulate(running, stats)
-                top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-                result.history.append({"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
-                                       "top1": top1})
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
-                bar.update(1)
-                if step % cfg.checkpoint_every == 0 or step == total_steps:
-                    heads.eval()
-                    if hid_val:
-                        result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val)})
-                    _save_checkpoint(out, heads, optimizer, scheduler, step,
-                                     {"history": result.history, "validation": result.validation})
+            batch = next(batches)
+            heads.train()
+            loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch])
+            optimizer.zero_grad(set_to_none=True)
+            if loss.requires_grad:
+                loss.backward()
+                optimizer.step()
+            scheduler.step()
+            step += 1
+            _accumulate(running, stats)
+            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
+            result.history.append({"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
+                                   "top1": top1})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
+            bar.update(1)
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                heads.eval()
+                if hid_val:
+                    result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val)})
+                _save_checkpoint(out, heads, optimizer, scheduler, step,
+                                 {"history": result.history, "validation": result.validation},
+                                 cfg, len(train_ex))
     except KeyboardInterrupt:
         log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
         raise
@@ -444,7 +484,7 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
 
 
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
-                  provenance: dict | None = None, progress: bool = True,
+                  provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
     """Joint training. The original model is kept as a frozen teacher for the KL term.
 
@@ -453,8 +493,12 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     replies' vocabulary with ``vocab: replies``, through the student's current lm_head, not trained by
     the heads); after the heads-only warm-up, the next-token loss and KL(teacher || student) at the reply
     positions join, and gradients reach the base.
+
+    Checkpoints (every ``checkpoint_every`` steps, atomic) hold the heads, the base's trainable weights
+    (float32: the whole base, or the LoRA adapters), the optimiser and the progress; ``resume`` continues
+    from the last one on exactly the batches an uninterrupted run would have taken.
     """
-    out, rng, train_ex, val_ex = _start(examples, cfg, out_dir)
+    out, train_ex, val_ex = _start(examples, cfg, out_dir)
     teacher = loaded.model
     student = copy.deepcopy(teacher).float()
     if cfg.lora_rank > 0:
@@ -464,7 +508,9 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     for p in student.parameters():
         p.requires_grad_(False)
-    trainable_base = [p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n]
+    trainable_names = [n for n, _ in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n]
+    named = dict(student.named_parameters())
+    trainable_base = [named[n] for n in trainable_names]
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name))
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
@@ -478,12 +524,26 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
     result = TrainResult(out, 0)
     step = 0
+    ckpt = out / "checkpoint"
+    if resume and ckpt.is_dir():
+        state = _load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
+                                 loaded.vocab_size)
+        base_state = torch.load(ckpt / "base.pt", weights_only=True)
+        missing = set(trainable_names) - set(base_state)
+        if missing:
+            raise ValueError(f"cannot resume from {ckpt}: its base weights lack {sorted(missing)[0]}")
+        with torch.no_grad():
+            for n in trainable_names:
+                named[n].copy_(base_state[n])
+        step = state["step"]
+        result.history = state["history"]
+        log(f"resuming from step {step}/{total_steps}")
     t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, desc="training (medusa2)", disable=not progress, unit="step")
-    while step < total_steps:
-        for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
-            if step >= total_steps:
-                break
+    bar = tqdm(total=total_steps, initial=step, desc="training (medusa2)", disable=not progress, unit="step")
+    batches = batch_stream(train_ex, cfg, step)
+    try:
+        while step < total_steps:
+            batch = next(batches)
             joint = step >= warm  # heads-only warm-up first, then the base learns too
             for p in trainable_base:
                 p.requires_grad_(joint)
@@ -501,7 +561,15 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
             result.history.append({"step": step, "loss": float(loss.detach()), "joint": joint, "top1": top1})
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
             bar.update(1)
-    bar.close()
+            if step % cfg.checkpoint_every == 0 and step < total_steps:
+                base = {n: named[n].detach() for n in trainable_names}  # float32, by name
+                _save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
+                                 len(train_ex), extra={"base.pt": base})
+    except KeyboardInterrupt:
+        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
+        raise
+    finally:
+        bar.close()
     result.steps = step
     result.seconds = time.perf_counter() - t0
     student.eval()

@@ -116,6 +116,61 @@ def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
     assert rec2["history"][: res.steps] == rec["history"][: res.steps]
 
 
+def _interrupt_on_call(monkeypatch, owner, name: str, call: int) -> None:
+    """Ctrl-C on the ``call``-th call of ``owner.name`` (a training step's loss)."""
+    original = getattr(owner, name)
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def _tensors(folder):
+    from safetensors.torch import load_file
+
+    return {f"{f.name}/{k}": v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("method", ["medusa1", "medusa2"])
+def test_interrupted_training_resumes_to_the_uninterrupted_result(tiny_examples, tmp_path, monkeypatch, method):
+    """Ctrl-C mid-run keeps the last checkpoint; --resume then ends with exactly the heads (and, for
+    Medusa-2, the base) of a run that was never interrupted, having trained on the same batches."""
+    import medusa_runtime.train as train_mod
+
+    loaded, _, examples, _ = tiny_examples
+    if method == "medusa1":
+        cfg = TrainConfig(num_heads=2, epochs=3, lr=1e-2, batch_tokens=256, val_fraction=0.0, checkpoint_every=3)
+        run, data, owner, name = train_medusa1, examples, HeadTrainer, "batch_loss"
+    else:
+        cfg = TrainConfig(method="medusa2", num_heads=2, epochs=2, batch_tokens=512, val_fraction=0.0,
+                          heads_warmup_ratio=0.25, base_lr=1e-4, checkpoint_every=3)
+        run, data, owner, name = train_medusa2, examples[:16], train_mod, "_medusa2_loss"
+    quiet = {"progress": False, "log": lambda m: None}
+    whole = run(loaded, data, cfg, tmp_path / "whole", **quiet)
+    assert whole.steps > cfg.checkpoint_every + 2
+    with monkeypatch.context() as m:
+        _interrupt_on_call(m, owner, name, cfg.checkpoint_every + 2)  # one step past a checkpoint is lost
+        with pytest.raises(KeyboardInterrupt):
+            run(loaded, data, cfg, tmp_path / "cut", **quiet)
+    assert not (tmp_path / "cut" / "training.json").exists()
+    assert torch.load(tmp_path / "cut" / "checkpoint" / "trainer.pt", weights_only=False)["step"] == cfg.checkpoint_every
+    resumed = run(loaded, data, cfg, tmp_path / "cut", resume=True, **quiet)
+    assert resumed.steps == whole.steps and resumed.history == whole.history
+    for folder in (["heads", "heads-official"] + (["base"] if method == "medusa2" else [])):
+        a, b = _tensors(tmp_path / "whole" / folder), _tensors(tmp_path / "cut" / folder)
+        assert a.keys() == b.keys() and a
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    # a checkpoint made under another configuration is refused, not silently mixed in
+    with pytest.raises(ValueError, match="cannot resume.*lr"):
+        run(loaded, data, TrainConfig(**{**cfg.__dict__, "lr": 5e-3}), tmp_path / "cut", resume=True, **quiet)
+
+
 def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_path):
     """Heads trained on the replies' vocabulary keep it: they propose only tokens they were trained on."""
     loaded, _, examples, _ = tiny_examples
