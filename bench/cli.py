@@ -168,7 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"], lr=args.lr,
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
-                      head_grad_to_base=args.head_grad_to_base,
+                      head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
                       vocab=args.vocab or prof["vocab"])
     prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
@@ -637,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", default=None, choices=["full", "replies"],
                    help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
                         "heads' draft vocabulary (default: profile)")
+    p.add_argument("--soft-targets", type=float, default=0.0,
+                   help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
+                        "the hard label of the self-distilled data")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--out", default="results/heads")

@@ -59,6 +59,7 @@ class TrainConfig:
     lora_rank: int = 0  # medusa2: LoRA rank on the base (peft), 0 = full fine-tuning
     official_format: bool = True  # also write the official per-head-projection format
     vocab: str = "full"  # heads' training softmax: full | replies (only tokens the replies contain: faster)
+    soft_targets: float = 0.0  # weight of the base's own next-token distribution as head j's target (0..1)
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa1", "medusa2"):
@@ -71,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"vocab must be 'full' or 'replies', got {self.vocab!r}")
         if not 0.0 <= self.head_grad_to_base <= 1.0:
             raise ValueError(f"head_grad_to_base must be within [0, 1], got {self.head_grad_to_base}")
+        if not 0.0 <= self.soft_targets <= 1.0:
+            raise ValueError(f"soft_targets must be within [0, 1], got {self.soft_targets}")
 
 
 @dataclass
@@ -204,6 +207,20 @@ class HeadTrainer:
             w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]  # [S, H]
         return states @ w.T.to(torch.bfloat16 if torch.is_autocast_enabled("cpu") else states.dtype)
 
+    def _soft_loss(self, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy against the base's own distribution over the token head j predicts.
+
+        Head j at position t predicts token t + j + 2, which the base predicts from its hidden state at
+        t + j + 1: ``teacher_hidden`` [N, H] are those states (final norm applied), projected through the
+        same vocabulary rows as the head (its softmax renormalised on a training vocabulary). On greedy
+        self-distilled data its argmax is the hard label; the rest of it ranks the alternatives.
+        """
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                             enabled=teacher_hidden.device.type == "cpu"):
+            w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]
+            teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
+        return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
     def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
                    ) -> tuple[torch.Tensor, list[HeadStats | None]]:
         """Concatenate usable positions of all examples per head, then one matmul per head."""
@@ -236,6 +253,9 @@ class HeadTrainer:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
                 logits = self.logits(j, states[index, j])  # [N, V] (or [N, S] on a training vocabulary)
             loss, hits = ce_and_accuracy(logits, target)
+            if self.cfg.soft_targets > 0:
+                loss = (1 - self.cfg.soft_targets) * loss + self.cfg.soft_targets * self._soft_loss(
+                    logits, hidden_all[index + j + 1])
             total = total + self.cfg.loss_decay ** (j + 1) * loss
             stats.append(HeadStats(float(loss.detach()), int(index.numel()), hits))
         return total, stats

@@ -182,6 +182,43 @@ def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_
         assert heads.draft_vocab.tolist() == replies
 
 
+@pytest.mark.parametrize("subset", [None, [0, 2, 3, 5, 7, 8, 10]])
+def test_soft_targets_loss_against_a_direct_computation(subset):
+    """soft_targets = a: head j at position t pays (1 - a) CE(label t+j+2) + a CE(p), p the base's own
+    next-token distribution from its hidden state at t+j+1, over the same vocabulary rows."""
+    torch.manual_seed(0)
+    hidden_size, vocab, a = 16, 11, 0.6
+    heads = fresh_heads(2, 1, hidden_size, vocab)
+    with torch.no_grad():
+        for blocks in heads.blocks:
+            blocks[0].linear.weight.normal_(0, 0.3)
+    w = torch.randn(vocab, hidden_size)
+    hiddens = [torch.randn(7, hidden_size), torch.randn(5, hidden_size)]
+    labels = [torch.tensor([-100, -100, 3, 5, 0, 7, 2]), torch.tensor([-100, 8, 2, 10, 5])]
+    cfg = TrainConfig(num_heads=2, soft_targets=a)
+    sub = None if subset is None else torch.tensor(subset)
+    loss, stats = HeadTrainer(heads, w, cfg, sub).batch_loss(hiddens, labels)
+    rows = torch.arange(vocab) if sub is None else sub
+    expected = 0.0
+    with torch.no_grad():
+        for j in range(2):
+            terms = []
+            for h, lab in zip(hiddens, labels):
+                for t in range(len(lab) - j - 2):
+                    target = int(lab[t + j + 2])
+                    if target == -100 or target not in rows.tolist():
+                        continue
+                    q = F.log_softmax(heads.head_states(h[t])[j] @ w[rows].T, -1)
+                    p = F.softmax(h[t + j + 1] @ w[rows].T, -1)
+                    hard = -q[rows.tolist().index(target)]
+                    terms.append((1 - a) * hard + a * -(p * q).sum())
+            assert stats[j].positions == len(terms)
+            expected += 0.8 ** (j + 1) * torch.stack(terms).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=3e-2, atol=3e-2)  # bf16 autocast in training
+    hard_only, _ = HeadTrainer(heads, w, TrainConfig(num_heads=2), sub).batch_loss(hiddens, labels)
+    assert abs(float(loss.detach()) - float(hard_only.detach())) > 0.05  # the soft term is really there
+
+
 def test_medusa2_joint_loss_at_start_is_heads_plus_next_token_ce(tiny_examples):
     """Before the base moves, student == teacher: the joint loss of a padded batch is the heads' loss on
     unpadded single forwards plus the teacher's own next-token cross-entropy on the replies (KL = 0)."""
