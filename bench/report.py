@@ -125,10 +125,49 @@ def report(out: Path) -> list[Path]:
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
     md = ("## Overall\n\n" + to_markdown(overall) + "\n\n## Speedup over transformers generate, per category\n\n"
           + to_markdown(table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index())
-          + "\n\n## Greedy outputs identical to generate\n\n" + to_markdown(eq) + "\n" + typical_section(out))
+          + "\n\n## Greedy outputs identical to generate\n\n" + to_markdown(eq) + "\n" + tree_section(table, out)
+          + typical_section(out))
     (out / "summary.md").write_text(md)
     print(md)
     return [out / "summary.md", *[p for p in written if p.suffix == ".png"]]
+
+
+def tree_section(table: pd.DataFrame, out: Path) -> str:
+    """The searched tree against every chain and mc_sim_7b_63, measured in the same replay, beside what the
+    acceptance statistics (replay on the calibration rollouts) and the latency profile predicted."""
+    from treesearch.cost import load_profile, predict
+    from treesearch.stats import load_stats, tau_step_walk
+    from treesearch.tree import load_tree
+
+    acc, lat, cfg_file = out / "acceptance.json", out / "latency.json", out / "replay_config.json"
+    if not (acc.is_file() and lat.is_file() and cfg_file.is_file()):
+        return ""
+    stats, prof = load_stats(acc), load_profile(lat)
+    overall = table[table["category"] == "overall"].set_index("config")
+    rows = []
+    for c in json.loads(cfg_file.read_text())["configurations"]:
+        if c["method"] != "medusa" or c.get("lookup_tokens") or c["name"] not in overall.index:
+            continue
+        tree = load_tree(c["tree"])
+        tau = tau_step_walk(tree, stats.rollouts).tau
+        m = overall.loc[c["name"]]
+        rows.append({"config": c["name"], "nodes": tree.num_nodes, "predicted_tau": tau,
+                     "predicted_speedup_vs_plain": predict(prof, tau, tree.num_nodes).speedup,
+                     "tau": m["tau"], "tokens_per_s": m["tokens_per_s"], "speedup_vs_plain": m["speedup_vs_plain"]})
+    frame = pd.DataFrame(rows)
+    chains = frame[frame["config"].str.startswith("medusa chain:")]
+    searched = frame[frame["config"] == "medusa searched"]
+    if frame.empty or chains.empty or searched.empty:
+        return ""
+    best = chains.loc[chains["tokens_per_s"].idxmax()]
+    speed = float(searched["tokens_per_s"].iloc[0])
+    verdict = (f"Searched tree {speed:.2f} tokens/s; best measured chain ({best['config'].removeprefix('medusa ')}) "
+               f"{best['tokens_per_s']:.2f}: ratio {speed / best['tokens_per_s']:.3f}")
+    mc = frame[frame["config"] == "medusa mc_sim_7b_63"]
+    if not mc.empty:
+        verdict += f"; mc_sim_7b_63 {mc['tokens_per_s'].iloc[0]:.2f}: ratio {speed / mc['tokens_per_s'].iloc[0]:.3f}"
+    return ("\n## Trees: predicted (calibration replay + latency profile) and measured (this replay)\n\n"
+            + to_markdown(frame.round(3)) + "\n\n" + verdict + ".\n")
 
 
 def typical_section(out: Path) -> str:

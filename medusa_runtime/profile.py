@@ -1,6 +1,7 @@
 """Latency profile: median time of a verify step against tree size, the heads, and a plain step.
 
-Timing hygiene: warm-up excluded, device synchronised, ``perf_counter``, medians of repeats. The
+Timing hygiene: warm-up excluded, device synchronised, ``perf_counter``, medians of repeats taken in
+rounds across the tree sizes (a slow spell of a shared machine hits every size alike). The
 verify step is timed through the decoder's own ``verify`` (mask writing included) on top of a
 real KV cache of the given context length, which is cropped back after every forward.
 """
@@ -65,6 +66,25 @@ def _median_ms(fn, sync, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[float]:
+    """Median ms of each of ``fns``, timed in rounds of one call each: drift on a shared machine then
+    hits every tree size alike, instead of whichever size was measured during a slow spell."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[i].append((time.perf_counter() - t0) * 1000)
+        if bar is not None:
+            bar.update(1)
+    return [statistics.median(t) for t in times]
+
+
 def _loop_cfg(topk: int = 10) -> DecodeConfig:
     return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False)
 
@@ -89,7 +109,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     gen = torch.Generator().manual_seed(0)
     verify = []
     plain = []
-    bar = tqdm(total=len(cfg.contexts) * len(cfg.nodes), desc="latency profile", disable=not progress)
+    bar = tqdm(total=len(cfg.contexts) * cfg.repeats, desc="latency profile", unit="round", disable=not progress)
     decoders = {}
     for n in cfg.nodes:
         if n > 1:
@@ -100,7 +120,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
         cache = plain_dec.new_cache(ctx + max(cfg.nodes))
         prompt = torch.randint(0, loaded.vocab_size, (1, ctx), generator=gen).to(dev)
         plain_dec.prefill(prompt[0], cache)
-        row = []
+        steps = []
         for n in cfg.nodes:
             dec = decoders.get(n, plain_dec)
             tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
@@ -109,11 +129,14 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                 dec.verify(tokens, ctx, cache)
                 dec.compact(cache, ctx, [])  # drop the tree again
 
-            row.append(_median_ms(step, sync, cfg.repeats, cfg.warmup))
-            bar.update(1)
+            steps.append(step)
+        row = _interleaved_ms(steps, sync, cfg.repeats, cfg.warmup, bar)
         verify.append(tuple(row))
-        # the plain step of the real decode loop (forward + acceptance + loop overhead) at this context
-        plain.append(_loop_ms(MedusaDecoder(loaded, None, None, config=_loop_cfg()), prompt[0], cfg)[0])
+        # the plain step: its forward (the 1-node point of the same rounds, when profiled) plus the rest of
+        # a real plain decode step (argmax, cache bookkeeping, loop), so that plain and tree steps are
+        # compared on forwards timed side by side
+        step_ms, rest_ms = _loop_ms(MedusaDecoder(loaded, None, None, config=_loop_cfg()), prompt[0], cfg)
+        plain.append(row[cfg.nodes.index(1)] + rest_ms if 1 in cfg.nodes else step_ms)
     bar.close()
 
     hidden = torch.randn(loaded.hidden_size, generator=gen).to(dev, loaded.dtype)
@@ -126,6 +149,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                            prompt[0, : cfg.contexts[0]], cfg)[1]
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "medians in ms; verify includes mask building; plain = a real plain decode step; "
-                    "bookkeeping = a real Medusa step minus heads and verify"}
+            "note": "medians in ms of rounds across tree sizes; verify includes mask building; plain = the 1-node "
+                    "forward + the rest of a real plain decode step; bookkeeping = a real Medusa step minus heads "
+                    "and verify"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta)

@@ -83,3 +83,5 @@ def test_profile_smoke():
     assert len(prof.verify_ms) == 2 and all(len(r) == 3 for r in prof.verify_ms)
     assert all(x > 0 for r in prof.verify_ms for x in r) and len(prof.plain_ms) == 2
     assert prof.heads_ms > 0 and prof.meta["machine"]["cpu_count"]
+    # the plain step is the 1-node forward of the same rounds plus the rest of a real plain step
+    assert all(p > row[0] for p, row in zip(prof.plain_ms, prof.verify_ms))
