@@ -104,7 +104,9 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     heads_dir = shipped_heads_dir()
     if retrain or heads_dir is None:
         heads_dir = out / "heads-trained" / "heads"
-        cache.run("train", {"profile": "quick"}, [heads_dir],
+        from bench.cli import TRAIN_PROFILES
+
+        cache.run("train", {"profile": "quick", **TRAIN_PROFILES["quick"]}, [heads_dir],
                   lambda: _cli("train", "--profile", "quick", "--out", str(out / "heads-trained")))
     heads = str(heads_dir)
     heads_key = folder_hash(heads_dir)
