@@ -528,9 +528,8 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     for p in student.parameters():
         p.requires_grad_(False)
-    trainable_names = [n for n, _ in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n]
-    named = dict(student.named_parameters())
-    trainable_base = [named[n] for n in trainable_names]
+    trainable = {n: p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n}
+    trainable_base = list(trainable.values())
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name))
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
@@ -549,12 +548,12 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         state = _load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
                                  loaded.vocab_size)
         base_state = torch.load(ckpt / "base.pt", weights_only=True)
-        missing = set(trainable_names) - set(base_state)
+        missing = set(trainable) - set(base_state)
         if missing:
             raise ValueError(f"cannot resume from {ckpt}: its base weights lack {sorted(missing)[0]}")
         with torch.no_grad():
-            for n in trainable_names:
-                named[n].copy_(base_state[n])
+            for n, p in trainable.items():
+                p.copy_(base_state[n])
         step = state["step"]
         result.history = state["history"]
         log(f"resuming from step {step}/{total_steps}")
@@ -582,7 +581,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
             bar.update(1)
             if step % cfg.checkpoint_every == 0 and step < total_steps:
-                base = {n: named[n].detach() for n in trainable_names}  # float32, by name
+                base = {n: p.detach() for n, p in trainable.items()}  # float32, by name
                 _save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
                                  len(train_ex), extra={"base.pt": base})
     except KeyboardInterrupt:
