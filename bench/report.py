@@ -74,24 +74,35 @@ def plot_speedup_vs_quality(table: pd.DataFrame, eq: pd.DataFrame, baseline: str
     return _save(fig, out_dir, "speedup_vs_quality")
 
 
-def plot_measured_vs_predicted(table: pd.DataFrame, out: Path, plots: Path) -> list[Path]:
-    """Measured speed-up (over plain) of each replayed tree against the cost model's curve."""
-    from treesearch.cost import load_profile, predict
-    from treesearch.optimal import model_for, optimal_tree
+def _stage_inputs(out: Path):
+    """(acceptance statistics, latency profile, replay configurations) of a bench run, or None when one
+    of their files is missing (a replay run outside the pipeline)."""
+    from treesearch.cost import load_profile
     from treesearch.stats import load_stats
-    from treesearch.tree import load_tree
 
     acc, lat, cfg_file = out / "acceptance.json", out / "latency.json", out / "replay_config.json"
     if not (acc.is_file() and lat.is_file() and cfg_file.is_file()):
+        return None
+    return load_stats(acc), load_profile(lat), json.loads(cfg_file.read_text())["configurations"]
+
+
+def plot_measured_vs_predicted(table: pd.DataFrame, out: Path, plots: Path) -> list[Path]:
+    """Measured speed-up (over plain) of each replayed tree against the cost model's curve."""
+    from treesearch.cost import predict
+    from treesearch.optimal import model_for, optimal_tree
+    from treesearch.tree import load_tree
+
+    inputs = _stage_inputs(out)
+    if inputs is None:
         return []
-    stats, prof = load_stats(acc), load_profile(lat)
+    stats, prof, configs = inputs
     model = model_for(stats)
     budgets = sorted(set(np.geomspace(1, 256, 28).astype(int)))
     curve = [predict(prof, optimal_tree(model, int(b))[1], int(b) + 1).speedup for b in budgets]
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot([b + 1 for b in budgets], curve, color="tab:green", label="predicted (exact optimum + cost model)")
     overall = table[table["category"] == "overall"].set_index("config")
-    for c in json.loads(cfg_file.read_text())["configurations"]:
+    for c in configs:
         if c["method"] == "medusa" and c["name"] in overall.index:
             n = load_tree(c["tree"]).num_nodes
             ax.scatter([n], [overall.loc[c["name"], "speedup_vs_plain"]], s=40, label=f"measured: {c['name']}")
@@ -135,17 +146,17 @@ def report(out: Path) -> list[Path]:
 def tree_section(table: pd.DataFrame, out: Path) -> str:
     """The searched tree against every chain and mc_sim_7b_63, measured in the same replay, beside what the
     acceptance statistics (replay on the calibration rollouts) and the latency profile predicted."""
-    from treesearch.cost import load_profile, predict
-    from treesearch.stats import load_stats, tau_step_walk
+    from treesearch.cost import predict
+    from treesearch.stats import tau_step_walk
     from treesearch.tree import load_tree
 
-    acc, lat, cfg_file = out / "acceptance.json", out / "latency.json", out / "replay_config.json"
-    if not (acc.is_file() and lat.is_file() and cfg_file.is_file()):
+    inputs = _stage_inputs(out)
+    if inputs is None:
         return ""
-    stats, prof = load_stats(acc), load_profile(lat)
+    stats, prof, configs = inputs
     overall = table[table["category"] == "overall"].set_index("config")
     rows = []
-    for c in json.loads(cfg_file.read_text())["configurations"]:
+    for c in configs:
         if c["method"] != "medusa" or c.get("lookup_tokens") or c["name"] not in overall.index:
             continue
         tree = load_tree(c["tree"])
@@ -154,10 +165,12 @@ def tree_section(table: pd.DataFrame, out: Path) -> str:
         rows.append({"config": c["name"], "nodes": tree.num_nodes, "predicted_tau": tau,
                      "predicted_speedup_vs_plain": predict(prof, tau, tree.num_nodes).speedup,
                      "tau": m["tau"], "tokens_per_s": m["tokens_per_s"], "speedup_vs_plain": m["speedup_vs_plain"]})
+    if not rows:
+        return ""
     frame = pd.DataFrame(rows)
     chains = frame[frame["config"].str.startswith("medusa chain:")]
     searched = frame[frame["config"] == "medusa searched"]
-    if frame.empty or chains.empty or searched.empty:
+    if chains.empty or searched.empty:
         return ""
     best = chains.loc[chains["tokens_per_s"].idxmax()]
     speed = float(searched["tokens_per_s"].iloc[0])
