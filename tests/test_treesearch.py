@@ -28,7 +28,7 @@ from treesearch.optimal import (
     greedy_grown_tree,
     optimal_tree,
 )
-from treesearch.search import make_storage
+from treesearch.search import _setup_lock, make_storage
 from treesearch.stats import (
     ACCEPTANCE_SCHEMA,
     AcceptanceStats,
@@ -264,21 +264,26 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
 def test_killed_search_resumes(tmp_path):
     # a slow study (many trials) killed after a few are recorded
     w = _worker(tmp_path, 5000, study="resume")
-    db = tmp_path / "shared.db"
-    deadline = time.time() + 300
-    done = 0
-    while time.time() < deadline:
-        time.sleep(0.5)
-        if db.exists():
-            try:  # the worker may still be creating the study, or hold the write lock for a moment
-                s = optuna.load_study(study_name="resume", storage=make_storage(f"sqlite:///{db}"))
-                done = len(s.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
-            except (KeyError, sqlalchemy.exc.OperationalError):
-                continue
-            if done >= 5:
-                break
-    w.send_signal(signal.SIGKILL)
-    w.wait()
+    try:
+        db = tmp_path / "shared.db"
+        deadline = time.time() + 300
+        done = 0
+        while time.time() < deadline:
+            time.sleep(0.5)
+            if db.exists():
+                try:  # the worker may still be creating the study, or hold the write lock for a moment;
+                    # opening the storage creates its schema when missing: under the workers' setup lock
+                    with _setup_lock(f"sqlite:///{db}"):
+                        storage = make_storage(f"sqlite:///{db}")
+                    s = optuna.load_study(study_name="resume", storage=storage)
+                    done = len(s.get_trials(states=(optuna.trial.TrialState.COMPLETE,)))
+                except (KeyError, sqlalchemy.exc.OperationalError):
+                    continue
+                if done >= 5:
+                    break
+    finally:  # never leave the worker running, whatever failed
+        w.send_signal(signal.SIGKILL)
+        w.wait()
     assert done >= 5
     before = len(optuna.load_study(study_name="resume", storage=f"sqlite:///{db}").trials)
     again = _worker(tmp_path, before + 10, study="resume")
