@@ -360,12 +360,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False,
-                        lookup: int = 0, gates: Sequence[float] = ()):
+                        lookup: int = 0, gates: Sequence[float] = (), torch_path: bool = False):
     from bench.runner import MethodConfig
 
     configs = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain")]
     if hf_engine:  # the runtime's loop on transformers' forward: what the lean engine saves
         configs.append(MethodConfig("plain hf-engine", "plain", engine="hf"))
+    if torch_path:  # the lean engine without its C forward: what the C forward saves
+        configs.append(MethodConfig("plain lean-torch", "plain", engine="lean-torch"))
     if prompt_lookup:
         configs.append(MethodConfig("prompt-lookup", "prompt_lookup"))
     configs += [MethodConfig(f"medusa {t}", "medusa", tree=t) for t in trees]
@@ -441,7 +443,8 @@ def spread_over_categories(questions, limit: int):
 def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
 
-    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate)
+    configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
+                                  torch_path=args.torch_path)
     if args.only:
         unknown = set(args.only) - {c.name for c in configs}
         if unknown:
@@ -610,8 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=10, help="candidates per head")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--engine", default="auto", choices=["auto", "lean", "hf"],
-                   help="forward engine: lean (Llama family, fast) or hf (transformers, any model); auto picks")
+    p.add_argument("--engine", default="auto", choices=["auto", "lean", "lean-torch", "hf"],
+                   help="forward engine: lean (Llama family, fast; its C forward in bf16 on AVX-512 BF16 CPUs), "
+                        "lean-torch (the lean engine on PyTorch ops only) or hf (transformers, any model); auto picks")
     p.add_argument("--lookup", type=int, default=4,
                    help="prompt-lookup draft tokens laid beside the heads' tree (0: off; measured to pay on MT-Bench)")
     p.add_argument("--prompt", required=True)
@@ -710,6 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tree", nargs="+", default=["mc_sim_7b_63"], help="trees to time (presets or files)")
             p.add_argument("--hf-engine", action="store_true",
                            help="also time plain decoding on transformers' forward (engine 'hf')")
+            p.add_argument("--torch-path", action="store_true",
+                           help="also time plain decoding on the lean engine's PyTorch path (engine 'lean-torch')")
             p.add_argument("--lookup", type=int, default=0,
                            help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
             p.add_argument("--gate", type=float, nargs="+", default=[],

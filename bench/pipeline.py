@@ -24,7 +24,8 @@ from treesearch.tree import write_json_atomic
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
 # prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
-RUNTIME_REVISION = 4
+# 5: the lean engine's C forward for bf16 decode steps.
+RUNTIME_REVISION = 5
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 
 

@@ -45,7 +45,7 @@ class MethodConfig:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
-    engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | hf | auto)
+    engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | lean-torch | hf | auto)
     lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
     temperature_policy: str = "fixed"  # fixed: 'temperature' everywhere | fastchat: FastChat's per category
     gate: float = 0.0  # medusa: confidence gate on the tree's levels (see DecodeConfig.gate; 0: off)

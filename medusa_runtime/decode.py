@@ -42,7 +42,7 @@ class DecodeConfig:
     topk: int = 10  # candidates read from each head's top-k
     seed: int | None = None  # RNG seed for typical / sample, set once per decoder (None: random)
     stop_on_eos: bool = True  # stop at the model's EOS token(s)
-    engine: str = "auto"  # lean | hf | auto (lean where the model is Llama-family); see engine.py
+    engine: str = "auto"  # lean | lean-torch | hf | auto (lean where the model is Llama-family); see engine.py
     lookup: LookupConfig = LookupConfig()  # prompt-lookup draft chain beside the heads (num_tokens 0: off)
     # confidence gate on the heads' levels: each step verifies only the tree's levels 1..d where d is the
     # deepest level whose top-1 chain has an estimated probability (product of the heads' top-1 softmax

@@ -12,7 +12,11 @@ Both engines answer the same three calls the decode loop makes::
   weights: q/k/v in one matmul, gate/up in one matmul, a KV cache preallocated once per call as
   one tensor per side ``[layers, kv_heads, T, head_dim]``, the tree mask written into a prebuilt
   window, compaction as one gather over all layers at once. Same maths as transformers' Llama
-  (float32 RoPE tables, RMSNorm in float32), checked against it in the tests.
+  (float32 RoPE tables, RMSNorm in float32), checked against it in the tests. In bf16 on a CPU with
+  AVX-512 BF16, decode steps (one row or a tree) run as one call of a C forward (kernels/lean_cpu.c:
+  fused element-wise stages, its own GEMV, attention over the cache); there a tree row is bit-for-bit
+  the one-row step of the same token, so bf16 Medusa decoding equals the runtime's bf16 plain decoding.
+  The prompt forward stays on PyTorch (oneDNN), and ``lean-torch`` keeps every forward there.
 
 ``tree`` is ``None`` for causal rows (prefill, plain decoding) or the tree's ``[N, N]`` bool
 ancestor mask (row i may see column j).
@@ -28,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from . import kernels
 from .model import LoadedModel
 
-ENGINES = ("auto", "lean", "hf")
+ENGINES = ("auto", "lean", "lean-torch", "hf")
 
 
 class EngineError(ValueError):
@@ -126,6 +131,23 @@ def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+class _KernelLinear:
+    """``y = x W^T`` [M, out] bf16 for a fixed bf16 weight W [out, in], by the C library's GEMV."""
+
+    __slots__ = ("weight", "lib")
+
+    def __init__(self, weight: torch.Tensor, lib):
+        self.weight, self.lib = weight.detach().contiguous(), lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        rows, (out, width) = x.shape[0], self.weight.shape
+        y = torch.empty(rows, out, dtype=self.weight.dtype)
+        self.lib.lean_linear(self.weight.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
+                             kernels.OUT_BF16, torch.get_num_threads())
+        return y
+
+
 class _Linear:
     """``y = x W^T`` for a fixed weight W [out, in], prepacked for oneDNN when that pays."""
 
@@ -203,7 +225,9 @@ class LeanEngine:
 
     name = "lean"
 
-    def __init__(self, loaded: LoadedModel, max_nodes: int = 1):
+    def __init__(self, loaded: LoadedModel, max_nodes: int = 1, use_kernels: bool | None = None):
+        """``use_kernels``: decode steps (one row, or a tree) through the C forward of kernels/lean_cpu.c;
+        None = where it pays (bf16 on a CPU with AVX-512 BF16 and a C compiler), False = PyTorch only."""
         why = lean_support(loaded)
         if why:
             raise EngineError(f"the lean engine cannot run {loaded.name}: {why}; use engine 'hf'")
@@ -220,6 +244,30 @@ class LeanEngine:
         self.embed, self.norm, self.lm_head, self._logits, self.layers = _fused_weights(model, self.packed)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
+        self.lib = self._kernel_library(use_kernels)
+        if self.lib is not None:  # the layers' weight addresses, once; the tensors live in _FUSED
+            self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
+                kernels.LeanLayer(w.ln1.data_ptr(), w.qkv.weight.data_ptr(), w.o.weight.data_ptr(),
+                                  w.ln2.data_ptr(), w.gate_up.weight.data_ptr(), w.down.weight.data_ptr())
+                for w in self.layers])
+            self.intermediate = self.layers[0].down.weight.shape[1]
+            self._work = self._scratch = torch.empty(0)
+
+    def _kernel_library(self, wanted: bool | None):
+        if wanted is False or self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            if wanted:
+                raise EngineError("the C forward runs bfloat16 on the CPU only")
+            return None
+        if wanted is None and not kernels.fast_path():
+            return None
+        lib = kernels.load()
+        if lib is None:
+            raise EngineError(f"the C forward is unavailable: {kernels.unavailable_reason()}")
+        return lib
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.lib is not None
 
     # -------------------------------------------------------------- buffers
 
@@ -269,6 +317,8 @@ class LeanEngine:
         else:
             cos, sin = self._cos[positions], self._sin[positions]
         cos, sin = cos[:, None], sin[:, None]  # [n, 1, D], broadcast over heads
+        if self.lib is not None and (tree is not None or n == 1):
+            return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
         mask, causal = None, False
         if tree is not None:  # past columns stay True; the tree's own columns get its ancestor mask
             if n > cache.visible.shape[0]:  # a cache made for smaller trees (shared between decoders)
@@ -288,6 +338,33 @@ class LeanEngine:
         if last_only:
             hidden = hidden[-1:]
         return self._logits(hidden).float(), hidden
+
+    def _kernel_forward(self, ids, start, end, positions, cache, tree, last_only):
+        """The decode forward in one call of the C library (same maths as _layers; see lean_cpu.c)."""
+        n, hsz, threads = ids.shape[0], self.embed.shape[1], torch.get_num_threads()
+        h, kv, d, inter = self.num_heads, self.kv_heads, self.head_dim, self.intermediate
+        x = F.embedding(ids, self.embed)  # [n, H], becomes the residual stream
+        pos = (torch.arange(start, end) if positions is None else positions).to(torch.int64).contiguous()
+        need = n * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=self.dtype)
+        if self._scratch.numel() < threads * cache.capacity:  # attention scores, per thread
+            self._scratch = torch.empty(threads * cache.capacity, dtype=torch.float32)
+        mask = None if tree is None else tree.to(torch.bool).contiguous()  # [n, n] bytes
+        hidden = torch.empty(n, hsz, dtype=self.dtype)
+        rc = self.lib.lean_forward(
+            self._layer_table, len(self.layers), hsz, h, kv, d, inter, self.eps, self.norm.data_ptr(),
+            x.data_ptr(), n, pos.data_ptr(), start, cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity,
+            None if mask is None else mask.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
+            self._work.data_ptr(), self._scratch.data_ptr(), hidden.data_ptr(), threads)
+        if rc != 0:
+            raise EngineError(f"the C forward cannot run head_dim {d} (at most 256)")
+        if last_only:
+            hidden = hidden[-1:]
+        logits = torch.empty(hidden.shape[0], self.lm_head.shape[0], dtype=torch.float32)  # unrounded
+        self.lib.lean_linear(self._logits.weight.data_ptr(), hidden.data_ptr(), hidden.shape[0], self.lm_head.shape[0], hsz,
+                             logits.data_ptr(), None, kernels.OUT_F32, threads)
+        return logits, hidden
 
     def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
         n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
@@ -319,15 +396,18 @@ class LeanEngine:
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head
 
-    def projector(self, weight: torch.Tensor) -> _Linear:
+    def projector(self, weight: torch.Tensor) -> _Linear | _KernelLinear:
         """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in], prepacked like the model's own."""
+        if self.lib is not None:
+            return _KernelLinear(weight, self.lib)
         return self._logits if weight is self.lm_head else _Linear(weight, self.packed)
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:
-    """``auto``: the lean engine where it supports the model, else transformers'."""
+    """``auto``: the lean engine where it supports the model, else transformers'. ``lean`` takes the C
+    forward for decode steps where it pays (bf16 CPU); ``lean-torch`` keeps the lean engine on PyTorch ops."""
     if name not in ENGINES:
         raise EngineError(f"unknown engine {name!r}; use one of {ENGINES}")
     if name == "hf" or (name == "auto" and lean_support(loaded)):
         return HFEngine(loaded)
-    return LeanEngine(loaded, max_nodes)
+    return LeanEngine(loaded, max_nodes, use_kernels=False if name == "lean-torch" else None)

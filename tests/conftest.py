@@ -87,6 +87,11 @@ def default_model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def default_bf16() -> LoadedModel:
+    return load_model("default", "bfloat16", log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
 def mt_bench_first_turns() -> list[dict]:
     path = SHARED / "mt_bench" / "question.jsonl"
     if not path.is_file():

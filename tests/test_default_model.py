@@ -54,15 +54,6 @@ def test_tree_attention_on_default_model(default_model):
     torch.testing.assert_close(tree_logits, seq_logits, atol=1e-3, rtol=1e-4)
 
 
-def test_bf16_plain_decoding_equals_hf_generate_in_bf16():
-    """Plain decoding does single-token forwards like generate, so even bf16 must agree exactly."""
-    bf16 = load_model("default", "bfloat16", log=lambda m: None)
-    prompt = encode_prompt(bf16, "Name three primary colors.", chat=True)
-    ref = hf_greedy(bf16, prompt, 16)
-    res = MedusaDecoder(bf16, None, None, config=DecodeConfig(max_new_tokens=16)).generate(prompt)
-    assert res.token_ids == ref
-
-
 def test_shipped_heads_draft_vocabulary_bf16_projection(default_model, mt_bench_first_turns):
     """The shipped heads carry their training vocabulary; the decoder's prepacked bf16 projection of it
     proposes what the module path (full logits, -inf outside the vocabulary) ranks first."""

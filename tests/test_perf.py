@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from medusa_runtime import kernels
 from medusa_runtime.acceptance import accept_greedy
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.engine import LeanEngine
@@ -83,13 +84,14 @@ def test_bench_compact(benchmark, bf16_default):
     benchmark(engine.compact, cache, 512, path)  # timing: the same gather again
 
 
-@pytest.mark.parametrize("nodes", [1, 16])
-def test_bench_verify_default_bf16(benchmark, bf16_default, nodes):
-    """One lean verify forward of the default model in bf16 at context 256."""
+@pytest.mark.parametrize("engine", ["lean", "lean-torch"])
+@pytest.mark.parametrize("nodes", [1, 4, 16])
+def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine):
+    """One lean verify forward of the default model in bf16 at context 256 (C forward vs PyTorch path)."""
     heads = fresh_heads(5, 1, bf16_default.hidden_size, bf16_default.vocab_size)
     tree = make_tree(load_tree("mc_sim_7b_63").paths[: nodes - 1]) if nodes > 1 else None
-    dec = MedusaDecoder(bf16_default, heads if tree else None, tree, config=DecodeConfig(topk=10))
-    assert dec.engine.name == "lean"
+    dec = MedusaDecoder(bf16_default, heads if tree else None, tree, config=DecodeConfig(topk=10, engine=engine))
+    assert dec.engine.name == "lean" and dec.engine.uses_kernels is (engine == "lean" and kernels.fast_path())
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, bf16_default.vocab_size, (256,), generator=gen)
     cache = dec.new_cache(256 + nodes)

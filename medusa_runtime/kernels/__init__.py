@@ -1,0 +1,120 @@
+"""The lean engine's C forward (``lean_cpu.c``): compiled once per machine with the system's C
+compiler, cached in the project's cache folder, loaded with ctypes.
+
+``load()`` returns the library, or ``None`` with the reason in ``unavailable_reason()`` (no C
+compiler, a failed build, ``MEDUSA_LEAN_KERNELS=0``). The engine then keeps its PyTorch path, so the
+kernels are a speed-up only, never a requirement. The build is keyed by the source, the compiler's
+version and the CPU's flags (``-march=native``), written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
+
+SOURCE = Path(__file__).with_name("lean_cpu.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+ENV_SWITCH = "MEDUSA_LEAN_KERNELS"
+
+# output kinds of lean_linear (enum in lean_cpu.c)
+OUT_BF16, OUT_BF16_RESIDUAL, OUT_F32 = 0, 1, 2
+
+
+class LeanLayer(ctypes.Structure):
+    """Addresses of one layer's weights, as ``LeanLayer`` in lean_cpu.c."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "o", "ln2", "gate_up", "down")]
+
+
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(cc: str) -> Path:
+    from ..model import cache_root
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    return cache_root() / "kernels" / f"lean_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.lean_has_avx512bf16.restype = i
+    lib.lean_linear.argtypes = [p, p, i, i, i, p, p, i, i]
+    lib.lean_linear.restype = None
+    lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
+                                 p, p, p, i]
+    lib.lean_forward.restype = i
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None; the outcome is remembered per process."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    lib, why = None, None
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        why = f"disabled by {ENV_SWITCH}=0"
+    elif platform.machine().lower() not in ("x86_64", "amd64"):
+        why = f"not an x86-64 CPU ({platform.machine()})"
+    elif (cc := _compiler()) is None:
+        why = "no C compiler (cc/gcc) on PATH"
+    else:
+        try:
+            path = _library_path(cc)
+            if not path.exists():
+                _build(cc, path)
+            lib = _declare(ctypes.CDLL(str(path)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            why = f"build failed: {err}"
+    _state["lib"], _state["why"] = lib, why
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _state["why"]  # type: ignore[return-value]
+
+
+def fast_path() -> bool:
+    """True when the library is loaded and uses the CPU's AVX-512 BF16 dot instructions (without
+    them it still runs, exactly as specified, but slower than oneDNN)."""
+    lib = load()
+    return bool(lib is not None and lib.lean_has_avx512bf16())
