@@ -74,6 +74,16 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 #if LEAN_AVX512BF16
 #define PREFETCH_ROWS 8 /* prefetch distance in weight rows (may run past the end: prefetches never fault) */
 
+/* the sums of four accumulators [sum a0, sum a1, sum a2, sum a3], by one fixed pattern of adds */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 /* four weight rows against R activation rows (R <= 4): out[r][c] = dot(x row r, w row c), each with its
  * own accumulator over k in the same order as dot_bf16, so results do not depend on R. Called with a
  * constant R, so the 4 x R accumulators stay in registers; each weight load serves R rows. */
@@ -103,8 +113,7 @@ static inline __attribute__((always_inline)) void dot4xr_bf16(const bf16 *w, int
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(out[r], reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
 /* exp of 16 floats: Cephes' expf scheme (2^n times a degree-6 polynomial on [-ln2/2, ln2/2]),
