@@ -111,9 +111,10 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16):
 
 
 @pytest.mark.parametrize("tree,lookup", [("chain:3", 0), ("mc_sim_7b_63", 0), ("chain:3", 4)])
-def test_bf16_medusa_equals_bf16_plain_decoding(default_bf16, mt_bench_first_turns, tree, lookup):
+def test_bf16_medusa_equals_bf16_plain_decoding(default_bf16, mt_bench_first_turns, tree, lookup, monkeypatch):
     """With the C forward, bf16 Medusa greedy decoding (shipped heads) is token-exact against the
     runtime's bf16 plain decoding, on MT-Bench first turns of three categories."""
+    monkeypatch.setattr(kernels, "fast_path", lambda: True)  # the C forward even without AVX-512 BF16 (slower)
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size)
     cfg = DecodeConfig(max_new_tokens=32, lookup=LookupConfig(lookup))
     medusa = MedusaDecoder(default_bf16, heads, tree, config=cfg)
@@ -164,3 +165,37 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(kernels, "_library_path", lambda cc: tmp_path / "kernels" / "other.so")
     assert kernels.load() is None and "build failed" in kernels.unavailable_reason()
+
+
+def test_portable_build_without_avx512_bf16(default_bf16, tmp_path, monkeypatch):
+    """The scalar fallback (CPUs without AVX-512 BF16): the same results up to summation order, and
+    tree rows still bit-for-bit their one-row steps."""
+    target = tmp_path / "lean_cpu_portable.so"
+    kernels._build(kernels._compiler(), target, extra_flags=("-mno-avx512bf16",))
+    portable = kernels._declare(ctypes.CDLL(str(target)))
+    assert portable.lean_has_avx512bf16() == 0
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(67, 200, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 200, generator=gen).to(torch.bfloat16)
+    got = _linear(portable, w, x, kernels.OUT_F32)
+    scale = x.double().abs() @ w.double().abs().T
+    assert torch.all((got.double() - x.double() @ w.double().T).abs() <= 1e-6 * scale)
+
+    fast = LeanEngine(default_bf16, max_nodes=4, use_kernels=True)
+    monkeypatch.setattr(kernels, "_state", {"lib": portable, "why": None})
+    slow = LeanEngine(default_bf16, max_nodes=4, use_kernels=True)
+    prompt = torch.randint(0, default_bf16.vocab_size, (24,), generator=gen)
+    tokens = torch.randint(0, default_bf16.vocab_size, (3,), generator=gen)
+    chain = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    with torch.inference_mode():
+        outs = []
+        for engine in (fast, slow):
+            cache = engine.new_cache(32)
+            engine.forward(prompt, 0, cache, last_only=True)
+            outs.append(engine.forward(tokens, 24, cache, tree=chain, positions=torch.arange(24, 27)))
+        assert _rel(outs[1][1], outs[0][1]) < 0.02  # hidden states: the two builds differ only in rounding
+        seq = slow.new_cache(32)
+        slow.forward(prompt, 0, seq, last_only=True)
+        for i in range(3):
+            _, h = slow.forward(tokens[i: i + 1], 24 + i, seq)
+            assert torch.equal(h[0], outs[1][1][i])

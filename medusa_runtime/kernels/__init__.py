@@ -59,13 +59,13 @@ def _library_path(cc: str) -> Path:
     return cache_root() / "kernels" / f"lean_cpu-{key.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([cc, *FLAGS, *extra_flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
         os.replace(tmp, target)
