@@ -142,6 +142,8 @@ class _KernelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         rows, (out, width) = x.shape[0], self.weight.shape
+        if x.dim() != 2 or x.shape[1] != width or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            raise EngineError(f"expected a CPU {self.weight.dtype} input [M, {width}], got {x.dtype} {list(x.shape)}")
         y = torch.empty(rows, out, dtype=self.weight.dtype)
         self.lib.lean_linear(self.weight.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
                              kernels.OUT_BF16, torch.get_num_threads())
@@ -312,13 +314,13 @@ class LeanEngine:
         if end > cache.capacity:
             raise EngineError(f"cache of {cache.capacity} positions cannot take {end}")
         self._rope(cache.capacity)  # positions never exceed the slots; no-op once the table is long enough
+        if self.lib is not None and (tree is not None or n == 1):
+            return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
         if positions is None:
             cos, sin = self._cos[start:end], self._sin[start:end]
         else:
             cos, sin = self._cos[positions], self._sin[positions]
         cos, sin = cos[:, None], sin[:, None]  # [n, 1, D], broadcast over heads
-        if self.lib is not None and (tree is not None or n == 1):
-            return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
         mask, causal = None, False
         if tree is not None:  # past columns stay True; the tree's own columns get its ancestor mask
             if n > cache.visible.shape[0]:  # a cache made for smaller trees (shared between decoders)
@@ -345,6 +347,11 @@ class LeanEngine:
         h, kv, d, inter = self.num_heads, self.kv_heads, self.head_dim, self.intermediate
         x = F.embedding(ids, self.embed)  # [n, H], becomes the residual stream
         pos = (torch.arange(start, end) if positions is None else positions).to(torch.int64).contiguous()
+        # the C code indexes with these unchecked: refuse what PyTorch indexing would refuse
+        if pos.shape != (n,) or (positions is not None and not 0 <= int(pos.min()) <= int(pos.max()) < self._rope_len):
+            raise EngineError(f"positions must be {n} values in [0, {self._rope_len})")
+        if tree is not None and tuple(tree.shape) != (n, n):
+            raise EngineError(f"the tree mask must be [{n}, {n}], got {list(tree.shape)}")
         need = n * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
@@ -397,7 +404,8 @@ class LeanEngine:
         return self.lm_head
 
     def projector(self, weight: torch.Tensor) -> _Linear | _KernelLinear:
-        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in], prepacked like the model's own."""
+        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in]: the C GEMV where the C forward
+        runs, else prepacked like the model's own."""
         if self.lib is not None:
             return _KernelLinear(weight, self.lib)
         return self._logits if weight is self.lm_head else _Linear(weight, self.packed)

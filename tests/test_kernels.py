@@ -138,6 +138,20 @@ def test_torch_path_plain_decoding_is_what_generate_does_in_bf16(default_bf16):
     assert res.token_ids == hf_greedy(default_bf16, prompt, 16)
 
 
+def test_c_forward_refuses_what_it_would_index_out_of_bounds(default_bf16):
+    engine = LeanEngine(default_bf16, max_nodes=4, use_kernels=True)
+    cache = engine.new_cache(16)
+    tokens = torch.tensor([5, 6])
+    with torch.inference_mode():
+        engine.forward(torch.tensor([1, 2, 3]), 0, cache)
+        with pytest.raises(EngineError, match="positions must be 2 values in"):
+            engine.forward(tokens, 3, cache, tree=torch.ones(2, 2, dtype=torch.bool), positions=torch.tensor([3, 99]))
+        with pytest.raises(EngineError, match="tree mask must be"):
+            engine.forward(tokens, 3, cache, tree=torch.ones(3, 3, dtype=torch.bool))
+        with pytest.raises(EngineError, match="expected a CPU"):
+            engine.projector(engine.lm_head)(torch.zeros(1, 7, dtype=torch.bfloat16))
+
+
 def test_engine_choices_and_switch(default_model, default_bf16, monkeypatch, tmp_path):
     assert make_engine(default_bf16, "lean-torch").uses_kernels is False
     assert make_engine(default_bf16, "lean").uses_kernels is kernels.fast_path()
