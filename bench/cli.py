@@ -24,10 +24,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
+    from medusa_runtime.engine import c_forward_status
     from medusa_runtime.model import describe_model, load_model
 
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     info = describe_model(loaded)
+    info["c_forward"] = c_forward_status(loaded)
     if args.json:
         print(json.dumps(info))
     else:
@@ -442,6 +444,7 @@ def spread_over_categories(questions, limit: int):
 
 def cmd_speed(args: argparse.Namespace) -> int:
     from bench.bandwidth import bandwidth_floor
+    from medusa_runtime.engine import c_forward_status
 
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
                                   torch_path=args.torch_path)
@@ -452,6 +455,7 @@ def cmd_speed(args: argparse.Namespace) -> int:
                              f"have {', '.join(c.name for c in configs)}")
         configs = [c for c in configs if c.name in (*args.only, "generate", "plain")]
     loaded, df = _run_replay(args, configs, turns=1)
+    print(f"\nthe runtime's decode steps on the C forward: {c_forward_status(loaded)}")
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
     # a decode step: the plain runs' time after the prompt forward, per forward

@@ -411,6 +411,20 @@ class LeanEngine:
         return self._logits if weight is self.lm_head else _Linear(weight, self.packed)
 
 
+def c_forward_status(loaded: LoadedModel) -> str:
+    """One line: would this model's decode steps run on the C forward (engine auto/lean), and if not, why."""
+    why = lean_support(loaded)
+    if why:
+        return f"no (transformers' engine: {why})"
+    if loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16:
+        return "no (it runs bfloat16 on the CPU only)"
+    if kernels.load() is None:
+        return f"no ({kernels.unavailable_reason()})"
+    if not kernels.fast_path():
+        return "no (this CPU lacks AVX-512 BF16: the PyTorch path is faster)"
+    return "yes (AVX-512 BF16)"
+
+
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:
     """``auto``: the lean engine where it supports the model, else transformers'. ``lean`` takes the C
     forward for decode steps where it pays (bf16 CPU); ``lean-torch`` keeps the lean engine on PyTorch ops."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from medusa_runtime import kernels
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.engine import EngineError, LeanEngine, make_engine
+from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine
 from medusa_runtime.heads import resolve_heads
 from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.tree_buffers import build_tree_buffers
@@ -153,6 +153,8 @@ def test_c_forward_refuses_what_it_would_index_out_of_bounds(default_bf16):
 
 
 def test_engine_choices_and_switch(default_model, default_bf16, monkeypatch, tmp_path):
+    assert c_forward_status(default_bf16).startswith("yes" if kernels.fast_path() else "no")
+    assert c_forward_status(default_model) == "no (it runs bfloat16 on the CPU only)"
     assert make_engine(default_bf16, "lean-torch").uses_kernels is False
     assert make_engine(default_bf16, "lean").uses_kernels is kernels.fast_path()
     assert make_engine(default_model, "lean").uses_kernels is False  # float32 stays on PyTorch
@@ -162,6 +164,7 @@ def test_engine_choices_and_switch(default_model, default_bf16, monkeypatch, tmp
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     assert kernels.load() is None and "MEDUSA_LEAN_KERNELS=0" in kernels.unavailable_reason()
     assert make_engine(default_bf16, "lean").uses_kernels is False
+    assert c_forward_status(default_bf16) == "no (disabled by MEDUSA_LEAN_KERNELS=0)"
     with pytest.raises(EngineError, match="unavailable: disabled"):
         LeanEngine(default_bf16, use_kernels=True)
 
