@@ -256,12 +256,12 @@ class LeanEngine:
             self._work = self._scratch = torch.empty(0)
 
     def _kernel_library(self, wanted: bool | None):
-        if wanted is False or self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            if wanted:
-                raise EngineError("the C forward runs bfloat16 on the CPU only")
+        if wanted is None:  # where it pays
+            return None if _c_forward_blocker(self.device, self.dtype) else kernels.load()
+        if not wanted:
             return None
-        if wanted is None and not kernels.fast_path():
-            return None
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            raise EngineError(f"the C forward {_BF16_CPU_ONLY}")
         lib = kernels.load()
         if lib is None:
             raise EngineError(f"the C forward is unavailable: {kernels.unavailable_reason()}")
@@ -411,18 +411,27 @@ class LeanEngine:
         return self._logits if weight is self.lm_head else _Linear(weight, self.packed)
 
 
+_BF16_CPU_ONLY = "runs bfloat16 on the CPU only"
+
+
+def _c_forward_blocker(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the lean engine would not take the C forward by default (None: it would)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return f"it {_BF16_CPU_ONLY}"
+    if kernels.load() is None:
+        return kernels.unavailable_reason()
+    if not kernels.fast_path():
+        return "this CPU lacks AVX-512 BF16: the PyTorch path is faster"
+    return None
+
+
 def c_forward_status(loaded: LoadedModel) -> str:
     """One line: would this model's decode steps run on the C forward (engine auto/lean), and if not, why."""
     why = lean_support(loaded)
     if why:
         return f"no (transformers' engine: {why})"
-    if loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16:
-        return "no (it runs bfloat16 on the CPU only)"
-    if kernels.load() is None:
-        return f"no ({kernels.unavailable_reason()})"
-    if not kernels.fast_path():
-        return "no (this CPU lacks AVX-512 BF16: the PyTorch path is faster)"
-    return "yes (AVX-512 BF16)"
+    why = _c_forward_blocker(loaded.device, loaded.dtype)
+    return f"no ({why})" if why else "yes (AVX-512 BF16)"
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:

@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from treesearch.cost import LatencyProfile
 from treesearch.optimal import IndependentModel, optimal_tree
 
-from . import kernels
 from .decode import DecodeConfig, MedusaDecoder
+from .engine import c_forward_status
 from .heads import MedusaHeads
 from .model import LoadedModel
 
@@ -39,7 +39,7 @@ def describe_machine(loaded: LoadedModel) -> dict[str, object]:
     info: dict[str, object] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                                "cpu_count": os.cpu_count(), "torch": torch.__version__,
                                "torch_threads": torch.get_num_threads(), "device": str(loaded.device),
-                               "lean_c_forward": loaded.device.type == "cpu" and loaded.dtype == torch.bfloat16 and kernels.fast_path()}
+                               "lean_c_forward": c_forward_status(loaded)}
     if loaded.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(loaded.device)
     else:
