@@ -158,8 +158,9 @@ TRAIN_PROFILES = {
     # prompts: head 0 top-1 0.276 at 1e-3, 0.294 at 2e-3, 0.300 at 3e-3)
     "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 6.0, "follow_ups": False, "vocab": "replies",
               "lr": 3e-3},
+    # 'release' makes the shipped heads; 3e-3 measured better than 1e-3 on MT-Bench (head 0 top-1 0.274 vs 0.262)
     "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True, "vocab": "replies",
-                "lr": 1e-3},
+                "lr": 3e-3},
 }
 
 
@@ -204,15 +205,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-BUILTIN_TRAIN_SHARE = 0.8  # the built-in prompts: the first 80 % train heads, the rest calibrate them
-
-
 def builtin_split(prompts, source: str, part: str):
     """The ``train`` or ``calibration`` part of the built-in prompts; other sources are used whole."""
     if source not in ("builtin", "default", ""):
         return prompts
-    cut = int(len(prompts) * BUILTIN_TRAIN_SHARE)
-    return prompts[:cut] if part == "train" else prompts[cut:]
+    from medusa_runtime.prompts import builtin_split as split
+
+    return split(prompts, part)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:

@@ -96,6 +96,7 @@ def _cli(*argv: str) -> None:
 
 def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
     from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.prompts import BUILTIN_REVISION
 
     prof = PROFILES[profile_name]
     out.mkdir(parents=True, exist_ok=True)
@@ -107,14 +108,14 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
         heads_dir = out / "heads-trained" / "heads"
         from bench.cli import TRAIN_PROFILES
 
-        cache.run("train", {"profile": "quick", **TRAIN_PROFILES["quick"]}, [heads_dir],
+        cache.run("train", {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION}, [heads_dir],
                   lambda: _cli("train", "--profile", "quick", "--out", str(out / "heads-trained")))
     heads = str(heads_dir)
     heads_key = folder_hash(heads_dir)
 
     acc = out / "acceptance.json"
     cache.run("calibrate", {"heads": heads_key, "p": prof.calib_prompts, "t": prof.calib_tokens, "dtype": dtype,
-                            "typical_t": TYPICAL_TEMPERATURE},
+                            "typical_t": TYPICAL_TEMPERATURE, "prompts_rev": BUILTIN_REVISION},
               [acc], lambda: _cli("calibrate", "--heads", heads, "--dtype", dtype, "--limit", str(prof.calib_prompts),
                                   "--max-new-tokens", str(prof.calib_tokens), "--heldout", "0.25", "--out", str(acc),
                                   "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))

@@ -2,9 +2,10 @@
 
 Each example is one assistant turn: the chat-formatted context and the model's greedy reply.
 Prompts with a follow-up give a second example whose context holds the model's first reply. The
-cache is a JSONL file named by a hash of everything that determines it (model, prompts, lengths);
-lines are appended batch by batch, so an interrupted run keeps what it generated and a rerun only
-generates what is missing.
+cache is a JSONL file named by a hash of everything that determines a reply but the prompt (model,
+weights, dtype, lengths); each line holds the user turns it answers, so any prompt set reuses the
+replies already generated for its prompts. Lines are appended batch by batch, so an interrupted run
+keeps what it generated and a rerun only generates what is missing.
 """
 
 from __future__ import annotations
@@ -42,43 +43,44 @@ def _chat_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def cache_file(loaded: LoadedModel, prompts: Sequence[Prompt], cfg: DistillConfig) -> Path:
+def cache_file(loaded: LoadedModel, cfg: DistillConfig) -> Path:
     emb = loaded.model.get_input_embeddings().weight
     fingerprint = [float(x) for x in emb.flatten()[:64].float()]  # same name, other weights: other cache
     key = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "cfg": asdict(cfg),
-                                     "weights": fingerprint, "prompts": [p.turns for p in prompts]}
-                                    ).encode()).hexdigest()[:16]
+                                     "weights": fingerprint, "format": 2}).encode()).hexdigest()[:16]
     return cache_root() / "distill" / f"{key}.jsonl"
 
 
-def _read_cache(path: Path) -> dict[tuple[int, int], Example]:
-    done: dict[tuple[int, int], Example] = {}
+Conversation = tuple[str, ...]  # the user turns up to and including the one answered
+
+
+def _read_cache(path: Path) -> dict[Conversation, tuple[tuple[int, ...], int]]:
+    """Cached replies: user turns -> (context + reply token ids, index of the first reply token)."""
+    done: dict[Conversation, tuple[tuple[int, ...], int]] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
                 r = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a crash: regenerate it
+                done[tuple(r["turns"])] = (tuple(r["input_ids"]), int(r["reply_start"]))
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash: regenerate it
                 continue
-            done[(r["prompt_index"], r["turn"])] = Example(tuple(r["input_ids"]), r["reply_start"], r["prompt_index"],
-                                                          r["turn"])
     return done
 
 
-def _generate_turn(loaded: LoadedModel, contexts: dict[int, list[int]], turn: int, cfg: DistillConfig,
-                   path: Path, done: dict, progress: bool) -> None:
-    todo = [i for i in contexts if (i, turn) not in done]
+def _generate_turn(loaded: LoadedModel, contexts: dict[Conversation, list[int]], cfg: DistillConfig, path: Path,
+                   done: dict, desc: str, progress: bool) -> None:
+    todo = [c for c in contexts if c not in done]
     chunk = cfg.batch_size * 4  # write to disk every few batches
-    bar = tqdm(total=len(todo), desc=f"self-distillation turn {turn + 1}", disable=not progress, unit="prompt")
+    bar = tqdm(total=len(todo), desc=desc, disable=not progress, unit="prompt")
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
-        replies = greedy_rollouts(loaded, [contexts[i] for i in part], cfg.max_new_tokens, cfg.batch_size,
+        replies = greedy_rollouts(loaded, [contexts[c] for c in part], cfg.max_new_tokens, cfg.batch_size,
                                   progress=False)
         with path.open("a") as fh:
-            for i, reply in zip(part, replies):
-                ex = Example(tuple(contexts[i] + reply), len(contexts[i]), i, turn)
-                done[(i, turn)] = ex
-                fh.write(json.dumps({"prompt_index": i, "turn": turn, "reply_start": ex.reply_start,
-                                     "input_ids": list(ex.input_ids)}) + "\n")
+            for conv, reply in zip(part, replies):
+                done[conv] = (tuple(contexts[conv] + reply), len(contexts[conv]))
+                fh.write(json.dumps({"turns": list(conv), "reply_start": len(contexts[conv]),
+                                     "input_ids": done[conv][0]}) + "\n")
         bar.update(len(part))
     bar.close()
 
@@ -88,20 +90,22 @@ def build_distill_data(loaded: LoadedModel, prompts: Sequence[Prompt], cfg: Dist
     """Generate (or reload) the examples for ``prompts``; returns them and the cache file."""
     if not getattr(loaded.tokenizer, "chat_template", None):
         raise ValueError(f"model {loaded.name} has no chat template, which self-distillation needs")
-    path = cache_file(loaded, prompts, cfg)
+    path = cache_file(loaded, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_cache(path)
-    first = {i: _chat_ids(loaded, [{"role": "user", "content": p.turns[0]}]) for i, p in enumerate(prompts)}
-    _generate_turn(loaded, first, 0, cfg, path, done, progress)
+    first = {p.turns[:1]: _chat_ids(loaded, [{"role": "user", "content": p.turns[0]}]) for p in prompts}
+    _generate_turn(loaded, first, cfg, path, done, "self-distillation turn 1", progress)
+    examples = [Example(*done[p.turns[:1]], i, 0) for i, p in enumerate(prompts)]
     if cfg.follow_ups:
         second = {}
-        for i, p in enumerate(prompts):
+        for p in prompts:
             if len(p.turns) > 1:
-                ex = done[(i, 0)]
-                reply = loaded.tokenizer.decode(ex.input_ids[ex.reply_start:], skip_special_tokens=True)
-                second[i] = _chat_ids(loaded, [{"role": "user", "content": p.turns[0]},
-                                               {"role": "assistant", "content": reply},
-                                               {"role": "user", "content": p.turns[1]}])
-        _generate_turn(loaded, second, 1, cfg, path, done, progress)
-    examples = [done[k] for k in sorted(done) if k[0] < len(prompts)]
+                ids, start = done[p.turns[:1]]
+                reply = loaded.tokenizer.decode(ids[start:], skip_special_tokens=True)
+                second[p.turns[:2]] = _chat_ids(loaded, [{"role": "user", "content": p.turns[0]},
+                                                         {"role": "assistant", "content": reply},
+                                                         {"role": "user", "content": p.turns[1]}])
+        _generate_turn(loaded, second, cfg, path, done, "self-distillation turn 2", progress)
+        examples += [Example(*done[p.turns[:2]], i, 1) for i, p in enumerate(prompts) if len(p.turns) > 1]
+    examples.sort(key=lambda e: (e.prompt_index, e.turn))
     return examples, path

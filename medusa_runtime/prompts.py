@@ -2,7 +2,8 @@
 
 Prompts are composed from request templates and topic lists written for this project, across the
 eight kinds of request MT-Bench covers (writing, roleplay, reasoning, math, coding, extraction,
-STEM, humanities); about a third carry a follow-up turn. Composition is deterministic, so a
+STEM, humanities); about a third carry a follow-up turn. A second tier of longer requests, with
+material to work on and constraints on the answer, comes from :mod:`.prompts_detailed`. Composition is deterministic, so a
 prompt's index names the same prompt everywhere. Other sources (ShareGPT-style JSON/JSONL, plain
 JSONL of prompts) load through :func:`load_prompt_source`.
 """
@@ -13,6 +14,8 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from .prompts_detailed import detailed_requests
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -155,7 +158,13 @@ _FOLLOW_UPS = ["Now make it shorter, in two sentences.", "Can you give a concret
                "Now answer the same question in a more formal tone.", "Which part of your answer is most important?"]
 
 
-def builtin_prompts(seed: int = 0) -> list[Prompt]:
+BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
+DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
+BUILTIN_REVISION = 2  # bump when the built-in prompt set changes (stage caches key on it)
+BUILTIN_TRAIN_SHARE = 0.8  # per tier: the first 80 % train heads, the rest calibrate them
+
+
+def _template_prompts(seed: int) -> list[Prompt]:
     """Every template x topic pair (about 1,200), in a fixed shuffled order; a third get a follow-up."""
     rng = random.Random(seed)
     out: list[Prompt] = []
@@ -168,6 +177,34 @@ def builtin_prompts(seed: int = 0) -> list[Prompt]:
                 out.append(Prompt(tuple(turns), cat))
     rng.shuffle(out)
     return out
+
+
+def builtin_prompts(seed: int = 0) -> list[Prompt]:
+    """Both tiers: the template prompts (first, in their historical order), then the detailed requests."""
+    detailed = [Prompt(turns, cat, DETAILED_SOURCE) for turns, cat in detailed_requests(seed=seed + 1)]
+    return _template_prompts(seed) + detailed
+
+
+def _interleave(parts: list[list[Prompt]]) -> list[Prompt]:
+    """Merge lists keeping each one's order, spreading each evenly over the result (so any prefix
+    holds every tier in proportion)."""
+    keyed = [((i + 0.5) / len(part), k, p) for k, part in enumerate(parts) for i, p in enumerate(part)]
+    return [p for _, _, p in sorted(keyed, key=lambda x: (x[0], x[1]))]
+
+
+def builtin_split(prompts: list[Prompt], part: str) -> list[Prompt]:
+    """The ``train`` or ``calibration`` part of the built-in prompts: each tier is cut at 80 % (so a
+    tier's split never depends on the others) and the parts of the tiers are interleaved."""
+    if part not in ("train", "calibration"):
+        raise ValueError(f"part must be 'train' or 'calibration', not {part!r}")
+    tiers: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        tiers.setdefault(p.source, []).append(p)
+    chosen = []
+    for tier in tiers.values():
+        cut = int(len(tier) * BUILTIN_TRAIN_SHARE)
+        chosen.append(tier[:cut] if part == "train" else tier[cut:])
+    return _interleave([c for c in chosen if c])
 
 
 def _prompt_from_record(rec: dict, source: str) -> Prompt | None:

@@ -13,7 +13,15 @@ from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.distill import DistillConfig, Example, build_distill_data
 from medusa_runtime.heads import fresh_heads, load_heads
 from medusa_runtime.model import LoadedModel, load_model
-from medusa_runtime.prompts import CATEGORIES, builtin_prompts, load_prompt_source
+from medusa_runtime.prompts import (
+    BUILTIN_SOURCE,
+    CATEGORIES,
+    DETAILED_SOURCE,
+    Prompt,
+    builtin_prompts,
+    builtin_split,
+    load_prompt_source,
+)
 from medusa_runtime.train import (
     HeadTrainer,
     TrainConfig,
@@ -80,6 +88,16 @@ def test_self_distillation_data_is_the_models_own_greedy_reply(tiny_examples):
     # a rerun reuses the cache: no generation needed, same examples
     again, path2 = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8), progress=False)
     assert path2 == path and again == examples
+    # replies are cached per conversation: another prompt set reuses them and generates only what is new
+    lines = len(path.read_text().splitlines())
+    other = [prompts[5], prompts[2], Prompt(("Name three colours.",), "writing")]
+    subset, path3 = build_distill_data(loaded, other, DistillConfig(max_new_tokens=24, batch_size=8), progress=False)
+    assert path3 == path and len(path.read_text().splitlines()) == lines + 1
+    by_turns = {(prompts[e.prompt_index].turns, e.turn): e.input_ids for e in examples}
+    reused = [e for e in subset if e.prompt_index < 2]
+    assert len(reused) == len(other[0].turns) + len(other[1].turns)
+    assert all(e.input_ids == by_turns[(other[e.prompt_index].turns, e.turn)] for e in reused)
+    assert [(e.prompt_index, e.turn) for e in subset] == sorted((e.prompt_index, e.turn) for e in subset)
 
 
 def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
@@ -299,6 +317,31 @@ def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turn
     for p in prompts:
         for t in p.turns:
             assert not (grams(t) & mt), f"builtin prompt shares a 6-word span with MT-Bench: {t!r}"
+
+
+def test_builtin_tiers_split_separately_and_interleave():
+    prompts = builtin_prompts()
+    tiers = {}
+    for p in prompts:
+        tiers.setdefault(p.source, []).append(p)
+    assert set(tiers) == {BUILTIN_SOURCE, DETAILED_SOURCE}
+    detailed = tiers[DETAILED_SOURCE]
+    assert len(detailed) == 640 and all(sum(p.category == c for p in detailed) == 80 for c in CATEGORIES)
+    assert sum(len(p.turns) > 1 for p in detailed) > 150
+    assert builtin_prompts() == prompts  # deterministic
+    train, calib = builtin_split(prompts, "train"), builtin_split(prompts, "calibration")
+    assert not {p.turns for p in train} & {p.turns for p in calib}
+    assert len(train) + len(calib) == len(prompts)
+    for tier in tiers.values():  # each tier's own first 80 % trains, in its own order
+        cut = int(len(tier) * 0.8)
+        assert [p for p in train if p.source == tier[0].source] == tier[:cut]
+        assert [p for p in calib if p.source == tier[0].source] == tier[cut:]
+    # any prefix holds both tiers in proportion (the quick profile takes the first 360)
+    share = len(tiers[DETAILED_SOURCE]) * 0.8 / len(train)
+    n_detailed = sum(p.source == DETAILED_SOURCE for p in train[:360])
+    assert abs(n_detailed - 360 * share) <= 2
+    with pytest.raises(ValueError, match="part"):
+        builtin_split(prompts, "test")
 
 
 def test_prompt_sources(tmp_path):
