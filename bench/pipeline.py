@@ -108,7 +108,8 @@ def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
         heads_dir = out / "heads-trained" / "heads"
         from bench.cli import TRAIN_PROFILES
 
-        cache.run("train", {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION}, [heads_dir],
+        train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION}
+        cache.run("train", train_key, [heads_dir],
                   lambda: _cli("train", "--profile", "quick", "--out", str(out / "heads-trained")))
     heads = str(heads_dir)
     heads_key = folder_hash(heads_dir)
