@@ -3,9 +3,9 @@
 Prompts are composed from request templates and topic lists written for this project, across the
 eight kinds of request MT-Bench covers (writing, roleplay, reasoning, math, coding, extraction,
 STEM, humanities); about a third carry a follow-up turn. A second tier of longer requests, with
-material to work on and constraints on the answer, comes from :mod:`.prompts_detailed`. Composition is deterministic, so a
-prompt's index names the same prompt everywhere. Other sources (ShareGPT-style JSON/JSONL, plain
-JSONL of prompts) load through :func:`load_prompt_source`.
+material to work on and constraints on the answer, comes from :mod:`.prompts_detailed`.
+Composition is deterministic, so a prompt's index names the same prompt everywhere. Other sources
+(ShareGPT-style JSON/JSONL, plain JSONL of prompts) load through :func:`load_prompt_source`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from pathlib import Path
 from .prompts_detailed import detailed_requests
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
+DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
 
 
 @dataclass(frozen=True)
 class Prompt:
     turns: tuple[str, ...]  # user turns; the assistant's replies come from the model itself
     category: str
-    source: str = "medusa-bench/builtin"
+    source: str = BUILTIN_SOURCE
 
 
 _TOPICS = {
@@ -158,8 +160,6 @@ _FOLLOW_UPS = ["Now make it shorter, in two sentences.", "Can you give a concret
                "Now answer the same question in a more formal tone.", "Which part of your answer is most important?"]
 
 
-BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
-DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
 BUILTIN_REVISION = 2  # bump when the built-in prompt set changes (stage caches key on it)
 BUILTIN_TRAIN_SHARE = 0.8  # per tier: the first 80 % train heads, the rest calibrate them
 
