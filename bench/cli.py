@@ -157,10 +157,10 @@ TRAIN_PROFILES = {
     # its 180 steps take a higher peak learning rate than Medusa's 1e-3 (measured on the built-in validation
     # prompts: head 0 top-1 0.276 at 1e-3, 0.294 at 2e-3, 0.300 at 3e-3)
     "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 6.0, "follow_ups": False, "vocab": "replies",
-              "lr": 3e-3},
+              "lr": 3e-3, "condition": "root"},
     # 'release' makes the shipped heads; 3e-3 measured better than 1e-3 on MT-Bench (head 0 top-1 0.274 vs 0.262)
     "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True, "vocab": "replies",
-                "lr": 3e-3},
+                "lr": 3e-3, "condition": "root"},
 }
 
 
@@ -177,7 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       lr=args.lr if args.lr is not None else prof["lr"],
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
                       head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
-                      vocab=args.vocab or prof["vocab"])
+                      vocab=args.vocab or prof["vocab"], condition=args.condition or prof["condition"])
     prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
@@ -199,7 +199,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         last = result.validation[-1]["topk"]
         for j, row in enumerate(last):
             print(f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row))
-    print(f"written: {args.out}/heads (shared lm_head), {args.out}/heads-official, {args.out}/training.json")
+    official = "" if cfg.root_conditioned else f"{args.out}/heads-official, "  # no official layout for those
+    print(f"written: {args.out}/heads (shared lm_head), {official}{args.out}/training.json")
     for p in plots:
         print(f"plot: {p}")
     return 0
@@ -642,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on a random subset of this many examples of the (cached) data")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--lr", type=float, default=None, help="heads' peak learning rate (default: the profile's, "
-                                                               "quick 3e-3, release 1e-3)")
+                                                               "3e-3 for both)")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
     p.add_argument("--head-grad-to-base", type=float, default=0.2,
@@ -653,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soft-targets", type=float, default=0.0,
                    help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
                         "the hard label of the self-distilled data")
+    p.add_argument("--condition", default=None, choices=["none", "root"],
+                   help="root: heads also read the embedding of the step's root token (the base's own next "
+                        "token), shared format only (default: profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--out", default="results/heads")

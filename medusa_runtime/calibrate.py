@@ -78,12 +78,16 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
     return out
 
 
-def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int) -> torch.Tensor:
-    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H]."""
+def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int,
+               roots: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H]; roots [P] are the
+    tokens after each position (a greedy step's root there), needed by root-conditioned heads only."""
     lm_weight = loaded.model.get_output_embeddings().weight
+    embed = loaded.model.get_input_embeddings()
     tops = []
-    for chunk in hidden.split(64):  # [p, K, S] logits at a time (S: the heads' draft vocabulary, else V)
-        logits = heads.draft_logits(heads.head_states(chunk), lm_weight)
+    for s in range(0, hidden.shape[0], 64):  # [p, K, S] logits at a time (S: the heads' draft vocabulary, else V)
+        root_embedding = embed(roots[s:s + 64]) if heads.root_conditioned and roots is not None else None
+        logits = heads.draft_logits(heads.head_states(hidden[s:s + 64], root_embedding), lm_weight)
         tops.append(heads.token_ids(torch.topk(logits.float(), topk, dim=-1).indices))
     return torch.cat(tops)
 
@@ -135,7 +139,8 @@ def rollout_statistics(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence
     out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=m + 1 if typical_temperature else 1)
     p = len(prompt)
     hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
-    top = _head_topk(loaded, heads, hidden, topk)  # [M-1, K, topk]
+    roots = torch.tensor(list(rollout[: m - 1]), device=loaded.device)  # y_1 .. y_{M-1}
+    top = _head_topk(loaded, heads, hidden, topk, roots)  # [M-1, K, topk]
     ranks = _ranks(top, torch.tensor(list(rollout), device=loaded.device))
     if not typical_temperature:
         return ranks, None

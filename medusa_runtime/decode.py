@@ -122,6 +122,11 @@ class MedusaDecoder:
             heads.requires_grad_(False)
             if isinstance(heads, MedusaHeads):  # only the heads the tree reads, batched per block level
                 self._levels = heads.stacked_blocks(self.tree.depth)
+        # root-conditioned heads: the input embeddings and U^T [depth, H, H] (the root's term in block 0)
+        self._root_terms: tuple[torch.Tensor, torch.Tensor] | None = None
+        if getattr(heads, "root_conditioned", False) and self.tree is not None:
+            self._root_terms = (self.model.get_input_embeddings().weight.detach(),
+                                heads.root_weight.detach()[: self.tree.depth].transpose(1, 2).contiguous())
         # with prompt lookup: one buffer set per draft length k = 0..L (each a prefix of the full tree);
         # with a gate, one such list per heads' depth d = 0..depth (the tree cut below level d)
         heads_depth = buffers.depth
@@ -188,11 +193,18 @@ class MedusaDecoder:
                 return self._root.fill_(root)
             return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
         depth, topk = self.tree.depth, self.config.topk
+        root_embedding = None
+        if self._root_terms is not None:
+            root_embedding = self._root_terms[0][root]  # [H]: the root token's input embedding
         if self._levels is not None:
             states = hidden.expand(depth, 1, -1)  # [depth, 1, H]: the same state into every head
-            for weight, bias in self._levels:  # one batched matmul per residual level
+            for level, (weight, bias) in enumerate(self._levels):  # one batched matmul per residual level
+                if level == 0 and root_embedding is not None:  # + U_j e inside the first block's activation
+                    bias = bias + root_embedding[None].to(bias.dtype) @ self._root_terms[1]  # [depth, 1, H]
                 states = states + F.silu(torch.baddbmm(bias, states, weight))
             logits = self._project(states[:, 0])  # [depth, S]: S the draft vocabulary's size (else V)
+        elif root_embedding is not None:
+            logits = self.heads(hidden, self.model.get_output_embeddings(), root_embedding)[:depth]
         else:  # any module with the heads' call signature
             logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
         top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]

@@ -9,6 +9,14 @@
 
 Head j reads the hidden state at position t and proposes the token at t + j + 2.
 
+*Root-conditioned* heads (``train --condition root``, this project's extension, shared format only)
+also read the token at t + 1, the step's root, which the decoder knows before it runs the heads (it
+is the base model's choice from the same hidden state): head j's first block becomes
+``x + SiLU(W x + b + U_j e)`` with e the base model's input embedding of the root and U_j [H, H]
+zero-initialised (so a fresh conditioned head equals a plain one). Keys ``{head}.root.weight``,
+``config.json`` ``medusa_root_conditioned: true``. The official code would ignore the extra weights,
+so such heads are never written in the official format.
+
 Either format may carry a *draft vocabulary* (``draft_vocab.json``: sorted token ids): heads trained
 on a part of the vocabulary (``train --vocab replies``) propose only those tokens, so the projection
 costs S rows instead of V (8,938 of 49,152 for the shipped heads). Verification is unchanged, so
@@ -45,6 +53,7 @@ class HeadsConfig:
     vocab_size: int  # V: base model vocabulary
     shared_lm_head: bool  # True: logits through the base lm_head (format 'shared')
     base_model: str = ""  # base_model_name_or_path written to config.json
+    root_conditioned: bool = False  # heads also read the input embedding of the token at t + 1 (the root)
 
 
 class ResBlock(nn.Module):
@@ -57,8 +66,10 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.bias)
         self.act = nn.SiLU()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.act(self.linear(x))
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``extra`` (root-conditioned heads' first block): added inside the activation."""
+        z = self.linear(x)
+        return x + self.act(z if extra is None else z + extra)
 
 
 class MedusaHeads(nn.Module):
@@ -68,6 +79,8 @@ class MedusaHeads(nn.Module):
         super().__init__()
         if config.num_heads < 1 or config.num_layers < 0:
             raise HeadsError(f"need at least one head and zero or more layers, got {config}")
+        if config.root_conditioned and config.num_layers < 1:
+            raise HeadsError("root-conditioned heads need at least one residual layer")
         self.config = config
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
@@ -77,6 +90,10 @@ class MedusaHeads(nn.Module):
         self.proj = None
         if not config.shared_lm_head:
             self.proj = nn.Parameter(torch.zeros(config.num_heads, config.vocab_size, config.hidden_size))
+        # root-conditioned heads: U [K, H, H] maps the root token's input embedding into each first block
+        self.root_weight = None
+        if config.root_conditioned:
+            self.root_weight = nn.Parameter(torch.zeros(config.num_heads, config.hidden_size, config.hidden_size))
         self.draft_vocab: torch.Tensor | None = None  # [S] sorted token ids the heads propose from (None: all)
 
     def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
@@ -93,15 +110,33 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    @property
+    def root_conditioned(self) -> bool:
+        return self.root_weight is not None
+
     def init_projection_from(self, lm_head: nn.Module) -> None:
         """Official recipe: every head's projection starts as a copy of the base lm_head."""
         if self.proj is not None:
             with torch.no_grad():
                 self.proj.copy_(lm_head.weight.detach().unsqueeze(0).expand_as(self.proj))
 
-    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., K, H]: each head's residual stack applied to the same hidden state."""
-        return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+    def head_states(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., H] -> [..., K, H]: each head's residual stack applied to the same hidden state.
+
+        ``root_embedding`` [..., H]: the input embedding of the token after each position (needed, and
+        only read, by root-conditioned heads)."""
+        if self.root_weight is None:
+            return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+        if root_embedding is None:
+            raise HeadsError("root-conditioned heads need the root token's embedding")
+        states = []
+        for j, blocks in enumerate(self.blocks):
+            extra = root_embedding @ self.root_weight[j].T.to(root_embedding.dtype)  # [..., H]
+            x = blocks[0](hidden, extra)
+            for block in blocks[1:]:
+                x = block(x)
+            states.append(x)
+        return torch.stack(states, dim=-2)
 
     def stacked_blocks(self, num_heads: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``num_heads`` heads' blocks stacked per level, for one batched matmul per level:
@@ -139,9 +174,11 @@ class MedusaHeads(nn.Module):
             return states @ w.T  # one matmul for all heads
         return torch.einsum("...kh,kvh->...kv", states, w)  # [..., K, H] x [K, S, H]
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
+                root_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., K, V]; tokens outside the draft vocabulary get -inf."""
-        logits = self.draft_logits(self.head_states(hidden), None if lm_head is None else lm_head.weight)
+        logits = self.draft_logits(self.head_states(hidden, root_embedding),
+                                   None if lm_head is None else lm_head.weight)
         if self.draft_vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
@@ -158,6 +195,8 @@ def _state_dict_for(heads: MedusaHeads, fmt: str, lm_head: nn.Module | None) -> 
         for j, block in enumerate(blocks):
             out[f"{i}.{j}.linear.weight"] = block.linear.weight.detach()
             out[f"{i}.{j}.linear.bias"] = block.linear.bias.detach()
+        if heads.root_weight is not None:
+            out[f"{i}.root.weight"] = heads.root_weight[i].detach()
         if fmt == "official":
             if heads.proj is not None:
                 out[f"{i}.{cfg.num_layers}.weight"] = heads.proj[i].detach()
@@ -177,11 +216,16 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
     if fmt == "shared" and heads.proj is not None:
         raise HeadsError("heads with their own projections cannot be saved in the shared format "
                          "(the projections would be lost); save them as 'official'")
+    if fmt == "official" and heads.root_conditioned:
+        raise HeadsError("root-conditioned heads have no official-format layout (the official code would "
+                         "ignore their root weights); save them as 'shared'")
     with atomic_dir(out_dir) as tmp:
         save_file(_state_dict_for(heads, fmt, lm_head), str(tmp / "medusa_lm_head.safetensors"))
         meta = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
                 "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size,
                 "vocab_size": cfg.vocab_size, "medusa_format": fmt}
+        if cfg.root_conditioned:
+            meta["medusa_root_conditioned"] = True
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
         if heads.draft_vocab is not None:
             (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(heads.draft_vocab.tolist()) + "\n")
@@ -226,8 +270,9 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
             raise HeadsError(f"heads in {folder} have hidden size {h}, the model has {hidden_size}")
         if v != vocab_size:
             raise HeadsError(f"heads in {folder} have vocabulary {v}, the model has {vocab_size}")
+    conditioned = bool(meta.get("medusa_root_conditioned", False))
     heads = MedusaHeads(HeadsConfig(k, num_layers, hidden_size, vocab_size, shared,
-                                    str(meta.get("base_model_name_or_path", ""))))
+                                    str(meta.get("base_model_name_or_path", "")), conditioned))
     own = {}
     for i in range(k):
         for j in range(num_layers):
@@ -241,6 +286,14 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
             own["proj"] = torch.stack([sd[f"{i}.{num_layers}.weight"] for i in range(k)])
         except KeyError as exc:
             raise HeadsError(f"{path} lacks projection {exc.args[0]!r}") from None
+    if conditioned:
+        try:
+            own["root_weight"] = torch.stack([sd[f"{i}.root.weight"] for i in range(k)])
+        except KeyError as exc:
+            raise HeadsError(f"{path} lacks root weight {exc.args[0]!r} (config says root-conditioned)") from None
+        if own["root_weight"].shape[1:] != (hidden_size, hidden_size):
+            raise HeadsError(f"root weights in {folder} are {tuple(own['root_weight'].shape[1:])}, "
+                             f"the model needs ({hidden_size}, {hidden_size})")
     heads.load_state_dict({k_: v.float() for k_, v in own.items()})
     vocab_file = path / DRAFT_VOCAB_FILE
     if vocab_file.is_file():

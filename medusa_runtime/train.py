@@ -52,6 +52,7 @@ class TrainConfig:
     val_fraction: float = 0.05  # share of prompts kept for validation
     seed: int = 0
     checkpoint_every: int = 25  # steps between checkpoints
+    eval_every: int = 200  # medusa1: steps between validations (and at the end); each scores the full vocabulary
     heads_warmup_ratio: float = 0.3  # medusa2: share of steps that train only the heads
     distill_weight: float = 1.0  # medusa2: weight of KL(original || trained) on next-token distributions
     lm_weight: float = 1.0  # medusa2: weight of the next-token loss
@@ -60,6 +61,7 @@ class TrainConfig:
     official_format: bool = True  # also write the official per-head-projection format
     vocab: str = "full"  # heads' training softmax: full | replies (only tokens the replies contain: faster)
     soft_targets: float = 0.0  # weight of the base's own next-token distribution as head j's target (0..1)
+    condition: str = "none"  # none | root: heads also read the embedding of the token at t + 1 (see heads.py)
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa1", "medusa2"):
@@ -68,12 +70,20 @@ class TrainConfig:
             raise ValueError("need at least one head and one residual layer")
         if self.epochs <= 0 or self.batch_tokens < 16:
             raise ValueError("epochs must be > 0 and batch_tokens >= 16")
+        if self.checkpoint_every < 1 or self.eval_every < 1:
+            raise ValueError("checkpoint_every and eval_every must be >= 1")
         if self.vocab not in ("full", "replies"):
             raise ValueError(f"vocab must be 'full' or 'replies', got {self.vocab!r}")
         if not 0.0 <= self.head_grad_to_base <= 1.0:
             raise ValueError(f"head_grad_to_base must be within [0, 1], got {self.head_grad_to_base}")
         if not 0.0 <= self.soft_targets <= 1.0:
             raise ValueError(f"soft_targets must be within [0, 1], got {self.soft_targets}")
+        if self.condition not in ("none", "root"):
+            raise ValueError(f"condition must be 'none' or 'root', got {self.condition!r}")
+
+    @property
+    def root_conditioned(self) -> bool:
+        return self.condition == "root"
 
 
 @dataclass
@@ -190,9 +200,12 @@ class HeadTrainer:
     """Projection of head states through a vocabulary matrix at the usable positions only."""
 
     def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, cfg: TrainConfig,
-                 subset: torch.Tensor | None = None):
+                 subset: torch.Tensor | None = None, embed: torch.Tensor | None = None):
         self.heads, self.cfg = heads, cfg
         self.lm_weight = lm_weight  # [V, H], frozen (shared format)
+        self.embed = embed  # [V, H] the base's input embeddings (root-conditioned heads read the root's row)
+        if heads.root_conditioned and embed is None:
+            raise ValueError("root-conditioned heads train with the base model's input embeddings")
         # optional training vocabulary: the softmax runs over these token ids only ([S]); targets are remapped
         self.subset = subset
         self.remap = None
@@ -221,14 +234,26 @@ class HeadTrainer:
             teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
         return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
-    def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]
-                   ) -> tuple[torch.Tensor, list[HeadStats | None]]:
-        """Concatenate usable positions of all examples per head, then one matmul per head."""
+    def _root_embeddings(self, ids: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+        """[sum T, H]: at position t the input embedding of token t + 1, the root a decoding step starting
+        there would have (the last position, which no head target reaches, repeats its own token)."""
+        if not self.heads.root_conditioned:
+            return None
+        if ids is None:
+            raise ValueError("root-conditioned heads need the examples' token ids")
+        roots = torch.cat([torch.cat([row[1:], row[-1:]]) for row in ids])
+        return self.embed[roots.to(self.embed.device)].float()
+
+    def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+                   ids: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[HeadStats | None]]:
+        """Concatenate usable positions of all examples per head, then one matmul per head.
+        ``ids`` (the examples' tokens, [T] each) are needed by root-conditioned heads only."""
         total = torch.zeros(())
         stats: list[HeadStats | None] = []
         hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
+        root_embedding = self._root_embeddings(ids)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
-            states = self.heads.head_states(hidden_all)  # [sum T, K, H]
+            states = self.heads.head_states(hidden_all, root_embedding)  # [sum T, K, H]
         for j in range(self.heads.num_heads):
             sel, tgt = [], []
             offset = 0
@@ -275,17 +300,18 @@ def _rates(acc: list[list[float]]) -> list[list[float]]:
 
 @torch.no_grad()
 def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                   chunk: int = 8) -> list[list[float]]:
+                   chunk: int = 8, ids: Sequence[torch.Tensor] | None = None) -> list[list[float]]:
     """Per head, top-1..5 accuracy on the given examples."""
     acc = [[0.0] * (1 + TOPK_LOGGED) for _ in range(trainer.heads.num_heads)]
     for s in range(0, len(hiddens), chunk):
-        _, stats = trainer.batch_loss(hiddens[s:s + chunk], labels[s:s + chunk])
+        _, stats = trainer.batch_loss(hiddens[s:s + chunk], labels[s:s + chunk],
+                                      None if ids is None else ids[s:s + chunk])
         _accumulate(acc, stats)
     return _rates(acc)
 
 
 # configuration fields a resumed run may change: a longer run continues a shorter one's checkpoint
-RESUMABLE_CHANGES = ("epochs", "checkpoint_every")
+RESUMABLE_CHANGES = ("epochs", "checkpoint_every", "eval_every")
 
 
 def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict,
@@ -309,8 +335,8 @@ def _load_checkpoint(ckpt: Path, heads: MedusaHeads, optimizer, scheduler, cfg: 
     state = torch.load(ckpt / "trainer.pt", weights_only=False)
     saved = state.get("config")
     if saved is not None:
-        now = asdict(cfg)
-        changed = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k]]
+        now, defaults = asdict(cfg), asdict(TrainConfig())  # fields added since a checkpoint read as defaults
+        changed = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != now[k]]
         if changed:
             k = changed[0]
             raise ValueError(f"cannot resume from {ckpt}: it was trained with {k}={saved.get(k)!r}, this run "
@@ -349,11 +375,12 @@ def _schedule(optimizer, warmup: int, total: int):
 
 def write_outputs(out_dir: Path, heads: MedusaHeads, lm_head: torch.nn.Module, cfg: TrainConfig,
                   record: dict) -> dict[str, Path]:
-    """Final heads in the shared format (and the official one), plus training.json."""
+    """Final heads in the shared format (and the official one, which root-conditioned heads lack), plus
+    training.json."""
     paths = {}
     if heads.proj is None:
         paths["shared"] = save_heads(heads, out_dir / "heads", fmt="shared", lm_head=lm_head)
-    if cfg.official_format or heads.proj is not None:
+    if (cfg.official_format or heads.proj is not None) and not heads.root_conditioned:
         paths["official"] = save_heads(heads, out_dir / "heads-official", fmt="official", lm_head=lm_head)
     write_json_atomic(out_dir / "training.json", record)
     return paths
@@ -392,18 +419,21 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     lm_head = loaded.model.get_output_embeddings()
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
-                                    shared_lm_head=True, base_model=loaded.name))
+                                    shared_lm_head=True, base_model=loaded.name,
+                                    root_conditioned=cfg.root_conditioned))
+    embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     hid_train = cache_hidden_states(loaded.model, train_ex, cfg.max_len, progress)
-    lab_train = [labels_for(e, cfg.max_len)[1] for e in train_ex]
+    ids_train, lab_train = map(list, zip(*(labels_for(e, cfg.max_len) for e in train_ex)))
     hid_val = cache_hidden_states(loaded.model, val_ex, cfg.max_len, progress) if val_ex else []
+    ids_val = [labels_for(e, cfg.max_len)[0] for e in val_ex]
     lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
-    trainer = HeadTrainer(heads, lm_weight, cfg, subset)
-    evaluator = HeadTrainer(heads, lm_weight, cfg)
+    trainer = HeadTrainer(heads, lm_weight, cfg, subset, embed)
+    evaluator = HeadTrainer(heads, lm_weight, cfg, embed=embed)
     result = TrainResult(out, 0)
     step = 0
     ckpt = out / "checkpoint"
@@ -421,7 +451,8 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         while step < total_steps:
             batch = next(batches)
             heads.train()
-            loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch])
+            loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch],
+                                             [ids_train[i] for i in batch])
             optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
                 loss.backward()
@@ -434,10 +465,12 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                                    "top1": top1})
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
             bar.update(1)
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
+            # a validation costs about 0.6 s per held-out example here (4 heads x 49k-token softmax)
+            if hid_val and (step % cfg.eval_every == 0 or step == total_steps):
                 heads.eval()
-                if hid_val:
-                    result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val)})
+                result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val,
+                                                                               ids=ids_val)})
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
                 _save_checkpoint(out, heads, optimizer, scheduler, step,
                                  {"history": result.history, "validation": result.validation},
                                  cfg, len(train_ex))
@@ -489,7 +522,8 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     # (at 1 the head losses, about 2.4x the next-token loss in weight, pull the base off its answers)
     heads_in = hidden.detach() + cfg.head_grad_to_base * (hidden - hidden.detach()) if joint else hidden
     loss, stats = trainer.batch_loss([heads_in[b, :n] for b, n in enumerate(lengths)],
-                                     [labels[b, :n] for b, n in enumerate(lengths)])
+                                     [labels[b, :n] for b, n in enumerate(lengths)],
+                                     [ids[b, :n] for b, n in enumerate(lengths)])
     mask, targets = head_targets(labels, 1)  # next-token positions of the replies
     if joint and int(mask.sum()):
         with torch.no_grad():
@@ -531,10 +565,12 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     trainable = {n: p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n}
     trainable_base = list(trainable.values())
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
-                                    shared_lm_head=True, base_model=loaded.name))
+                                    shared_lm_head=True, base_model=loaded.name,
+                                    root_conditioned=cfg.root_conditioned))
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
     lm_weight = student.get_output_embeddings().weight
-    trainer = HeadTrainer(heads, lm_weight.detach(), cfg, subset)  # a view: follows the student's updates
+    embed = student.get_input_embeddings().weight.detach()  # views: follow the student's updates
+    trainer = HeadTrainer(heads, lm_weight.detach(), cfg, subset, embed)
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     warm = int(cfg.heads_warmup_ratio * total_steps)
@@ -596,8 +632,9 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
             hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
-        lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
-        topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg), hid_val, lab_val)
+        ids_val, lab_val = map(list, zip(*(labels_for(e, cfg.max_len) for e in val_ex)))
+        topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg, embed=embed), hid_val,
+                              lab_val, ids=ids_val)
         result.validation.append({"step": step, "topk": topk})
     if cfg.lora_rank > 0:
         student = student.merge_and_unload()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import (
@@ -188,3 +189,58 @@ def test_bad_draft_vocabulary_is_refused(tmp_path):
     (folder / "draft_vocab.json").write_text("[1, 2, 99]")
     with pytest.raises(HeadsError, match="within \\[0, 64\\)"):
         load_heads(folder, 64, 64)
+
+
+def test_root_conditioned_heads_read_the_root_and_round_trip(tmp_path):
+    """Root-conditioned heads: zero root weights give the plain heads' outputs; trained ones depend on the
+    root token; they round-trip in the shared format only; the decoder's batched proposal equals the module
+    on the root's embedding; decoding with them equals generate."""
+    from medusa_runtime.calibrate import _head_topk
+
+    from .conftest import hf_greedy
+
+    loaded = tiny_llama()
+    lm_head = loaded.model.get_output_embeddings()
+    embed = loaded.model.get_input_embeddings()
+    plain = _randomise(fresh_heads(4, 2, loaded.hidden_size, loaded.vocab_size), seed=4)
+    cond = MedusaHeads(HeadsConfig(4, 2, loaded.hidden_size, loaded.vocab_size, True, root_conditioned=True))
+    cond.load_state_dict(plain.state_dict(), strict=False)  # the same blocks, root weights still zero
+    h, roots = torch.randn(5, loaded.hidden_size), torch.tensor([7, 7, 3, 9, 60])
+    torch.testing.assert_close(cond(h, lm_head, embed(roots)), plain(h, lm_head), rtol=0, atol=0)
+    with pytest.raises(HeadsError, match="root token's embedding"):
+        cond(h, lm_head)
+    _randomise(cond, seed=5)
+    out = cond(h, lm_head, embed(roots))  # [5, 4, V]
+    assert not torch.allclose(out[0], out[2])  # same hidden state, other root: other proposals
+    # the root term sits inside the first block's activation: x + silu(W x + b + U_j e), then block 2
+    e = embed(roots)
+    for j in range(4):
+        b0, b1 = cond.blocks[j][0].linear, cond.blocks[j][1].linear
+        x = h + torch.nn.functional.silu(h @ b0.weight.T + b0.bias + e @ cond.root_weight[j].T)
+        x = x + torch.nn.functional.silu(x @ b1.weight.T + b1.bias)
+        torch.testing.assert_close(out[:, j], lm_head(x), rtol=1e-5, atol=1e-5)
+    # calibration ranks with the roots it is given
+    assert torch.equal(_head_topk(loaded, cond, h, 4, roots), torch.topk(out, 4, dim=-1).indices)
+
+    with pytest.raises(HeadsError, match="no official-format layout"):
+        save_heads(cond, tmp_path / "official", fmt="official", lm_head=lm_head)
+    folder = save_heads(cond, tmp_path / "shared", fmt="shared")
+    assert json.loads((folder / "config.json").read_text())["medusa_root_conditioned"] is True
+    again = load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+    assert again.root_conditioned
+    torch.testing.assert_close(again(h, lm_head, e), out, rtol=0, atol=0)
+
+    cfg = DecodeConfig(max_new_tokens=30, topk=10)
+    decoder = MedusaDecoder(loaded, again, "mc_sim_7b_63", config=cfg)
+    hidden = torch.randn(loaded.hidden_size)
+    for root in (7, 60):
+        top = torch.topk(again(hidden[None], lm_head, embed(torch.tensor([root])))[0], 10, dim=-1).indices
+        expect = torch.cat([torch.tensor([root]), top[: decoder.tree.depth].flatten()])
+        assert torch.equal(decoder.propose(hidden, root), expect[decoder.step_buffers.candidate_index])
+    prompt = [3, 14, 15, 9, 2]
+    assert decoder.generate(prompt).token_ids == hf_greedy(loaded, prompt, 30)
+
+    weights = folder / "medusa_lm_head.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if k != "2.root.weight"}, str(weights))
+    with pytest.raises(HeadsError, match="lacks root weight '2.root.weight'"):
+        load_heads(folder, loaded.hidden_size, loaded.vocab_size)

@@ -237,6 +237,59 @@ def test_soft_targets_loss_against_a_direct_computation(subset):
     assert abs(float(loss.detach()) - float(hard_only.detach())) > 0.05  # the soft term is really there
 
 
+def test_root_conditioned_loss_reads_the_next_token_embedding():
+    """condition = root: head j at position t reads h_t and the input embedding of token t+1 (the root a
+    decoding step from t has), scored against token t+j+2; checked position by position."""
+    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+
+    torch.manual_seed(1)
+    hidden_size, vocab = 16, 11
+    heads = MedusaHeads(HeadsConfig(2, 1, hidden_size, vocab, True, root_conditioned=True))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    w, embed = torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size)
+    hiddens = [torch.randn(7, hidden_size), torch.randn(5, hidden_size)]
+    ids = [torch.tensor([4, 9, 3, 5, 0, 7, 2]), torch.tensor([1, 8, 2, 10, 5])]
+    labels = [torch.tensor([-100, -100, 3, 5, 0, 7, 2]), torch.tensor([-100, 8, 2, 10, 5])]
+    cfg = TrainConfig(num_heads=2, condition="root")
+    with pytest.raises(ValueError, match="input embeddings"):
+        HeadTrainer(heads, w, cfg)
+    trainer = HeadTrainer(heads, w, cfg, embed=embed)
+    with pytest.raises(ValueError, match="token ids"):
+        trainer.batch_loss(hiddens, labels)
+    loss, stats = trainer.batch_loss(hiddens, labels, ids)
+    expected = 0.0
+    with torch.no_grad():
+        for j in range(2):
+            terms = []
+            for h, row, lab in zip(hiddens, ids, labels):
+                for t in range(len(lab) - j - 2):
+                    if int(lab[t + j + 2]) == -100:
+                        continue
+                    state = heads.head_states(h[t], embed[row[t + 1]])[j]
+                    terms.append(F.cross_entropy((state @ w.T)[None], lab[t + j + 2][None]))
+            assert stats[j].positions == len(terms)
+            expected += 0.8 ** (j + 1) * torch.stack(terms).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=3e-2, atol=3e-2)  # bf16 autocast in training
+    shifted = [torch.roll(row, 1) for row in ids]  # other roots, same labels: another loss
+    assert abs(float(trainer.batch_loss(hiddens, labels, shifted)[0]) - float(loss)) > 0.05
+
+
+def test_root_conditioned_medusa1_trains_and_decodes_exactly(tiny_examples, tmp_path):
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(num_heads=2, epochs=4, lr=1e-2, batch_tokens=256, val_fraction=0.1, condition="root",
+                      eval_every=7)
+    res = train_medusa1(loaded, examples, cfg, tmp_path / "run", progress=False, log=lambda m: None)
+    assert not (tmp_path / "run" / "heads-official").exists()  # no official layout for these heads
+    assert [v["step"] for v in res.validation] == [s for s in range(7, res.steps, 7)] + [res.steps]
+    heads = load_heads(tmp_path / "run" / "heads", loaded.hidden_size, loaded.vocab_size)
+    assert heads.root_conditioned and float(heads.root_weight.abs().max()) > 0
+    prompt = list(examples[0].input_ids[: examples[0].reply_start])
+    out = MedusaDecoder(loaded, heads, "chain:2", config=DecodeConfig(max_new_tokens=24)).generate(prompt)
+    assert out.token_ids == hf_greedy(loaded, prompt, 24)
+
+
 def test_medusa2_joint_loss_at_start_is_heads_plus_next_token_ce(tiny_examples):
     """Before the base moves, student == teacher: the joint loss of a padded batch is the heads' loss on
     unpadded single forwards plus the teacher's own next-token cross-entropy on the replies (KL = 0)."""
