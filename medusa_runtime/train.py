@@ -164,6 +164,12 @@ def labels_for(example: Example, max_len: int) -> tuple[torch.Tensor, torch.Tens
     return ids, labels
 
 
+def ids_and_labels(examples: Sequence[Example], max_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``labels_for`` of every example, split into the token ids [T] and the labels [T] (empty lists for none)."""
+    pairs = [labels_for(e, max_len) for e in examples]
+    return [ids for ids, _ in pairs], [lab for _, lab in pairs]
+
+
 def token_batches(examples: Sequence[Example], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
     order = list(range(len(examples)))
     rng.shuffle(order)
@@ -423,10 +429,9 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                                     root_conditioned=cfg.root_conditioned))
     embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     hid_train = cache_hidden_states(loaded.model, train_ex, cfg.max_len, progress)
-    ids_train, lab_train = map(list, zip(*(labels_for(e, cfg.max_len) for e in train_ex)))
+    ids_train, lab_train = ids_and_labels(train_ex, cfg.max_len)
     hid_val = cache_hidden_states(loaded.model, val_ex, cfg.max_len, progress) if val_ex else []
-    ids_val = [labels_for(e, cfg.max_len)[0] for e in val_ex]
-    lab_val = [labels_for(e, cfg.max_len)[1] for e in val_ex]
+    ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -632,7 +637,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
             hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
-        ids_val, lab_val = map(list, zip(*(labels_for(e, cfg.max_len) for e in val_ex)))
+        ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
         topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg, embed=embed), hid_val,
                               lab_val, ids=ids_val)
         result.validation.append({"step": step, "topk": topk})
