@@ -79,15 +79,24 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
 
 
 def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int,
-               roots: torch.Tensor | None = None) -> torch.Tensor:
-    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H]; roots [P] are the
-    tokens after each position (a greedy step's root there), needed by root-conditioned heads only."""
+               following: torch.Tensor | None = None) -> torch.Tensor:
+    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H].
+
+    ``following`` [>= P] are the tokens after the positions: following[i] is the token after position i
+    (a greedy step's root there, read by root-conditioned heads) and following[i + j] the parent that
+    path-conditioned head j reads (clamped at the end, where no target is left to score)."""
     lm_weight = loaded.model.get_output_embeddings().weight
     embed = loaded.model.get_input_embeddings()
+    conditioned = heads.root_conditioned and following is not None
     tops = []
     for s in range(0, hidden.shape[0], 64):  # [p, K, S] logits at a time (S: the heads' draft vocabulary, else V)
-        root_embedding = embed(roots[s:s + 64]) if heads.root_conditioned and roots is not None else None
-        logits = heads.draft_logits(heads.head_states(hidden[s:s + 64], root_embedding), lm_weight)
+        rows = torch.arange(s, min(s + 64, hidden.shape[0]), device=hidden.device)
+        root_embedding = embed(following[rows]) if conditioned else None
+        parents = None
+        if conditioned and heads.path_conditioned:  # [p, K-1]: token i + j for head j = 1..K-1
+            at = (rows[:, None] + torch.arange(1, heads.num_heads, device=hidden.device)).clamp(max=len(following) - 1)
+            parents = embed(following[at])  # [p, K-1, H]
+        logits = heads.draft_logits(heads.head_states(hidden[s:s + 64], root_embedding, parents), lm_weight)
         tops.append(heads.token_ids(torch.topk(logits.float(), topk, dim=-1).indices))
     return torch.cat(tops)
 
@@ -139,9 +148,9 @@ def rollout_statistics(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence
     out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=m + 1 if typical_temperature else 1)
     p = len(prompt)
     hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
-    roots = torch.tensor(list(rollout[: m - 1]), device=loaded.device)  # y_1 .. y_{M-1}
-    top = _head_topk(loaded, heads, hidden, topk, roots)  # [M-1, K, topk]
-    ranks = _ranks(top, torch.tensor(list(rollout), device=loaded.device))
+    following = torch.tensor(list(rollout), device=loaded.device)  # y_1 .. y_M: roots and parents
+    top = _head_topk(loaded, heads, hidden, topk, following)  # [M-1, K, topk]
+    ranks = _ranks(top, following)
     if not typical_temperature:
         return ranks, None
     return ranks, _typical_seq(out.logits[0, :m].cpu(), top.cpu(), typical_temperature)

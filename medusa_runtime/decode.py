@@ -9,6 +9,10 @@ One step::
     compaction   = keep only the path's keys/values in the cache (gather, no recompute)
 
 Plain decoding is the same loop with a root-only tree (one token per step, same cache code).
+
+Path-conditioned heads (heads.py) read each node's parent token, so level d of the tree is scored once
+per parent node of level d - 1 (head d-1 on [parents, H] states) and the tree tokens are laid out in
+node order directly rather than gathered from one top-k per head.
 """
 
 from __future__ import annotations
@@ -134,6 +138,12 @@ class MedusaDecoder:
         self.gated: list[list[TreeBuffers]] | None = None
         if config.gate > 0 and self.tree is not None:
             self.gated = [self._with_lookup(self._cut(d), heads_depth) for d in range(heads_depth)] + [self.variants]
+        # path-conditioned heads: per tree level, which nodes are parents and where their children sit
+        self._path_plan: list[PathLevel] | None = None
+        if getattr(heads, "path_conditioned", False) and self.tree is not None:
+            if not isinstance(heads, MedusaHeads):
+                raise TypeError("path-conditioned decoding needs MedusaHeads")
+            self._path_plan = [level.to(self.device) for level in path_plan(self.tree)]
         self.buffers: TreeBuffers = self.variants[-1]
         self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
@@ -193,6 +203,8 @@ class MedusaDecoder:
                 return self._root.fill_(root)
             return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
         depth, topk = self.tree.depth, self.config.topk
+        if self._path_plan is not None:
+            return self._propose_path(hidden, root, draft)
         root_embedding = None
         if self._root_terms is not None:
             root_embedding = self._root_terms[0][root]  # [H]: the root token's input embedding
@@ -217,6 +229,30 @@ class MedusaDecoder:
         if draft:
             parts.append(torch.tensor(list(draft), device=self.device))
         return torch.cat(parts)[buffers.candidate_index]
+
+    def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int]) -> torch.Tensor:
+        """Path-conditioned heads: tree tokens in node order, level by level (each level's parents known)."""
+        heads, topk = self.heads, self.config.topk
+        embed, _ = self._root_terms
+        root_embedding = embed[root]  # [H]
+        nodes = torch.empty(self.variants[0].num_nodes, dtype=torch.long, device=self.device)
+        nodes[0] = root
+        chain = []  # each level's first parent's logits [S]: the top-1 chain the gate reads
+        for j, level in enumerate(self._path_plan):  # level j + 1 of the tree, scored by head j
+            parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
+            states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
+            logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
+            top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
+            if self._draft_ids is not None:
+                top = self._draft_ids[top]
+            nodes[level.children] = top[level.child_parent, level.child_rank]
+            chain.append(logits[0])
+        buffers = self.step_buffers = (self.gated[self._gated_depth(torch.stack(chain))][len(draft)]
+                                       if self.gated is not None else self.variants[len(draft)])
+        tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
+        if not draft:
+            return nodes[:tree_nodes]
+        return torch.cat([nodes[:tree_nodes], torch.tensor(list(draft), device=self.device)])
 
     def verify(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,6 +345,33 @@ class MedusaDecoder:
         stats.time_total = time.perf_counter() - t_start
         stats.new_tokens = len(out)
         return GenerateResult(out, stats)
+
+
+@dataclass(frozen=True)
+class PathLevel:
+    """Tree level d (d >= 1) for path-conditioned heads: head d-1 runs once per parent node of level d-1."""
+
+    parents: torch.Tensor  # [P] long: node ids at level d-1 that have children, in node order
+    children: torch.Tensor  # [C] long: node ids at level d
+    child_parent: torch.Tensor  # [C] long: each child's parent as an index into ``parents``
+    child_rank: torch.Tensor  # [C] long: each child's rank in its parent's top-k
+
+    def to(self, device: torch.device | str) -> PathLevel:
+        return PathLevel(*(t.to(device) for t in (self.parents, self.children, self.child_parent, self.child_rank)))
+
+
+def path_plan(tree: Tree) -> list[PathLevel]:
+    """Per level of ``tree``: its parents and children, node ids as in :func:`build_tree_buffers`."""
+    paths = [()] + list(tree.paths)
+    index = {p: i for i, p in enumerate(paths)}
+    plan = []
+    for d in range(1, tree.depth + 1):
+        level = [p for p in paths if len(p) == d]
+        parents = sorted({index[p[:-1]] for p in level})
+        slot = {node: i for i, node in enumerate(parents)}
+        plan.append(PathLevel(torch.tensor(parents), torch.tensor([index[p] for p in level]),
+                              torch.tensor([slot[index[p[:-1]]] for p in level]), torch.tensor([p[-1] for p in level])))
+    return plan
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:

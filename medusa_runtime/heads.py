@@ -17,6 +17,13 @@ zero-initialised (so a fresh conditioned head equals a plain one). Keys ``{head}
 ``config.json`` ``medusa_root_conditioned: true``. The official code would ignore the extra weights,
 so such heads are never written in the official format.
 
+*Path-conditioned* heads (``train --condition path``) go one step further: head j >= 1 also reads its
+parent, the token at t + j + 1 (the candidate one level up in the tree): ``+ P_j e_parent`` inside the
+same activation, P_j [H, H] zero-initialised (head 0's parent is the root, already read through U_0).
+The decoder then scores head j once per parent node of tree level j (one small batched matmul per
+level), so sibling subtrees get their own candidates. Keys ``{head}.parent.weight`` for heads 1..K-1,
+``config.json`` ``medusa_path_conditioned: true``.
+
 Either format may carry a *draft vocabulary* (``draft_vocab.json``: sorted token ids): heads trained
 on a part of the vocabulary (``train --vocab replies``) propose only those tokens, so the projection
 costs S rows instead of V (8,938 of 49,152 for the shipped heads). Verification is unchanged, so
@@ -54,6 +61,7 @@ class HeadsConfig:
     shared_lm_head: bool  # True: logits through the base lm_head (format 'shared')
     base_model: str = ""  # base_model_name_or_path written to config.json
     root_conditioned: bool = False  # heads also read the input embedding of the token at t + 1 (the root)
+    path_conditioned: bool = False  # head j >= 1 also reads its parent, the token at t + j + 1 (needs root)
 
 
 class ResBlock(nn.Module):
@@ -81,6 +89,8 @@ class MedusaHeads(nn.Module):
             raise HeadsError(f"need at least one head and zero or more layers, got {config}")
         if config.root_conditioned and config.num_layers < 1:
             raise HeadsError("root-conditioned heads need at least one residual layer")
+        if config.path_conditioned and not config.root_conditioned:
+            raise HeadsError("path-conditioned heads are root-conditioned too (set both)")
         self.config = config
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
@@ -94,6 +104,11 @@ class MedusaHeads(nn.Module):
         self.root_weight = None
         if config.root_conditioned:
             self.root_weight = nn.Parameter(torch.zeros(config.num_heads, config.hidden_size, config.hidden_size))
+        # path-conditioned heads: P [K-1, H, H]; P[j-1] maps head j's parent token embedding (heads 1..K-1)
+        self.parent_weight = None
+        if config.path_conditioned and config.num_heads > 1:
+            self.parent_weight = nn.Parameter(
+                torch.zeros(config.num_heads - 1, config.hidden_size, config.hidden_size))
         self.draft_vocab: torch.Tensor | None = None  # [S] sorted token ids the heads propose from (None: all)
 
     def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
@@ -114,29 +129,49 @@ class MedusaHeads(nn.Module):
     def root_conditioned(self) -> bool:
         return self.root_weight is not None
 
+    @property
+    def path_conditioned(self) -> bool:
+        return self.config.path_conditioned
+
     def init_projection_from(self, lm_head: nn.Module) -> None:
         """Official recipe: every head's projection starts as a copy of the base lm_head."""
         if self.proj is not None:
             with torch.no_grad():
                 self.proj.copy_(lm_head.weight.detach().unsqueeze(0).expand_as(self.proj))
 
-    def head_states(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def head_states(self, hidden: torch.Tensor, root_embedding: torch.Tensor | None = None,
+                    parent_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] -> [..., K, H]: each head's residual stack applied to the same hidden state.
 
         ``root_embedding`` [..., H]: the input embedding of the token after each position (needed, and
-        only read, by root-conditioned heads)."""
+        only read, by root-conditioned heads). ``parent_embeddings`` [..., K-1, H]: for head j >= 1 the
+        embedding of the token at t + j + 1 (path-conditioned heads only)."""
         if self.root_weight is None:
             return torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)
+        if self.path_conditioned and self.num_heads > 1 and parent_embeddings is None:
+            raise HeadsError("path-conditioned heads need each head's parent token embedding")
+        states = [self.conditioned_state(j, hidden, root_embedding,
+                                         None if j == 0 or parent_embeddings is None else parent_embeddings[..., j - 1, :])
+                  for j in range(self.num_heads)]
+        return torch.stack(states, dim=-2)
+
+    def conditioned_state(self, j: int, hidden: torch.Tensor, root_embedding: torch.Tensor | None,
+                          parent_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """Head j's state [..., H] of a root-conditioned head: its first block reads
+        ``U_j e_root (+ P_j e_parent for path-conditioned heads, j >= 1)`` inside the activation.
+        The three inputs broadcast: one hidden state [H] and root [H] with several parents [P, H] give [P, H]."""
         if root_embedding is None:
             raise HeadsError("root-conditioned heads need the root token's embedding")
-        states = []
-        for j, blocks in enumerate(self.blocks):
-            extra = root_embedding @ self.root_weight[j].T.to(root_embedding.dtype)  # [..., H]
-            x = blocks[0](hidden, extra)
-            for block in blocks[1:]:
-                x = block(x)
-            states.append(x)
-        return torch.stack(states, dim=-2)
+        extra = root_embedding @ self.root_weight[j].T.to(root_embedding.dtype)  # [..., H]
+        if self.path_conditioned and j > 0:
+            if parent_embedding is None:
+                raise HeadsError(f"path-conditioned head {j} needs its parent token's embedding")
+            extra = extra + parent_embedding @ self.parent_weight[j - 1].T.to(parent_embedding.dtype)
+        blocks = self.blocks[j]
+        x = blocks[0](hidden, extra)
+        for block in blocks[1:]:
+            x = block(x)
+        return x
 
     def stacked_blocks(self, num_heads: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``num_heads`` heads' blocks stacked per level, for one batched matmul per level:
@@ -175,9 +210,10 @@ class MedusaHeads(nn.Module):
         return torch.einsum("...kh,kvh->...kv", states, w)  # [..., K, H] x [K, S, H]
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None,
-                root_embedding: torch.Tensor | None = None) -> torch.Tensor:
+                root_embedding: torch.Tensor | None = None, parent_embeddings: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """hidden [..., H] -> logits [..., K, V]; tokens outside the draft vocabulary get -inf."""
-        logits = self.draft_logits(self.head_states(hidden, root_embedding),
+        logits = self.draft_logits(self.head_states(hidden, root_embedding, parent_embeddings),
                                    None if lm_head is None else lm_head.weight)
         if self.draft_vocab is None:
             return logits
@@ -197,6 +233,8 @@ def _state_dict_for(heads: MedusaHeads, fmt: str, lm_head: nn.Module | None) -> 
             out[f"{i}.{j}.linear.bias"] = block.linear.bias.detach()
         if heads.root_weight is not None:
             out[f"{i}.root.weight"] = heads.root_weight[i].detach()
+        if heads.parent_weight is not None and i > 0:
+            out[f"{i}.parent.weight"] = heads.parent_weight[i - 1].detach()
         if fmt == "official":
             if heads.proj is not None:
                 out[f"{i}.{cfg.num_layers}.weight"] = heads.proj[i].detach()
@@ -226,6 +264,8 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
                 "vocab_size": cfg.vocab_size, "medusa_format": fmt}
         if cfg.root_conditioned:
             meta["medusa_root_conditioned"] = True
+        if cfg.path_conditioned:
+            meta["medusa_path_conditioned"] = True
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
         if heads.draft_vocab is not None:
             (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(heads.draft_vocab.tolist()) + "\n")
@@ -271,8 +311,11 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
         if v != vocab_size:
             raise HeadsError(f"heads in {folder} have vocabulary {v}, the model has {vocab_size}")
     conditioned = bool(meta.get("medusa_root_conditioned", False))
+    path_cond = bool(meta.get("medusa_path_conditioned", False))
+    if path_cond and not conditioned:
+        raise HeadsError(f"{cfg_file} says path-conditioned but not root-conditioned")
     heads = MedusaHeads(HeadsConfig(k, num_layers, hidden_size, vocab_size, shared,
-                                    str(meta.get("base_model_name_or_path", "")), conditioned))
+                                    str(meta.get("base_model_name_or_path", "")), conditioned, path_cond))
     own = {}
     for i in range(k):
         for j in range(num_layers):
@@ -293,6 +336,14 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
             raise HeadsError(f"{path} lacks root weight {exc.args[0]!r} (config says root-conditioned)") from None
         if own["root_weight"].shape[1:] != (hidden_size, hidden_size):
             raise HeadsError(f"root weights in {folder} are {tuple(own['root_weight'].shape[1:])}, "
+                             f"the model needs ({hidden_size}, {hidden_size})")
+    if path_cond and k > 1:
+        try:
+            own["parent_weight"] = torch.stack([sd[f"{i}.parent.weight"] for i in range(1, k)])
+        except KeyError as exc:
+            raise HeadsError(f"{path} lacks parent weight {exc.args[0]!r} (config says path-conditioned)") from None
+        if own["parent_weight"].shape[1:] != (hidden_size, hidden_size):
+            raise HeadsError(f"parent weights in {folder} are {tuple(own['parent_weight'].shape[1:])}, "
                              f"the model needs ({hidden_size}, {hidden_size})")
     heads.load_state_dict({k_: v.float() for k_, v in own.items()})
     vocab_file = path / DRAFT_VOCAB_FILE

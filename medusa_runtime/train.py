@@ -34,6 +34,7 @@ from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
 from .model import LoadedModel
 
 TOPK_LOGGED = 5
+CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,9 @@ class TrainConfig:
     official_format: bool = True  # also write the official per-head-projection format
     vocab: str = "full"  # heads' training softmax: full | replies (only tokens the replies contain: faster)
     soft_targets: float = 0.0  # weight of the base's own next-token distribution as head j's target (0..1)
-    condition: str = "none"  # none | root: heads also read the embedding of the token at t + 1 (see heads.py)
+    # none | root: heads also read the embedding of the token at t + 1 | path: and head j that of t + j + 1
+    # (its parent in the tree); see heads.py
+    condition: str = "none"
 
     def __post_init__(self) -> None:
         if self.method not in ("medusa1", "medusa2"):
@@ -78,12 +81,16 @@ class TrainConfig:
             raise ValueError(f"head_grad_to_base must be within [0, 1], got {self.head_grad_to_base}")
         if not 0.0 <= self.soft_targets <= 1.0:
             raise ValueError(f"soft_targets must be within [0, 1], got {self.soft_targets}")
-        if self.condition not in ("none", "root"):
-            raise ValueError(f"condition must be 'none' or 'root', got {self.condition!r}")
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
 
     @property
     def root_conditioned(self) -> bool:
-        return self.condition == "root"
+        return self.condition in ("root", "path")
+
+    @property
+    def path_conditioned(self) -> bool:
+        return self.condition == "path"
 
 
 @dataclass
@@ -240,15 +247,24 @@ class HeadTrainer:
             teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
         return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
 
-    def _root_embeddings(self, ids: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
-        """[sum T, H]: at position t the input embedding of token t + 1, the root a decoding step starting
-        there would have (the last position, which no head target reaches, repeats its own token)."""
+    def _conditioning(self, ids: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The embeddings conditioned heads read, or None: roots [sum T, H] (at position t the input
+        embedding of token t + 1, the root a decoding step starting there would have) and, for
+        path-conditioned heads, parents [sum T, K-1, H] (for head j the embedding of token t + j + 1).
+        Positions past an example's end, which no head target reaches, repeat its last token."""
         if not self.heads.root_conditioned:
-            return None
+            return None, None
         if ids is None:
             raise ValueError("root-conditioned heads need the examples' token ids")
-        roots = torch.cat([torch.cat([row[1:], row[-1:]]) for row in ids])
-        return self.embed[roots.to(self.embed.device)].float()
+        k = self.heads.num_heads
+        ahead = []  # per example [T, K]: tokens t + 1 .. t + K
+        for row in ids:
+            at = (torch.arange(len(row))[:, None] + torch.arange(1, k + 1)).clamp(max=len(row) - 1)
+            ahead.append(row[at])
+        tokens = torch.cat(ahead).to(self.embed.device)  # [sum T, K]
+        roots = self.embed[tokens[:, 0]].float()
+        parents = self.embed[tokens[:, 1:]].float() if self.heads.path_conditioned and k > 1 else None
+        return roots, parents
 
     def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                    ids: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[HeadStats | None]]:
@@ -257,9 +273,9 @@ class HeadTrainer:
         total = torch.zeros(())
         stats: list[HeadStats | None] = []
         hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
-        root_embedding = self._root_embeddings(ids)
+        root_embedding, parents = self._conditioning(ids)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
-            states = self.heads.head_states(hidden_all, root_embedding)  # [sum T, K, H]
+            states = self.heads.head_states(hidden_all, root_embedding, parents)  # [sum T, K, H]
         for j in range(self.heads.num_heads):
             sel, tgt = [], []
             offset = 0
@@ -426,7 +442,8 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name,
-                                    root_conditioned=cfg.root_conditioned))
+                                    root_conditioned=cfg.root_conditioned,
+                                    path_conditioned=cfg.path_conditioned))
     embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     hid_train = cache_hidden_states(loaded.model, train_ex, cfg.max_len, progress)
     ids_train, lab_train = ids_and_labels(train_ex, cfg.max_len)
@@ -571,7 +588,8 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     trainable_base = list(trainable.values())
     heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
                                     shared_lm_head=True, base_model=loaded.name,
-                                    root_conditioned=cfg.root_conditioned))
+                                    root_conditioned=cfg.root_conditioned,
+                                    path_conditioned=cfg.path_conditioned))
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
     lm_weight = student.get_output_embeddings().weight
     embed = student.get_input_embeddings().weight.detach()  # views: follow the student's updates

@@ -52,11 +52,25 @@ def test_rank_vectors_against_brute_force():
     assert any(r >= 0 for v in got for r in v)  # the test exercises hits, not only misses
 
 
+def _path_heads_that_guess(loaded, k=5, seed=0):
+    """Random path-conditioned heads (shared lm_head) whose guesses depend strongly on the parent."""
+    heads = MedusaHeads(HeadsConfig(k, 1, loaded.hidden_size, loaded.vocab_size, shared_lm_head=True,
+                                    root_conditioned=True, path_conditioned=True))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        heads.parent_weight.mul_(10)
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["official", "path"])
 @pytest.mark.parametrize("tree_name", ["chain:3", "random", "vicuna_7b_stage2"])
-def test_replay_walk_predicts_runtime_accept_lengths(tree_name):
-    """On the same prompt, greedy Medusa follows the rollout, so the walk replays it exactly."""
+def test_replay_walk_predicts_runtime_accept_lengths(tree_name, kind):
+    """On the same prompt, greedy Medusa follows the rollout, so the walk replays it exactly (with
+    path-conditioned heads too: calibration feeds them the rollout's tokens as roots and parents)."""
     loaded = tiny_llama(vocab=32, seed=2)
-    heads = _heads_that_guess(loaded, k=5, seed=1)
+    heads = _heads_that_guess(loaded, k=5, seed=1) if kind == "official" else _path_heads_that_guess(loaded)
     tree = random_tree(random.Random(1), 20, 3, 4) if tree_name == "random" else load_tree(tree_name)
     topk = max(10, tree.max_rank + 1)
     n = 60

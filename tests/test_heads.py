@@ -244,3 +244,94 @@ def test_root_conditioned_heads_read_the_root_and_round_trip(tmp_path):
     save_file({k: v for k, v in load_file(str(weights)).items() if k != "2.root.weight"}, str(weights))
     with pytest.raises(HeadsError, match="lacks root weight '2.root.weight'"):
         load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+
+
+def _path_heads(loaded, k: int = 4, layers: int = 2) -> MedusaHeads:
+    return MedusaHeads(HeadsConfig(k, layers, loaded.hidden_size, loaded.vocab_size, True,
+                                   root_conditioned=True, path_conditioned=True))
+
+
+def test_path_conditioned_heads_read_their_parent_and_round_trip(tmp_path):
+    """Path-conditioned heads: zero parent weights give the root-conditioned heads' outputs; head j >= 1
+    reads its parent inside the first block's activation; round trip in the shared format; calibration
+    ranks with the parents it is given."""
+    from medusa_runtime.calibrate import _head_topk
+
+    loaded = tiny_llama()
+    lm_head = loaded.model.get_output_embeddings()
+    embed = loaded.model.get_input_embeddings()
+    root_only = _randomise(MedusaHeads(HeadsConfig(4, 2, loaded.hidden_size, loaded.vocab_size, True,
+                                                   root_conditioned=True)), seed=6)
+    path = _path_heads(loaded)
+    path.load_state_dict(root_only.state_dict(), strict=False)  # parent weights still zero
+    h = torch.randn(5, loaded.hidden_size)
+    roots, parents = torch.tensor([7, 7, 3, 9, 60]), torch.randint(0, 64, (5, 3))
+    torch.testing.assert_close(path(h, lm_head, embed(roots), embed(parents)), root_only(h, lm_head, embed(roots)),
+                               rtol=0, atol=0)
+    with pytest.raises(HeadsError, match="parent token embedding"):
+        path(h, lm_head, embed(roots))
+    with pytest.raises(HeadsError, match="root-conditioned too"):
+        MedusaHeads(HeadsConfig(4, 1, 8, 8, True, path_conditioned=True))
+    _randomise(path, seed=7)
+    assert tuple(path.parent_weight.shape) == (3, loaded.hidden_size, loaded.hidden_size)
+    out = path(h, lm_head, embed(roots), embed(parents))  # [5, 4, V]
+    other = path(h, lm_head, embed(roots), embed((parents + 1) % 64))
+    torch.testing.assert_close(other[:, 0], out[:, 0], rtol=0, atol=0)  # head 0 has no parent but the root
+    assert not torch.allclose(other[:, 1:], out[:, 1:])  # heads 1..3 read theirs
+    e, ep = embed(roots), embed(parents)
+    for j in range(4):
+        b0, b1 = path.blocks[j][0].linear, path.blocks[j][1].linear
+        z = h @ b0.weight.T + b0.bias + e @ path.root_weight[j].T
+        if j > 0:
+            z = z + ep[:, j - 1] @ path.parent_weight[j - 1].T
+        x = h + torch.nn.functional.silu(z)
+        x = x + torch.nn.functional.silu(x @ b1.weight.T + b1.bias)
+        torch.testing.assert_close(out[:, j], lm_head(x), rtol=1e-5, atol=1e-5)
+    # calibration: position i reads root following[i] and, for head j, parent following[i + j]
+    following = torch.tensor([7, 7, 3, 9, 60, 11, 12, 13])
+    at = torch.arange(5)[:, None] + torch.arange(1, 4)
+    want = path(h, lm_head, embed(following[:5]), embed(following[at]))
+    assert torch.equal(_head_topk(loaded, path, h, 4, following), torch.topk(want, 4, dim=-1).indices)
+
+    folder = save_heads(path, tmp_path / "shared", fmt="shared")
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["medusa_root_conditioned"] is True and meta["medusa_path_conditioned"] is True
+    again = load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+    assert again.path_conditioned
+    torch.testing.assert_close(again(h, lm_head, e, ep), out, rtol=0, atol=0)
+    weights = folder / "medusa_lm_head.safetensors"
+    assert "0.parent.weight" not in load_file(str(weights))  # head 0's parent is the root
+    save_file({k: v for k, v in load_file(str(weights)).items() if k != "3.parent.weight"}, str(weights))
+    with pytest.raises(HeadsError, match="lacks parent weight '3.parent.weight'"):
+        load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+
+
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "chain:4"])
+def test_path_conditioned_decoder_scores_each_node_under_its_parent(tree):
+    """The decoder's tree tokens against a node-by-node reference: the node at path p is rank p[-1] of
+    head len(p)-1's top-k given the root and the token of node p[:-1]; decoding stays exact, with the
+    confidence gate and a lookup chain too."""
+    from medusa_runtime.lookup import LookupConfig
+
+    from .conftest import hf_greedy
+
+    loaded = tiny_llama()
+    lm_head = loaded.model.get_output_embeddings()
+    embed = loaded.model.get_input_embeddings()
+    heads = _randomise(_path_heads(loaded), seed=8)
+    decoder = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(max_new_tokens=30, topk=10))
+    hidden = torch.randn(loaded.hidden_size)
+    for root in (7, 60):
+        token = {(): root}
+        for p in decoder.tree.paths:  # official order: parents first
+            parent = torch.full((3,), token[p[:-1]])
+            logits = heads(hidden[None], lm_head, embed(torch.tensor([root])), embed(parent)[None])[0]
+            token[p] = int(torch.topk(logits[len(p) - 1], 10).indices[p[-1]])
+        expect = torch.tensor([root] + [token[p] for p in decoder.tree.paths])
+        assert torch.equal(decoder.propose(hidden, root), expect)
+    prompt = [3, 14, 15, 9, 2, 3, 14, 15]
+    want = hf_greedy(loaded, prompt, 30)
+    assert decoder.generate(prompt).token_ids == want
+    for cfg in (DecodeConfig(max_new_tokens=30, topk=10, gate=0.2),
+                DecodeConfig(max_new_tokens=30, topk=10, gate=0.2, lookup=LookupConfig(num_tokens=3, min_ngram=1))):
+        assert MedusaDecoder(loaded, heads, tree, config=cfg).generate(prompt).token_ids == want

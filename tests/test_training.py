@@ -276,15 +276,61 @@ def test_root_conditioned_loss_reads_the_next_token_embedding():
     assert abs(float(trainer.batch_loss(hiddens, labels, shifted)[0]) - float(loss)) > 0.05
 
 
-def test_root_conditioned_medusa1_trains_and_decodes_exactly(tiny_examples, tmp_path):
+def test_path_conditioned_loss_reads_each_heads_parent():
+    """condition = path: head j at position t also reads the embedding of token t+j+1 (its parent in the
+    tree; for head 0 that is the root); checked position by position against the module."""
+    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+
+    torch.manual_seed(2)
+    hidden_size, vocab, k = 16, 11, 3
+    heads = MedusaHeads(HeadsConfig(k, 1, hidden_size, vocab, True, root_conditioned=True, path_conditioned=True))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    w, embed = torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size)
+    hiddens = [torch.randn(8, hidden_size), torch.randn(6, hidden_size)]
+    ids = [torch.tensor([4, 9, 3, 5, 0, 7, 2, 6]), torch.tensor([1, 8, 2, 10, 5, 3])]
+    labels = [torch.tensor([-100, -100, 3, 5, 0, 7, 2, 6]), torch.tensor([-100, 8, 2, 10, 5, 3])]
+    trainer = HeadTrainer(heads, w, TrainConfig(num_heads=k, condition="path"), embed=embed)
+    loss, stats = trainer.batch_loss(hiddens, labels, ids)
+    expected = 0.0
+    with torch.no_grad():
+        for j in range(k):
+            terms = []
+            for h, row, lab in zip(hiddens, ids, labels):
+                for t in range(len(lab) - j - 2):
+                    if int(lab[t + j + 2]) == -100:
+                        continue
+                    parents = embed[row[t + 2: t + k + 1]]  # tokens t+2 .. t+k (only t+j+1 is read by head j)
+                    parents = torch.cat([parents, parents[-1:].expand(k - 1 - len(parents), -1)])
+                    state = heads.head_states(h[t], embed[row[t + 1]], parents)[j]
+                    terms.append(F.cross_entropy((state @ w.T)[None], lab[t + j + 2][None]))
+            assert stats[j].positions == len(terms)
+            expected += 0.8 ** (j + 1) * torch.stack(terms).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=3e-2, atol=3e-2)  # bf16 autocast in training
+    root_heads = MedusaHeads(HeadsConfig(k, 1, hidden_size, vocab, True, root_conditioned=True))
+    root_heads.load_state_dict(heads.state_dict(), strict=False)  # the same heads without parent weights
+    base = HeadTrainer(root_heads, w, TrainConfig(num_heads=k, condition="root"), embed=embed).batch_loss(
+        hiddens, labels, ids)[0]
+    assert abs(float(base) - float(loss)) > 0.05  # the parents change the loss
+    with torch.no_grad():
+        heads.parent_weight.zero_()  # zero parent weights: the root-conditioned loss
+    torch.testing.assert_close(trainer.batch_loss(hiddens, labels, ids)[0], base, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("condition", ["root", "path"])
+def test_conditioned_medusa1_trains_and_decodes_exactly(tiny_examples, tmp_path, condition):
     loaded, _, examples, _ = tiny_examples
-    cfg = TrainConfig(num_heads=2, epochs=4, lr=1e-2, batch_tokens=256, val_fraction=0.1, condition="root",
+    cfg = TrainConfig(num_heads=2, epochs=4, lr=1e-2, batch_tokens=256, val_fraction=0.1, condition=condition,
                       eval_every=7)
     res = train_medusa1(loaded, examples, cfg, tmp_path / "run", progress=False, log=lambda m: None)
     assert not (tmp_path / "run" / "heads-official").exists()  # no official layout for these heads
     assert [v["step"] for v in res.validation] == [s for s in range(7, res.steps, 7)] + [res.steps]
     heads = load_heads(tmp_path / "run" / "heads", loaded.hidden_size, loaded.vocab_size)
     assert heads.root_conditioned and float(heads.root_weight.abs().max()) > 0
+    assert heads.path_conditioned == (condition == "path")
+    if condition == "path":
+        assert float(heads.parent_weight.abs().max()) > 0
     prompt = list(examples[0].input_ids[: examples[0].reply_start])
     out = MedusaDecoder(loaded, heads, "chain:2", config=DecodeConfig(max_new_tokens=24)).generate(prompt)
     assert out.token_ids == hf_greedy(loaded, prompt, 24)
