@@ -149,6 +149,20 @@ def test_estimators_agree_and_walk_replays_the_decoder():
     assert tau_independent(tree, marginal) < tau_position_average(tree, rollouts)
 
 
+def test_search_scores_joint_trees_by_the_step_walk(tmp_path):
+    """With rollouts, every trial's tau is the step walk the decoder realises, not the position average."""
+    from treesearch.search import SearchConfig, run_search
+
+    rollouts = synthetic_rollouts(3)
+    stats = AcceptanceStats(marginal_from_rollouts(rollouts, 3, 4), rollouts, (), {"model": "m"})
+    res = run_search(stats, SearchConfig(budget=12, trials=8, objective="tau", storage=f"sqlite:///{tmp_path / 's.db'}"),
+                     show_progress=False)
+    for score in (res.best, res.optimum):
+        assert score.tau == pytest.approx(tau_step_walk(score.tree, rollouts).tau, abs=1e-12)
+        assert score.tau < tau_position_average(score.tree, rollouts)  # acceptance comes in runs here
+    assert res.best.tau >= res.optimum.tau
+
+
 def test_constraints_limit_depth_and_ranks():
     m = vicuna_7b_marginal()
     tree, _ = optimal_tree(IndependentModel(m), 30, Constraints(max_depth=2, rank_caps=(3, 2)))

@@ -3,8 +3,10 @@
 Each trial's tree is the most probable set of paths allowed by its parameters (exact for the
 position-averaged greedy objective within those limits), so the search explores what that rule
 alone ignores: the hardware cost of each node (through the latency profile), how deep and how wide
-a tree should be, and how many heads to use. The exact unconstrained optimum is enqueued as a warm
-start and the official ``mc_sim_7b_63`` tree as a baseline trial.
+a tree should be, and how many heads to use. With joint statistics (rollouts) a trial's tree is scored
+by the step walk over them, the tau the decoder realises, which lies below the position average the
+trees are built for wherever acceptance comes in runs. The exact unconstrained optimum is enqueued as a
+warm start and the official ``mc_sim_7b_63`` tree as a baseline trial.
 
 Storage is any Optuna storage URL (SQLite in ``results/`` by default; PostgreSQL or MySQL for many
 machines); ``load_if_exists`` makes studies resumable and shareable between workers, and the study
@@ -16,7 +18,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +27,8 @@ from typing import Any
 import optuna
 
 from .cost import LatencyProfile, predict
-from .optimal import Constraints, PathModel, expected_depth, model_for, optimal_tree
-from .stats import AcceptanceStats, StatsError
+from .optimal import Constraints, JointModel, PathModel, expected_depth, model_for, optimal_tree
+from .stats import AcceptanceStats, StatsError, tau_step_walk
 from .tree import Tree, load_tree, make_tree
 from .typical import TypicalParams, typical_walk
 
@@ -102,8 +104,13 @@ def _with_speed(tree: Tree, tau: float, latency: LatencyProfile | None, context:
     return TreeScore(tree, tau, pred.speedup, pred.tokens_per_s, **extra)
 
 
-def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, context: int | None) -> TreeScore:
-    return _with_speed(tree, 1.0 + expected_depth(tree, model), latency, context)
+def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, context: int | None,
+               rollouts: Sequence[Sequence[Sequence[int]]] | None = None) -> TreeScore:
+    """tau of a greedy tree: with rollouts, their step walk (what the decoder realises: each step starts
+    where the last one ended, so a run of easy positions counts once per step, and the walk's tau is
+    below the position average wherever acceptance comes in runs); else 1 + the model's expected depth."""
+    tau = tau_step_walk(tree, rollouts).tau if rollouts else 1.0 + expected_depth(tree, model)
+    return _with_speed(tree, tau, latency, context)
 
 
 def score_typical(tree: Tree, stats: AcceptanceStats, params: TypicalParams, latency: LatencyProfile | None,
@@ -141,7 +148,8 @@ class TreeObjective:
     def score(self, tree: Tree, params: TypicalParams | None) -> TreeScore:
         if self.cfg.accept == "typical":
             return score_typical(tree, self.stats, params or TypicalParams(), self.latency, self.cfg.context)
-        return score_tree(tree, self.model, self.latency, self.cfg.context)
+        rollouts = self.stats.rollouts if isinstance(self.model, JointModel) else None
+        return score_tree(tree, self.model, self.latency, self.cfg.context, rollouts)
 
     def tree_for(self, params: dict[str, int]) -> Tree:
         depth = params["depth"]
