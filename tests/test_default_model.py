@@ -65,8 +65,11 @@ def test_shipped_heads_draft_vocabulary_bf16_projection(default_model, mt_bench_
     hidden = decoder.prefill(torch.tensor(prompt), decoder.new_cache(len(prompt) + 8))[1][-1]
     proposed = decoder.propose(hidden, root=7)[1:]  # the heads' top-1 on three levels
     with torch.inference_mode():
-        root = bf16.model.get_input_embeddings()(torch.tensor(7)) if heads.root_conditioned else None
-        reference = heads(hidden, bf16.model.get_output_embeddings(), root)[:3].float()  # [3, V]
+        embed = bf16.model.get_input_embeddings()
+        root = embed(torch.tensor(7)) if heads.root_conditioned else None
+        # path-conditioned heads: head j >= 1 reads the level above's proposal as its parent
+        parents = embed(proposed[: heads.num_heads - 1]) if heads.path_conditioned else None
+        reference = heads(hidden, bf16.model.get_output_embeddings(), root, parents)[:3].float()  # [3, V]
     chosen = reference.gather(-1, proposed[:, None])[:, 0]
     # ties aside, the proposal is the module's argmax (bf16 kernels may round a near-tie differently)
     assert torch.all(chosen >= reference.amax(-1) - 0.05)
