@@ -283,6 +283,21 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise HeadsError(f"no head weights in {folder} (looked for {', '.join(WEIGHT_NAMES)})")
 
 
+def _conditioning_weights(sd: dict[str, torch.Tensor], path: Path, kind: str, heads: range,
+                          hidden_size: int) -> torch.Tensor:
+    """The ``{head}.{kind}.weight`` matrices of these heads stacked, [len(heads), H, H]; missing or
+    mis-sized ones refused (kind: root | parent)."""
+    try:
+        weights = torch.stack([sd[f"{i}.{kind}.weight"] for i in heads])
+    except KeyError as exc:
+        condition = {"root": "root", "parent": "path"}[kind]
+        raise HeadsError(f"{path} lacks {kind} weight {exc.args[0]!r} (config says {condition}-conditioned)") from None
+    if weights.shape[1:] != (hidden_size, hidden_size):
+        raise HeadsError(f"{kind} weights in {path} are {tuple(weights.shape[1:])}, "
+                         f"the model needs ({hidden_size}, {hidden_size})")
+    return weights
+
+
 def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int) -> MedusaHeads:
     """Load either format; refuse heads whose sizes do not match the base model."""
     path = Path(folder)
@@ -330,21 +345,9 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
         except KeyError as exc:
             raise HeadsError(f"{path} lacks projection {exc.args[0]!r}") from None
     if conditioned:
-        try:
-            own["root_weight"] = torch.stack([sd[f"{i}.root.weight"] for i in range(k)])
-        except KeyError as exc:
-            raise HeadsError(f"{path} lacks root weight {exc.args[0]!r} (config says root-conditioned)") from None
-        if own["root_weight"].shape[1:] != (hidden_size, hidden_size):
-            raise HeadsError(f"root weights in {folder} are {tuple(own['root_weight'].shape[1:])}, "
-                             f"the model needs ({hidden_size}, {hidden_size})")
+        own["root_weight"] = _conditioning_weights(sd, path, "root", range(k), hidden_size)
     if path_cond and k > 1:
-        try:
-            own["parent_weight"] = torch.stack([sd[f"{i}.parent.weight"] for i in range(1, k)])
-        except KeyError as exc:
-            raise HeadsError(f"{path} lacks parent weight {exc.args[0]!r} (config says path-conditioned)") from None
-        if own["parent_weight"].shape[1:] != (hidden_size, hidden_size):
-            raise HeadsError(f"parent weights in {folder} are {tuple(own['parent_weight'].shape[1:])}, "
-                             f"the model needs ({hidden_size}, {hidden_size})")
+        own["parent_weight"] = _conditioning_weights(sd, path, "parent", range(1, k), hidden_size)
     heads.load_state_dict({k_: v.float() for k_, v in own.items()})
     vocab_file = path / DRAFT_VOCAB_FILE
     if vocab_file.is_file():
