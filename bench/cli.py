@@ -350,6 +350,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     path = save_profile(prof, args.out)
     print(f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
           f"bookkeeping {prof.bookkeeping_ms:.2f} ms")
+    if prof.heads_nodes:
+        print("  heads by tree size: " + "  ".join(f"{n}:{v:.2f}" for n, v in zip(prof.heads_nodes, prof.heads_by_nodes_ms)))
     for ctx, row in zip(prof.contexts, prof.verify_ms):
         print(f"  context {ctx}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
     print(f"written: {path}")

@@ -143,15 +143,23 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
 
     hidden = torch.randn(loaded.hidden_size, generator=gen).to(dev, loaded.dtype)
     heads_ms = book_ms = 0.0
+    sizes = sorted(decoders)
+    by_size: list[float] = []
     if decoders:
-        mid = decoders[min(decoders, key=lambda n: abs(n - 16))]
-        heads_ms = _median_ms(lambda: mid.propose(hidden, 0), sync, cfg.repeats * 3, cfg.warmup)
+        # heads + top-k per tree size, in rounds: path-conditioned heads score one row per parent node
+        by_size = _interleaved_ms([lambda dec=decoders[n]: dec.propose(hidden, 0) for n in sizes], sync,
+                                  cfg.repeats * 3, cfg.warmup)
+        mid_n = min(sizes, key=lambda n: abs(n - 16))
+        mid = decoders[mid_n]
+        heads_ms = by_size[sizes.index(mid_n)]
         # everything of a real Medusa step that is neither heads nor verify: acceptance, compaction, loop
         book_ms = _loop_ms(MedusaDecoder(loaded, heads, mid.tree, config=_loop_cfg(mid.buffers.topk)),
                            prompt[0, : cfg.contexts[0]], cfg)[1]
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "medians in ms of rounds across tree sizes; verify includes mask building; plain = the 1-node "
+            "note": "medians in ms of rounds across tree sizes; verify includes mask building; heads per tree size "
+                    "(heads_ms: the size nearest 16); plain = the 1-node "
                     "forward + the rest of a real plain decode step; bookkeeping = a real Medusa step minus heads "
                     "and verify"}
-    return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta)
+    return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
+                          tuple(sizes), tuple(by_size))

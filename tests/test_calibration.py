@@ -97,5 +97,8 @@ def test_profile_smoke():
     assert len(prof.verify_ms) == 2 and all(len(r) == 3 for r in prof.verify_ms)
     assert all(x > 0 for r in prof.verify_ms for x in r) and len(prof.plain_ms) == 2
     assert prof.heads_ms > 0 and prof.meta["machine"]["cpu_count"]
+    # heads timed for every tree size, the 16-node time doubling as heads_ms
+    assert prof.heads_nodes == (4, 16) and all(x > 0 for x in prof.heads_by_nodes_ms)
+    assert prof.heads_ms == prof.heads_by_nodes_ms[1] == prof.heads(16)
     # the plain step is the 1-node forward of the same rounds plus the rest of a real plain step
     assert all(p > row[0] for p, row in zip(prof.plain_ms, prof.verify_ms))

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import optuna
@@ -18,7 +19,7 @@ import pytest
 import sqlalchemy
 
 from bench.cli import main
-from treesearch.cost import LATENCY_SCHEMA, LatencyProfile, predict, save_profile
+from treesearch.cost import LATENCY_SCHEMA, LatencyProfile, load_profile, predict, profile_from_json, save_profile
 from treesearch.export import export_tree
 from treesearch.optimal import (
     Constraints,
@@ -200,6 +201,26 @@ def test_cost_model_closed_form():
     step = 2.0 + (30 + 8.0) + 1.0
     assert pred.step_ms == pytest.approx(step) and pred.speedup == pytest.approx((2.0 / step) / (1 / 30.0))
     assert prof.verify(12) == pytest.approx(30 + 6.0)  # linear interpolation between 8 and 16
+
+
+def test_cost_model_heads_time_by_tree_size(tmp_path):
+    """Heads timed per tree size (path-conditioned heads grow with the parents): step = heads(n) + verify(n)
+    + bookkeeping, heads interpolated between the timed sizes and held flat outside; the JSON round-trips."""
+    prof = replace(_latency(), heads_nodes=(4, 16, 64), heads_by_nodes_ms=(1.0, 3.0, 7.0))
+    assert [prof.heads(n) for n in (2, 4, 10, 16, 40, 64, 200)] == pytest.approx([1.0, 1.0, 2.0, 3.0, 5.0, 7.0, 7.0])
+    assert predict(prof, tau=2.0, num_nodes=10).step_ms == pytest.approx(2.0 + (30 + 5.0) + 1.0)
+    assert prof.step_ms(1) == pytest.approx(30.0)  # the plain step has no heads
+    back = load_profile(save_profile(prof, tmp_path / "lat.json"))
+    assert back == prof and back.heads(40) == pytest.approx(5.0)
+    # an older file without the per-size points keeps the one heads_ms for every tree
+    obj = json.loads((tmp_path / "lat.json").read_text())
+    for key in ("heads_nodes", "heads_by_nodes_ms"):
+        del obj[key]
+    assert profile_from_json(obj).heads(40) == pytest.approx(2.0)
+    for bad in ({"heads_nodes": [16, 4]}, {"heads_nodes": [4]}, {"heads_nodes": [1, 4, 16]},
+                {"heads_by_nodes_ms": [1.0, -1.0, 2.0]}):
+        with pytest.raises(StatsError, match="heads_nodes"):
+            profile_from_json({**obj, "heads_nodes": [4, 16, 64], "heads_by_nodes_ms": [1.0, 3.0, 7.0], **bad})
 
 
 def test_search_speedup_objective_prefers_smaller_trees(tmp_path):

@@ -1,11 +1,13 @@
 """Cost model from a measured latency profile (``latency.json``): predicted tokens/s and speed-up of a tree.
 
-    tokens/s (tree)  = tau / (heads + verify(nodes) + bookkeeping)
+    tokens/s (tree)  = tau / (heads(nodes) + verify(nodes) + bookkeeping)
     tokens/s (plain) = 1 / plain_step
     speedup          = tokens/s (tree) / tokens/s (plain)
 
 ``verify(n)`` is interpolated linearly between the measured node counts, at the context length
-nearest to the one asked for (or the median over measured contexts).
+nearest to the one asked for (or the median over measured contexts). ``heads(n)`` likewise between
+the tree sizes whose heads were timed (path-conditioned heads score one row per parent node, so their
+time grows with the tree); a profile without those points uses its one ``heads_ms`` for every tree.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ class LatencyProfile:
     contexts: tuple[int, ...]  # context lengths measured
     verify_ms: tuple[tuple[float, ...], ...]  # [context][nodes]: one verify forward
     plain_ms: tuple[float, ...]  # [context]: one plain decode step (runtime, root only)
-    heads_ms: float  # all heads + top-k on one hidden state
+    heads_ms: float  # all heads + top-k on one hidden state (a tree of about 16 nodes)
     bookkeeping_ms: float = 0.0  # acceptance + cache compaction per step
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # model, dtype, machine
+    heads_nodes: tuple[int, ...] = ()  # tree sizes (root included, ascending) whose heads time was measured
+    heads_by_nodes_ms: tuple[float, ...] = ()  # [heads_nodes]: heads + top-k for a tree of that size
 
     def _ctx_index(self, context: int | None) -> int | None:
         if context is None:
@@ -50,10 +54,16 @@ class LatencyProfile:
         i = self._ctx_index(context)
         return float(self.plain_ms[i] if i is not None else np.median(self.plain_ms))
 
+    def heads(self, num_nodes: int) -> float:
+        """Heads time (ms) for a tree of ``num_nodes`` nodes: interpolated, held flat outside the measured sizes."""
+        if not self.heads_nodes:
+            return self.heads_ms
+        return float(np.interp(num_nodes, self.heads_nodes, self.heads_by_nodes_ms))
+
     def step_ms(self, num_nodes: int, context: int | None = None) -> float:
         if num_nodes <= 1:
             return self.plain(context)
-        return self.heads_ms + self.verify(num_nodes, context) + self.bookkeeping_ms
+        return self.heads(num_nodes) + self.verify(num_nodes, context) + self.bookkeeping_ms
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,8 @@ def predict(profile: LatencyProfile, tau: float, num_nodes: int, context: int | 
 def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
     return {"schema": LATENCY_SCHEMA, **p.meta, "nodes": list(p.nodes), "contexts": list(p.contexts),
             "verify_ms": [list(r) for r in p.verify_ms], "plain_ms": list(p.plain_ms), "heads_ms": p.heads_ms,
-            "bookkeeping_ms": p.bookkeeping_ms}
+            "bookkeeping_ms": p.bookkeeping_ms, "heads_nodes": list(p.heads_nodes),
+            "heads_by_nodes_ms": list(p.heads_by_nodes_ms)}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -93,6 +104,8 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         plain = tuple(float(x) for x in obj["plain_ms"])
         heads = float(obj["heads_ms"])
         book = float(obj.get("bookkeeping_ms", 0.0))
+        heads_nodes = tuple(int(n) for n in obj.get("heads_nodes", ()))
+        heads_by_nodes = tuple(float(x) for x in obj.get("heads_by_nodes_ms", ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -101,8 +114,14 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency tables do not match 'nodes' x 'contexts'")
     if any(x <= 0 for r in verify for x in r) or any(x <= 0 for x in plain) or heads < 0 or book < 0:
         raise StatsError("latency times must be positive")
-    skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms"}
-    return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip})
+    if len(heads_nodes) != len(heads_by_nodes) or list(heads_nodes) != sorted(set(heads_nodes)) or any(
+            n < 2 for n in heads_nodes) or any(x < 0 for x in heads_by_nodes):
+        raise StatsError("latency 'heads_nodes' must be ascending, distinct and >= 2, with one non-negative "
+                         "'heads_by_nodes_ms' time each")
+    skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
+            "heads_by_nodes_ms"}
+    return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
+                          heads_nodes, heads_by_nodes)
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:
