@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .calibrate import greedy_rollouts
-from .model import LoadedModel, cache_root
+from .model import LoadedModel, cache_root, weights_fingerprint
 from .prompts import Prompt
 
 
@@ -44,10 +44,8 @@ def _chat_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
 
 
 def cache_file(loaded: LoadedModel, cfg: DistillConfig) -> Path:
-    emb = loaded.model.get_input_embeddings().weight
-    fingerprint = [float(x) for x in emb.flatten()[:64].float()]  # same name, other weights: other cache
     key = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "cfg": asdict(cfg),
-                                     "weights": fingerprint, "format": 2}).encode()).hexdigest()[:16]
+                                     "weights": weights_fingerprint(loaded), "format": 2}).encode()).hexdigest()[:16]
     return cache_root() / "distill" / f"{key}.jsonl"
 
 

@@ -89,6 +89,11 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "medusa-bench"
 
 
+def weights_fingerprint(loaded: LoadedModel) -> list[float]:
+    """The first 64 input-embedding values: a cache keyed by model name alone would survive a change of weights."""
+    return [float(x) for x in loaded.model.get_input_embeddings().weight.flatten()[:64].float()]
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

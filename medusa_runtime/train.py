@@ -15,15 +15,21 @@ the last complete one usable, and ``resume`` continues from it.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from treesearch.tree import write_json_atomic
@@ -31,7 +37,7 @@ from treesearch.tree import write_json_atomic
 from .distill import Example
 from .fsutil import atomic_dir
 from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
-from .model import LoadedModel
+from .model import LoadedModel, cache_root, weights_fingerprint
 
 TOPK_LOGGED = 5
 CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
@@ -207,6 +213,58 @@ def cache_hidden_states(model, examples: Sequence[Example], max_len: int,
         hs = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
         out.append(hs.to(torch.bfloat16).cpu())
     return out
+
+
+def hidden_cache_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int) -> Path:
+    """Where the base hidden states of ``examples`` are kept: named by a hash of the model (name, dtype,
+    weights fingerprint), ``max_len`` and every example's token ids, so any change makes another file."""
+    digest = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
+                                        "weights": weights_fingerprint(loaded), "format": 1}).encode())
+    for ex in examples:
+        digest.update(np.asarray(ex.input_ids[:max_len], dtype=np.int64).tobytes() + b"|")
+    return cache_root() / "hidden" / f"{digest.hexdigest()[:16]}.safetensors"
+
+
+def _read_hidden_cache(path: Path, lengths: list[int], hidden_size: int) -> list[torch.Tensor] | None:
+    """The cached states split per example, or None when the file is missing, unreadable or does not match."""
+    if not path.is_file():
+        return None
+    try:
+        data = load_file(path)
+        flat, lens = data["hidden"], data["lengths"]
+    except (OSError, KeyError, SafetensorError):
+        return None
+    if lens.tolist() != lengths or tuple(flat.shape) != (sum(lengths), hidden_size):
+        return None
+    return list(torch.split(flat, lengths))
+
+
+def base_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int, progress: bool = True,
+                       use_cache: bool = True, log: Callable[[str], None] = print) -> list[torch.Tensor]:
+    """``cache_hidden_states``, kept on disk between runs (``<cache>/hidden``, safetensors, written
+    atomically): a rerun on the same data, another head shape or learning rate skips the backbone.
+    Every example's states are one [T, H] bf16 tensor, as computed."""
+    if not use_cache or not examples:
+        return cache_hidden_states(loaded.model, examples, max_len, progress)
+    path = hidden_cache_file(loaded, examples, max_len)
+    lengths = [min(len(e.input_ids), max_len) for e in examples]
+    cached = _read_hidden_cache(path, lengths, loaded.hidden_size)
+    if cached is not None:
+        log(f"base hidden states of {len(examples)} examples reloaded from {path}")
+        return cached
+    states = cache_hidden_states(loaded.model, examples, max_len, progress)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk costs the next run the backbone again, not this run its training
+        log(f"could not keep the base hidden states on disk ({exc}); training goes on")
+        return states
+    finally:
+        tmp.unlink(missing_ok=True)
+    log(f"base hidden states cached: {path} ({path.stat().st_size / 2**20:.0f} MiB; --no-hidden-cache skips this)")
+    return states
 
 
 class HeadTrainer:
@@ -436,7 +494,9 @@ def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: T
 
 def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
-                  log: Callable[[str], None] = print) -> TrainResult:
+                  log: Callable[[str], None] = print, hidden_cache: bool = True) -> TrainResult:
+    """Heads only, over the frozen base's hidden states (kept on disk between runs unless ``hidden_cache``
+    is off: see ``base_hidden_states``)."""
     out, train_ex, val_ex = _start(examples, cfg, out_dir)
     lm_head = loaded.model.get_output_embeddings()
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
@@ -445,9 +505,9 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
                                     root_conditioned=cfg.root_conditioned,
                                     path_conditioned=cfg.path_conditioned))
     embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
-    hid_train = cache_hidden_states(loaded.model, train_ex, cfg.max_len, progress)
+    hid_train = base_hidden_states(loaded, train_ex, cfg.max_len, progress, hidden_cache, log)
     ids_train, lab_train = ids_and_labels(train_ex, cfg.max_len)
-    hid_val = cache_hidden_states(loaded.model, val_ex, cfg.max_len, progress) if val_ex else []
+    hid_val = base_hidden_states(loaded, val_ex, cfg.max_len, progress, hidden_cache, log)
     ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
     steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
     total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))

@@ -134,6 +134,43 @@ def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
     assert rec2["history"][: res.steps] == rec["history"][: res.steps]
 
 
+def test_base_hidden_states_kept_on_disk(tiny_examples, monkeypatch):
+    """Medusa-1's base hidden states are written once (atomically) and reloaded unchanged; other data,
+    another max_len or a damaged file means the backbone runs again."""
+    import medusa_runtime.train as train_mod
+
+    loaded, _, examples, _ = tiny_examples
+    exs = examples[:6]
+    first = train_mod.base_hidden_states(loaded, exs, 64, progress=False, log=lambda m: None)
+    path = train_mod.hidden_cache_file(loaded, exs, 64)
+    assert path.is_file() and not list(path.parent.glob(".*.tmp"))
+    # each example's states are the backbone's last hidden states of its first max_len tokens (bf16)
+    ref = loaded.model(torch.tensor([exs[0].input_ids[:64]]), output_hidden_states=True).hidden_states[-1][0]
+    assert torch.equal(first[0], ref.to(torch.bfloat16))
+    runs = []
+    real = train_mod.cache_hidden_states
+    monkeypatch.setattr(train_mod, "cache_hidden_states", lambda *a, **k: runs.append(1) or real(*a, **k))
+    again = train_mod.base_hidden_states(loaded, exs, 64, progress=False, log=lambda m: None)
+    assert not runs and len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(again, first))
+    assert train_mod.hidden_cache_file(loaded, exs, 32) != path != train_mod.hidden_cache_file(loaded, exs[1:], 64)
+    train_mod.base_hidden_states(loaded, exs[1:], 64, progress=False, log=lambda m: None)
+    assert runs == [1]
+    path.write_bytes(b"not safetensors")
+    healed = train_mod.base_hidden_states(loaded, exs, 64, progress=False, log=lambda m: None)
+    assert runs == [1, 1] and all(torch.equal(a, b) for a, b in zip(healed, first))
+    train_mod.base_hidden_states(loaded, exs, 64, progress=False, use_cache=False, log=lambda m: None)
+    assert runs == [1, 1, 1]
+    # a failed write (full disk) keeps the states of this run and leaves no partial file behind
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train_mod, "save_file", disk_full)
+    logs = []
+    kept = train_mod.base_hidden_states(loaded, exs[2:], 64, progress=False, log=logs.append)
+    assert len(kept) == 4 and torch.equal(kept[0], first[2]) and "No space left" in logs[-1]
+    assert not train_mod.hidden_cache_file(loaded, exs[2:], 64).exists() and not list(path.parent.glob(".*.tmp"))
+
+
 def _interrupt_on_call(monkeypatch, owner, name: str, call: int) -> None:
     """Ctrl-C on the ``call``-th call of ``owner.name`` (a training step's loss)."""
     original = getattr(owner, name)
