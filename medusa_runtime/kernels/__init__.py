@@ -15,10 +15,11 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
+
+from ..fsutil import atomic_file
 
 SOURCE = Path(__file__).with_name("lean_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
@@ -60,18 +61,11 @@ def _library_path(cc: str) -> Path:
 
 
 def _build(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, *extra_flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+    with atomic_file(target, suffix=".so") as tmp:
+        done = subprocess.run([cc, *FLAGS, *extra_flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
