@@ -171,6 +171,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from medusa_runtime.train import TrainConfig, train_medusa1, train_medusa2
 
     prof = TRAIN_PROFILES[args.profile]
+    if args.init is not None and args.method != "medusa1":
+        raise SystemExit("--init (go on training heads trained before) is for --method medusa1")
     n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
     cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"],
@@ -190,7 +192,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
     train = train_medusa1 if cfg.method == "medusa1" else train_medusa2
-    extra = {"hidden_cache": not args.no_hidden_cache} if cfg.method == "medusa1" else {}
+    extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else {}
     result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log, **extra)
     from bench.plots import plot_training
 
@@ -209,9 +211,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def builtin_split(prompts, source: str, part: str):
     """The ``train`` or ``calibration`` part of the built-in prompts; other sources are used whole."""
-    if source not in ("builtin", "default", ""):
-        return prompts
+    from medusa_runtime.prompts import BUILTIN_NAMES
     from medusa_runtime.prompts import builtin_split as split
+
+    if source not in BUILTIN_NAMES:
+        return prompts
 
     return split(prompts, part)
 
@@ -636,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
     p.add_argument("--heads", type=int, default=4, help="number of heads K")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--data", default="builtin", help="builtin, a ShareGPT/plain JSON(L) file, or a hub dataset id")
+    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-all, a ShareGPT/plain JSON(L) file, "
+                        "or a hub dataset id")
     p.add_argument("--profile", default="quick", choices=sorted(TRAIN_PROFILES))
     p.add_argument("--prompts", type=int, default=None, help="number of prompts (0: all; default from the profile)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")
@@ -663,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: profile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--init", default=None, metavar="HEADS",
+                   help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
+                        "train them on this data; they must have the shape --heads/--layers/--condition give; "
+                        "their draft vocabulary grows by this data's reply tokens")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
                         "about 1.2 MB per 1000 tokens for the default model)")

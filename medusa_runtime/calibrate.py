@@ -169,6 +169,14 @@ def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int]
     return sorted(idx[n_held:]), sorted(idx[:n_held])
 
 
+def library_versions() -> dict[str, str]:
+    """torch and transformers: their kernels decide the low bits of a bf16 forward, and so where a greedy
+    rollout in bf16 first takes another token (MT-Bench tau moved by 0.06 between transformers 5.23 and 5.24)."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt], cfg: CalibrationConfig,
               provenance: dict | None = None, progress: bool = True,
               log: Callable[[str], None] = print) -> AcceptanceStats:
@@ -193,5 +201,5 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
             "draft_vocab": None if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
-            "machine": platform.node(), **(provenance or {})}
+            "machine": platform.node(), "versions": library_versions(), **(provenance or {})}
     return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta, typical=typical)

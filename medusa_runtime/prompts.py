@@ -16,10 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .prompts_detailed import detailed_requests
+from .prompts_open import open_requests
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
 DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
+OPEN_SOURCE = "medusa-bench/builtin-open"  # tier 3: open questions, weighted to the kinds heads do worst
+# --data names of the built-in sets: tiers 1-2 (the default), tier 3 alone, all three
+BUILTIN_NAMES = ("builtin", "default", "", "builtin-open", "builtin-all")
 
 
 @dataclass(frozen=True)
@@ -180,9 +184,16 @@ def _template_prompts(seed: int) -> list[Prompt]:
 
 
 def builtin_prompts(seed: int = 0) -> list[Prompt]:
-    """Both tiers: the template prompts (first, in their historical order), then the detailed requests."""
+    """Tiers 1 and 2 (``--data builtin``): the template prompts (first, in their historical order), then
+    the detailed requests."""
     detailed = [Prompt(turns, cat, DETAILED_SOURCE) for turns, cat in detailed_requests(seed=seed + 1)]
     return _template_prompts(seed) + detailed
+
+
+def open_prompts(seed: int = 0) -> list[Prompt]:
+    """Tier 3 (``--data builtin-open``): 500 open questions, apart from the default set so that the quick
+    profile, the bench's calibration prompts and the release data of tiers 1-2 stay as they were."""
+    return [Prompt(turns, cat, OPEN_SOURCE) for turns, cat in open_requests(seed=seed + 2)]
 
 
 def _interleave(parts: list[list[Prompt]]) -> list[Prompt]:
@@ -224,8 +235,9 @@ def _prompt_from_record(rec: dict, source: str) -> Prompt | None:
 
 def load_prompt_source(source: str, limit: int | None = None) -> list[Prompt]:
     """``builtin`` (default), a local JSON/JSONL file, or (online users) a hub dataset id via ``datasets``."""
-    if source in ("builtin", "default", ""):
-        prompts = builtin_prompts()
+    if source in BUILTIN_NAMES:
+        prompts = {"builtin-open": open_prompts, "builtin-all": lambda: builtin_prompts() + open_prompts()
+                   }.get(source, builtin_prompts)()
     else:
         path = Path(source)
         if path.is_file():

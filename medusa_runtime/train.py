@@ -35,7 +35,7 @@ from treesearch.tree import write_json_atomic
 
 from .distill import Example
 from .fsutil import atomic_dir, atomic_file
-from .heads import HeadsConfig, MedusaHeads, load_heads, save_heads
+from .heads import HeadsConfig, MedusaHeads, load_heads, resolve_heads, save_heads, shipped_heads_dir
 from .model import LoadedModel, cache_root, weights_fingerprint
 
 TOPK_LOGGED = 5
@@ -481,24 +481,68 @@ def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: T
         return None
     # the base model's own replies use a small part of the vocabulary; a softmax over those tokens
     # costs a fraction of the full projection (validation still scores the full vocabulary)
-    subset = torch.tensor(sorted({t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}))
-    log(f"training vocabulary: {len(subset)} of {vocab_size} tokens (those the replies contain)")
+    tokens = {t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}
+    kept = set() if heads.draft_vocab is None else set(heads.draft_vocab.tolist())  # heads trained before (--init)
+    subset = torch.tensor(sorted(tokens | kept))
+    grown = f", {len(subset) - len(kept)} more than the starting heads' draft vocabulary" if kept else ""
+    log(f"training vocabulary: {len(subset)} of {vocab_size} tokens (those the replies contain{grown})")
     heads.set_draft_vocab(subset)
     return subset
 
 
+def initial_heads(loaded: LoadedModel, cfg: TrainConfig, init: str | None = None,
+                  log: Callable[[str], None] = print) -> MedusaHeads:
+    """Fresh heads of ``cfg``'s shape, or (``init``: a heads folder or ``default``) heads trained before,
+    to go on training on other data; those must have the shape ``cfg`` asks for."""
+    shape = HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size, shared_lm_head=True,
+                        base_model=loaded.name, root_conditioned=cfg.root_conditioned,
+                        path_conditioned=cfg.path_conditioned)
+    if init is None:
+        return MedusaHeads(shape)
+    heads = resolve_heads(init, loaded.hidden_size, loaded.vocab_size, loaded.name)
+    if heads is None:
+        raise ValueError("--init needs a heads folder or 'default'")
+
+    def describe(c: HeadsConfig) -> str:
+        cond = "path" if c.path_conditioned else "root" if c.root_conditioned else "none"
+        fmt = "shared" if c.shared_lm_head else "official"
+        return f"{c.num_heads} heads x {c.num_layers} layers, --condition {cond}, {fmt} format"
+
+    if describe(heads.config) != describe(shape):
+        raise ValueError(f"--init heads {init} are {describe(heads.config)}; this run asks for {describe(shape)} "
+                         f"(set --heads, --layers and --condition to match)")
+    log(f"starting from the heads in {init} ({describe(shape)})")
+    return heads
+
+
+def init_provenance(init: str | None) -> dict:
+    """What training.json records of the heads a run started from: their folder and, where it lies beside
+    them, the configuration and data of the run that made them."""
+    if init is None:
+        return {}
+    folder = shipped_heads_dir() if init == "default" else Path(init)
+    record = {"heads": init}
+    made = folder.parent / "training.json" if folder is not None else None
+    if made is not None and made.is_file():
+        try:
+            before = json.loads(made.read_text())
+            record.update({k: before[k] for k in ("config", "data", "profile", "steps", "examples", "init")
+                           if k in before})
+        except (OSError, json.JSONDecodeError):
+            pass
+    return {"init": record}
+
+
 def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
-                  log: Callable[[str], None] = print, hidden_cache: bool = True) -> TrainResult:
+                  log: Callable[[str], None] = print, hidden_cache: bool = True, init: str | None = None
+                  ) -> TrainResult:
     """Heads only, over the frozen base's hidden states (kept on disk between runs unless ``hidden_cache``
-    is off: see ``base_hidden_states``)."""
+    is off: see ``base_hidden_states``). ``init``: start from heads trained before (``initial_heads``)."""
     out, train_ex, val_ex = _start(examples, cfg, out_dir)
     lm_head = loaded.model.get_output_embeddings()
     lm_weight = lm_head.weight.detach().to(torch.bfloat16)
-    heads = MedusaHeads(HeadsConfig(cfg.num_heads, cfg.num_layers, loaded.hidden_size, loaded.vocab_size,
-                                    shared_lm_head=True, base_model=loaded.name,
-                                    root_conditioned=cfg.root_conditioned,
-                                    path_conditioned=cfg.path_conditioned))
+    heads = initial_heads(loaded, cfg, init, log)
     embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     hid_train = base_hidden_states(loaded, train_ex, cfg.max_len, progress, hidden_cache, log)
     ids_train, lab_train = ids_and_labels(train_ex, cfg.max_len)
@@ -562,7 +606,8 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
               "examples": {"train": len(train_ex), "validation": len(val_ex),
                            "train_tokens": sum(len(e.input_ids) for e in train_ex)},
               "steps": step, "train_seconds": result.seconds, "history": result.history,
-              "validation": result.validation, "train_topk": _rates(running), **(provenance or {})}
+              "validation": result.validation, "train_topk": _rates(running), **init_provenance(init),
+              **(provenance or {})}
     write_outputs(out, heads, lm_head, cfg, record)
     return result
 

@@ -17,6 +17,7 @@ from medusa_runtime.prompts import (
     BUILTIN_SOURCE,
     CATEGORIES,
     DETAILED_SOURCE,
+    OPEN_SOURCE,
     Prompt,
     builtin_prompts,
     builtin_split,
@@ -237,6 +238,38 @@ def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_
         assert heads.draft_vocab.tolist() == replies
 
 
+def test_training_goes_on_from_heads_trained_before(tiny_examples, tmp_path):
+    """``init``: a run starts from the given heads (at learning rate 0 it writes them back unchanged),
+    their draft vocabulary grows by the new replies' tokens, training.json names them, and heads of
+    another shape are refused with what to change."""
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(num_heads=2, epochs=3, lr=1e-2, batch_tokens=256, val_fraction=0.0, vocab="replies",
+                      condition="path")
+    first, second = examples[:12], examples[12:]
+    train_medusa1(loaded, first, cfg, tmp_path / "a", progress=False, log=lambda m: None)
+    before = load_heads(tmp_path / "a" / "heads", loaded.hidden_size, loaded.vocab_size)
+    frozen = TrainConfig(**{**cfg.__dict__, "lr": 0.0, "epochs": 1})
+    train_medusa1(loaded, second, frozen, tmp_path / "b", progress=False, log=lambda m: None,
+                  init=str(tmp_path / "a" / "heads"))
+    after = load_heads(tmp_path / "b" / "heads", loaded.hidden_size, loaded.vocab_size)
+    assert after.state_dict().keys() == before.state_dict().keys()
+    assert all(torch.equal(after.state_dict()[k], v) for k, v in before.state_dict().items())
+    new_tokens = {t for e in second for t in e.input_ids[e.reply_start:cfg.max_len]}
+    assert after.draft_vocab.tolist() == sorted(set(before.draft_vocab.tolist()) | new_tokens)
+    assert len(after.draft_vocab) > len(before.draft_vocab)
+    rec = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert rec["init"]["heads"] == str(tmp_path / "a" / "heads") and rec["init"]["config"]["lr"] == cfg.lr
+    # and at a learning rate above 0 they move from there
+    train_medusa1(loaded, second, cfg, tmp_path / "c", progress=False, log=lambda m: None,
+                  init=str(tmp_path / "a" / "heads"))
+    moved = load_heads(tmp_path / "c" / "heads", loaded.hidden_size, loaded.vocab_size)
+    assert not torch.equal(moved.blocks[0][0].linear.weight, before.blocks[0][0].linear.weight)
+    for other in ({"num_layers": 2}, {"num_heads": 3}, {"condition": "root"}):
+        with pytest.raises(ValueError, match="set --heads, --layers and --condition to match"):
+            train_medusa1(loaded, second, TrainConfig(**{**cfg.__dict__, **other}), tmp_path / "d",
+                          progress=False, log=lambda m: None, init=str(tmp_path / "a" / "heads"))
+
+
 @pytest.mark.parametrize("subset", [None, [0, 2, 3, 5, 7, 8, 10]])
 def test_soft_targets_loss_against_a_direct_computation(subset):
     """soft_targets = a: head j at position t pays (1 - a) CE(label t+j+2) + a CE(p), p the base's own
@@ -436,7 +469,7 @@ def test_medusa2_smoke(tiny_examples, tmp_path):
 
 
 def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turns):
-    prompts = builtin_prompts()
+    prompts = load_prompt_source("builtin-all")  # tiers 1-2 (the default) and tier 3 (open questions)
     assert len(prompts) >= 600
     assert {p.category for p in prompts} == set(CATEGORIES)
     assert sum(len(p.turns) > 1 for p in prompts) > 100
@@ -453,6 +486,22 @@ def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turn
     for p in prompts:
         for t in p.turns:
             assert not (grams(t) & mt), f"builtin prompt shares a 6-word span with MT-Bench: {t!r}"
+
+
+def test_open_tier_is_apart_from_the_default_set_and_splits_on_its_own():
+    """Tier 3 (--data builtin-open) never changes --data builtin (the quick profile, the bench's
+    calibration prompts); builtin-all holds all three tiers, each cut at 80 % on its own."""
+    default, tier3, every = (load_prompt_source(s) for s in ("builtin", "builtin-open", "builtin-all"))
+    assert default == builtin_prompts() and {p.source for p in default} == {BUILTIN_SOURCE, DETAILED_SOURCE}
+    assert len(tier3) == 500 and {p.source for p in tier3} == {OPEN_SOURCE}
+    assert {p.category for p in tier3} == set(CATEGORIES) and len({p.turns for p in tier3}) == 500
+    assert 120 < sum(len(p.turns) > 1 for p in tier3) < 230  # about 35 % with a follow-up
+    assert every == default + tier3 and load_prompt_source("builtin-open") == tier3  # deterministic
+    train3 = builtin_split(tier3, "train")
+    assert train3 == tier3[:400]
+    train_all = builtin_split(every, "train")
+    assert [p for p in train_all if p.source == OPEN_SOURCE] == train3
+    assert [p for p in train_all if p.source != OPEN_SOURCE] == builtin_split(default, "train")
 
 
 def test_builtin_tiers_split_separately_and_interleave():

@@ -194,6 +194,9 @@ def test_calibrate_stores_typical_arrays_for_the_search(tmp_path):
     assert stats.typical is not None and len(stats.typical.rollouts) == len(stats.rollouts) == 3
     assert [s.logp.shape[0] for s in stats.typical.rollouts] == [len(r) for r in stats.rollouts]
     back = load_stats(save_stats(stats, tmp_path / "a.json"))
+    import transformers
+
+    assert back.meta["versions"] == {"torch": torch.__version__, "transformers": transformers.__version__}
     res = run_search(back, SearchConfig(budget=6, trials=6, storage=f"sqlite:///{tmp_path / 's.db'}",
                                         accept="typical", baseline=""), show_progress=False)
     assert res.best.typical is not None and res.best.regret >= 0 and res.pareto
