@@ -171,7 +171,7 @@ def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int]
 
 def library_versions() -> dict[str, str]:
     """torch and transformers: their kernels decide the low bits of a bf16 forward, and so where a greedy
-    rollout in bf16 first takes another token (MT-Bench tau moved by 0.06 between transformers 5.23 and 5.24)."""
+    rollout in bf16 first takes another token; the statistics are only comparable under the same ones."""
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__}
