@@ -326,20 +326,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
-    """tau of a few trees replayed on these rollouts (step walk), and under independence."""
+    """tau of a few trees replayed on these rollouts (step walk, with a bootstrap interval over the
+    rollouts), and under independence."""
     from treesearch.optimal import model_for, optimal_tree
-    from treesearch.stats import tau_independent, tau_step_walk
+    from treesearch.stats import step_walk_interval, tau_independent, tau_step_walk
     from treesearch.tree import chain, load_tree
 
     trees = [chain(min(stats.num_heads, 4))]
     trees += [optimal_tree(model_for(stats), b, name=f"optimal-{b}")[0] for b in budgets]
     if stats.num_heads >= 4 and stats.topk >= 10:
         trees.append(load_tree("mc_sim_7b_63"))
-    lines = ["| tree | nodes | tau replay (fit) | tau replay (held-out) | tau independence |", "|---|---:|---:|---:|---:|"]
+    lines = ["| tree | nodes | tau replay (fit) | 95 % interval over rollouts | tau replay (held-out) | "
+             "tau independence |", "|---|---:|---:|---:|---:|---:|"]
     for t in trees:
         held = f"{tau_step_walk(t, stats.heldout).tau:.3f}" if stats.heldout else "-"
-        lines.append(f"| {t.name} | {t.num_nodes - 1} | {tau_step_walk(t, stats.rollouts).tau:.3f} | {held} | "
-                     f"{tau_independent(t, stats.marginal):.3f} |")
+        lo, hi = step_walk_interval(t, stats.rollouts)
+        lines.append(f"| {t.name} | {t.num_nodes - 1} | {tau_step_walk(t, stats.rollouts).tau:.3f} | "
+                     f"{lo:.3f}-{hi:.3f} | {held} | {tau_independent(t, stats.marginal):.3f} |")
     return "\n".join(lines)
 
 

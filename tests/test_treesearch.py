@@ -150,6 +150,44 @@ def test_estimators_agree_and_walk_replays_the_decoder():
     assert tau_independent(tree, marginal) < tau_position_average(tree, rollouts)
 
 
+def test_step_walk_interval_is_a_bootstrap_over_whole_rollouts():
+    """The interval equals a direct percentile bootstrap (resample rollouts, pool their tokens and
+    steps), holds the point estimate, collapses for identical rollouts and widens with fewer of them."""
+    from treesearch.stats import step_walk_interval
+
+    rollouts = synthetic_rollouts(7)
+    tree = make_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    lo, hi = step_walk_interval(tree, rollouts, reps=500, seed=3)
+    # reference: the same resampling drawn the same way, one resample at a time
+    per = [tau_step_walk(tree, [seq]) for seq in rollouts]
+    draws = np.random.default_rng(3).integers(0, len(per), size=(500, len(per)))
+    taus = sorted(sum(per[i].tokens for i in row) / sum(per[i].steps for i in row) for row in draws)
+    assert (lo, hi) == pytest.approx(tuple(np.quantile(taus, [0.025, 0.975])), abs=1e-12)
+    point = tau_step_walk(tree, rollouts).tau
+    assert lo < point < hi and min(w.tau for w in per) <= lo and hi <= max(w.tau for w in per)
+    same = step_walk_interval(tree, [rollouts[0]] * 5)
+    assert same == pytest.approx((per[0].tau, per[0].tau), abs=1e-12)
+    few = step_walk_interval(tree, rollouts[:3], reps=500, seed=3)
+    assert few[1] - few[0] > hi - lo
+    with pytest.raises(StatsError):
+        step_walk_interval(tree, [], reps=10)
+    with pytest.raises(StatsError):
+        step_walk_interval(tree, rollouts, level=1.0)
+
+
+def test_calibrate_table_prints_each_trees_interval():
+    from bench.cli import format_replay_table
+
+    rollouts = synthetic_rollouts(8)
+    stats = AcceptanceStats(marginal_from_rollouts(rollouts, 3, 4), rollouts, rollouts[:5], {"model": "m"})
+    rows = [r.split("|")[1:-1] for r in format_replay_table(stats).splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == ["chain:3", "optimal-16", "optimal-32", "optimal-64"]
+    for r in rows:
+        tau = float(r[2])
+        lo, hi = (float(x) for x in r[3].split("-"))
+        assert lo <= tau <= hi and float(r[4]) > 1
+
+
 def test_search_scores_joint_trees_by_the_step_walk(tmp_path):
     """With rollouts, every trial's tau is the step walk the decoder realises, not the position average."""
     from treesearch.search import SearchConfig, run_search
