@@ -12,6 +12,7 @@ deterministic. Nothing here is taken from MT-Bench (a test checks that no 6-word
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 
 _NAMES = ["Amara", "Bruno", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kavya", "Lars",
           "Mei", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Sven", "Tariq", "Ursula", "Viktor", "Wen", "Yara",
@@ -308,21 +309,33 @@ _MAKERS = {"writing": _writing, "roleplay": _roleplay, "reasoning": _reasoning, 
            "extraction": _extraction, "stem": _stem, "humanities": _humanities}
 
 
-def detailed_requests(per_category: int = 80, seed: int = 1) -> list[tuple[tuple[str, ...], str]]:
-    """``per_category`` distinct requests per category as (turns, category), in a fixed shuffled order;
-    about 40 % carry a follow-up turn."""
-    rng = random.Random(seed)
-    out: list[tuple[tuple[str, ...], str]] = []
-    for cat, make in _MAKERS.items():
+Request = tuple[tuple[str, ...], str]  # (user turns, category)
+
+
+def distinct_requests(rng: random.Random, makers: dict[str, tuple[Callable[[random.Random], str], int]],
+                      follow_ups: Callable[[str], Sequence[str]], follow_share: float) -> list[Request]:
+    """For each category, draw from its maker until it has given ``count`` distinct requests (at most
+    50 draws per request wanted); each gets a follow-up turn with probability ``follow_share``. The
+    result is shuffled with ``rng`` too, so one seed fixes the whole list."""
+    out: list[Request] = []
+    for cat, (make, count) in makers.items():
         seen: set[str] = set()
-        for _ in range(per_category * 50):  # the small pools (stem, humanities) still have 192 distinct requests
-            if len(seen) == per_category:
+        for _ in range(count * 50):
+            if len(seen) == count:
                 break
             text = make(rng)
             if text in seen:
                 continue
             seen.add(text)
-            turns = (text, rng.choice(_FOLLOW_UPS[cat])) if rng.random() < 0.4 else (text,)
+            turns = (text, rng.choice(follow_ups(cat))) if rng.random() < follow_share else (text,)
             out.append((turns, cat))
     rng.shuffle(out)
     return out
+
+
+def detailed_requests(per_category: int = 80, seed: int = 1) -> list[Request]:
+    """``per_category`` distinct requests per category as (turns, category), in a fixed shuffled order;
+    about 40 % carry a follow-up turn (the small pools, stem and humanities, still hold 192 distinct
+    requests)."""
+    makers = {cat: (make, per_category) for cat, make in _MAKERS.items()}
+    return distinct_requests(random.Random(seed), makers, _FOLLOW_UPS.__getitem__, 0.4)

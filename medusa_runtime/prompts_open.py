@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import random
 
+from .prompts_detailed import Request, distinct_requests
+
 _STEM_SUBJECTS = [
     "photosynthesis in desert plants", "the greenhouse effect", "how vaccines train the immune system", "plate tectonics",
     "the water cycle", "nuclear fission", "how a refrigerator moves heat", "antibiotic resistance", "black holes",
@@ -217,19 +219,6 @@ _FOLLOW_UPS = ["Can you expand on the most important point?", "Summarise your an
                "Which part of this do people usually get wrong?", "Now write it in a more formal style."]
 
 
-def open_requests(seed: int = 2) -> list[tuple[tuple[str, ...], str]]:
+def open_requests(seed: int = 2) -> list[Request]:
     """500 distinct requests as (turns, category), in a fixed shuffled order; about 35 % carry a follow-up."""
-    rng = random.Random(seed)
-    out: list[tuple[tuple[str, ...], str]] = []
-    for cat, (make, count) in _SHARE.items():
-        seen: set[str] = set()
-        for _ in range(count * 50):
-            if len(seen) == count:
-                break
-            text = make(rng)
-            if text in seen:
-                continue
-            seen.add(text)
-            out.append(((text, rng.choice(_FOLLOW_UPS)) if rng.random() < 0.35 else (text,), cat))
-    rng.shuffle(out)
-    return out
+    return distinct_requests(random.Random(seed), _SHARE, lambda cat: _FOLLOW_UPS, 0.35)
