@@ -214,10 +214,7 @@ def builtin_split(prompts, source: str, part: str):
     from medusa_runtime.prompts import BUILTIN_NAMES
     from medusa_runtime.prompts import builtin_split as split
 
-    if source not in BUILTIN_NAMES:
-        return prompts
-
-    return split(prompts, part)
+    return split(prompts, part) if source in BUILTIN_NAMES else prompts
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -643,8 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
     p.add_argument("--heads", type=int, default=4, help="number of heads K")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-all, a ShareGPT/plain JSON(L) file, "
-                        "or a hub dataset id")
+    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-all, "
+                                                     "a ShareGPT/plain JSON(L) file, or a hub dataset id")
     p.add_argument("--profile", default="quick", choices=sorted(TRAIN_PROFILES))
     p.add_argument("--prompts", type=int, default=None, help="number of prompts (0: all; default from the profile)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")

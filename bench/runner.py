@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ from medusa_runtime.acceptance import AcceptConfig
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import MedusaHeads
 from medusa_runtime.lookup import LookupConfig
-from medusa_runtime.model import LoadedModel
+from medusa_runtime.model import LoadedModel, software_versions
 
 from .mtbench import Question
 
@@ -146,15 +145,6 @@ def chat_ids(loaded: LoadedModel, turns: Sequence[str], answers: Sequence[str]) 
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def versions() -> dict[str, str]:
-    import transformers
-
-    import medusa_runtime
-
-    return {"medusa_bench": medusa_runtime.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
-
-
 def _key(r: dict) -> tuple:
     # the configuration's hash too: a record made under the same name with other settings is not reused
     return (r["config"], r.get("config_hash"), r["question_id"], r["turn"], r["repeat"])
@@ -196,7 +186,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     warm = chat_ids(loaded, [questions[0].turns[0]], [])
     for c in configs:  # warm-up, excluded from the records
         runners[c.name](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
-    meta = {"versions": versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
+    meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
             "device": str(loaded.device), **(extra or {})}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
     with path.open("a") as fh:

@@ -24,7 +24,7 @@ from treesearch.typical import TypicalSeq, TypicalStats
 
 from .decode import encode_prompt
 from .heads import MedusaHeads
-from .model import LoadedModel
+from .model import LoadedModel, software_versions
 from .prompts import Prompt
 
 
@@ -169,14 +169,6 @@ def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int]
     return sorted(idx[n_held:]), sorted(idx[:n_held])
 
 
-def library_versions() -> dict[str, str]:
-    """torch and transformers: their kernels decide the low bits of a bf16 forward, and so where a greedy
-    rollout in bf16 first takes another token; the statistics are only comparable under the same ones."""
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
-
-
 def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt], cfg: CalibrationConfig,
               provenance: dict | None = None, progress: bool = True,
               log: Callable[[str], None] = print) -> AcceptanceStats:
@@ -201,5 +193,5 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
             "draft_vocab": None if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
-            "machine": platform.node(), "versions": library_versions(), **(provenance or {})}
+            "machine": platform.node(), "versions": software_versions(), **(provenance or {})}
     return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta, typical=typical)

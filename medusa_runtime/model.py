@@ -88,6 +88,20 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "medusa-bench"
 
 
+def software_versions() -> dict[str, str]:
+    """The project, torch, transformers and Python: torch's and transformers' kernels decide the low bits of
+    a bf16 forward, and so where a greedy rollout in bf16 first takes another token; replay records and
+    acceptance statistics are only comparable under the same ones."""
+    import platform
+
+    import transformers
+
+    from . import __version__
+
+    return {"medusa_bench": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
 def weights_fingerprint(loaded: LoadedModel) -> list[float]:
     """The first 64 input-embedding values: a cache keyed by model name alone would survive a change of weights."""
     return [float(x) for x in loaded.model.get_input_embeddings().weight.flatten()[:64].float()]

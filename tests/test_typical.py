@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from medusa_runtime.calibrate import CalibrationConfig, calibrate, rollout_statistics
+from medusa_runtime.model import software_versions
 from medusa_runtime.prompts import Prompt
 from treesearch.search import SearchConfig, run_search
 from treesearch.stats import AcceptanceStats, StatsError, load_stats, marginal_from_rollouts, save_stats
@@ -196,7 +197,9 @@ def test_calibrate_stores_typical_arrays_for_the_search(tmp_path):
     back = load_stats(save_stats(stats, tmp_path / "a.json"))
     import transformers
 
-    assert back.meta["versions"] == {"torch": torch.__version__, "transformers": transformers.__version__}
+    assert back.meta["versions"]["torch"] == torch.__version__
+    assert back.meta["versions"]["transformers"] == transformers.__version__
+    assert back.meta["versions"] == software_versions()  # the same record as the replay's
     res = run_search(back, SearchConfig(budget=6, trials=6, storage=f"sqlite:///{tmp_path / 's.db'}",
                                         accept="typical", baseline=""), show_progress=False)
     assert res.best.typical is not None and res.best.regret >= 0 and res.pareto
