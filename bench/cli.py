@@ -640,8 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
     p.add_argument("--heads", type=int, default=4, help="number of heads K")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-all, "
-                                                     "a ShareGPT/plain JSON(L) file, or a hub dataset id")
+    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
+                                                     "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
+                                                     "or a hub dataset id")
     p.add_argument("--profile", default="quick", choices=sorted(TRAIN_PROFILES))
     p.add_argument("--prompts", type=int, default=None, help="number of prompts (0: all; default from the profile)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")

@@ -17,13 +17,15 @@ from pathlib import Path
 
 from .prompts_detailed import detailed_requests
 from .prompts_open import open_requests
+from .prompts_wide import wide_requests
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
 DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
 OPEN_SOURCE = "medusa-bench/builtin-open"  # tier 3: open questions, weighted to the kinds heads do worst
+WIDE_SOURCE = "medusa-bench/builtin-wide"  # tier 4: other subjects, frames and record shapes
 # --data names of the built-in sets: tiers 1-2 (the default), tier 3 alone, all three
-BUILTIN_NAMES = ("builtin", "default", "", "builtin-open", "builtin-all")
+BUILTIN_NAMES = ("builtin", "default", "", "builtin-open", "builtin-wide", "builtin-all")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,12 @@ def open_prompts(seed: int = 0) -> list[Prompt]:
     return [Prompt(turns, cat, OPEN_SOURCE) for turns, cat in open_requests(seed=seed + 2)]
 
 
+def wide_prompts(seed: int = 0) -> list[Prompt]:
+    """Tier 4 (``--data builtin-wide``): 1,200 requests on other subjects, in other frames, apart from the
+    default set like tier 3."""
+    return [Prompt(turns, cat, WIDE_SOURCE) for turns, cat in wide_requests(seed=seed + 3)]
+
+
 def _interleave(parts: list[list[Prompt]]) -> list[Prompt]:
     """Merge lists keeping each one's order, spreading each evenly over the result (so any prefix
     holds every tier in proportion)."""
@@ -236,7 +244,8 @@ def _prompt_from_record(rec: dict, source: str) -> Prompt | None:
 def load_prompt_source(source: str, limit: int | None = None) -> list[Prompt]:
     """``builtin`` (default), a local JSON/JSONL file, or (online users) a hub dataset id via ``datasets``."""
     if source in BUILTIN_NAMES:
-        prompts = {"builtin-open": open_prompts, "builtin-all": lambda: builtin_prompts() + open_prompts()
+        prompts = {"builtin-open": open_prompts, "builtin-wide": wide_prompts,
+                   "builtin-all": lambda: builtin_prompts() + open_prompts() + wide_prompts()
                    }.get(source, builtin_prompts)()
     else:
         path = Path(source)

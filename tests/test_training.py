@@ -18,6 +18,7 @@ from medusa_runtime.prompts import (
     CATEGORIES,
     DETAILED_SOURCE,
     OPEN_SOURCE,
+    WIDE_SOURCE,
     Prompt,
     builtin_prompts,
     builtin_split,
@@ -469,7 +470,7 @@ def test_medusa2_smoke(tiny_examples, tmp_path):
 
 
 def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turns):
-    prompts = load_prompt_source("builtin-all")  # tiers 1-2 (the default) and tier 3 (open questions)
+    prompts = load_prompt_source("builtin-all")  # tiers 1-2 (the default), 3 (open questions) and 4 (wider)
     assert len(prompts) >= 600
     assert {p.category for p in prompts} == set(CATEGORIES)
     assert sum(len(p.turns) > 1 for p in prompts) > 100
@@ -488,20 +489,24 @@ def test_builtin_prompts_cover_categories_and_never_mt_bench(mt_bench_first_turn
             assert not (grams(t) & mt), f"builtin prompt shares a 6-word span with MT-Bench: {t!r}"
 
 
-def test_open_tier_is_apart_from_the_default_set_and_splits_on_its_own():
-    """Tier 3 (--data builtin-open) never changes --data builtin (the quick profile, the bench's
-    calibration prompts); builtin-all holds all three tiers, each cut at 80 % on its own."""
-    default, tier3, every = (load_prompt_source(s) for s in ("builtin", "builtin-open", "builtin-all"))
+def test_open_and_wide_tiers_are_apart_from_the_default_set_and_split_on_their_own():
+    """Tiers 3 and 4 (--data builtin-open, builtin-wide) never change --data builtin (the quick profile,
+    the bench's calibration prompts); builtin-all holds all four tiers, each cut at 80 % on its own."""
+    default, tier3, tier4, every = (load_prompt_source(s) for s in ("builtin", "builtin-open", "builtin-wide",
+                                                                    "builtin-all"))
     assert default == builtin_prompts() and {p.source for p in default} == {BUILTIN_SOURCE, DETAILED_SOURCE}
-    assert len(tier3) == 500 and {p.source for p in tier3} == {OPEN_SOURCE}
-    assert {p.category for p in tier3} == set(CATEGORIES) and len({p.turns for p in tier3}) == 500
-    assert 120 < sum(len(p.turns) > 1 for p in tier3) < 230  # about 35 % with a follow-up
-    assert every == default + tier3 and load_prompt_source("builtin-open") == tier3  # deterministic
-    train3 = builtin_split(tier3, "train")
-    assert train3 == tier3[:400]
+    for tier, size, source in ((tier3, 500, OPEN_SOURCE), (tier4, 1200, WIDE_SOURCE)):
+        assert len(tier) == size and {p.source for p in tier} == {source}
+        assert {p.category for p in tier} == set(CATEGORIES) and len({p.turns for p in tier}) == size
+        assert 0.25 * size < sum(len(p.turns) > 1 for p in tier) < 0.45 * size  # about 35 % with a follow-up
+        assert builtin_split(tier, "train") == tier[:int(size * 0.8)]
+    assert every == default + tier3 + tier4  # and every prompt of every tier is distinct
+    assert len({p.turns for p in every}) == len(every)
+    assert load_prompt_source("builtin-open") == tier3 and load_prompt_source("builtin-wide") == tier4  # deterministic
     train_all = builtin_split(every, "train")
-    assert [p for p in train_all if p.source == OPEN_SOURCE] == train3
-    assert [p for p in train_all if p.source != OPEN_SOURCE] == builtin_split(default, "train")
+    for tier, source in ((tier3, OPEN_SOURCE), (tier4, WIDE_SOURCE)):
+        assert [p for p in train_all if p.source == source] == builtin_split(tier, "train")
+    assert [p for p in train_all if p.source not in (OPEN_SOURCE, WIDE_SOURCE)] == builtin_split(default, "train")
 
 
 def test_builtin_tiers_split_separately_and_interleave():
