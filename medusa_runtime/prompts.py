@@ -3,8 +3,9 @@
 Prompts are composed from request templates and topic lists written for this project, across the
 eight kinds of request MT-Bench covers (writing, roleplay, reasoning, math, coding, extraction,
 STEM, humanities); about a third carry a follow-up turn. A second tier of longer requests, with
-material to work on and constraints on the answer, comes from :mod:`.prompts_detailed`.
-Composition is deterministic, so a prompt's index names the same prompt everywhere. Other sources
+material to work on and constraints on the answer, comes from :mod:`.prompts_detailed`; tiers 3
+(:mod:`.prompts_open`) and 4 (:mod:`.prompts_wide`) stand apart, reached by name (``builtin-open``,
+``builtin-wide``, ``builtin-all``). Composition is deterministic, so a prompt's index names the same prompt everywhere. Other sources
 (ShareGPT-style JSON/JSONL, plain JSONL of prompts) load through :func:`load_prompt_source`.
 """
 
@@ -24,7 +25,7 @@ BUILTIN_SOURCE = "medusa-bench/builtin"  # tier 1: short templates x topics
 DETAILED_SOURCE = "medusa-bench/builtin-detailed"  # tier 2: longer requests with material and constraints
 OPEN_SOURCE = "medusa-bench/builtin-open"  # tier 3: open questions, weighted to the kinds heads do worst
 WIDE_SOURCE = "medusa-bench/builtin-wide"  # tier 4: other subjects, frames and record shapes
-# --data names of the built-in sets: tiers 1-2 (the default), tier 3 alone, all three
+# --data names of the built-in sets: tiers 1-2 (the default), tier 3 alone, tier 4 alone, all four
 BUILTIN_NAMES = ("builtin", "default", "", "builtin-open", "builtin-wide", "builtin-all")
 
 
