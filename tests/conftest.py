@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -13,7 +14,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from medusa_runtime.model import LoadedModel, load_model
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # vendored reference data, see data/README.md
+
+
+def read_lines(path: Path) -> list[str]:
+    """Non-empty lines of a text file, gzipped (``.gz``) or not."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def tiny_llama(vocab: int = 64, seed: int = 0, max_pos: int = 256) -> LoadedModel:
@@ -93,7 +100,4 @@ def default_bf16() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def mt_bench_first_turns() -> list[dict]:
-    path = SHARED / "mt_bench" / "question.jsonl"
-    if not path.is_file():
-        pytest.fail(f"reference data missing: {path} (tests expect ../shared beside the checkout)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_lines(DATA / "mt_bench" / "question.jsonl")]

@@ -21,16 +21,16 @@ from bench.judge import (
 )
 from bench.mtbench import Question, load_questions
 
-from .conftest import SHARED
+from .conftest import DATA, read_lines
 
-JUDGMENTS = SHARED / "medusa" / "model_judgment" / "gpt-4_single.jsonl"
-ANSWERS = SHARED / "medusa" / "model_answer" / \
-    "medusa-vicuna-7b-v1.3-temperature-0.0-posterior_threshold-0.09-posterior_alpha-0.3.jsonl"
-MT = SHARED / "mt_bench"
+JUDGMENTS = DATA / "medusa" / "model_judgment" / "gpt-4_single.jsonl.gz"
+ANSWERS = DATA / "medusa" / "model_answer" / \
+    "medusa-vicuna-7b-v1.3-temperature-0.0-posterior_threshold-0.09-posterior_alpha-0.3.jsonl.gz"
+MT = DATA / "mt_bench"
 
 
 def _judgments() -> list[dict]:
-    return [json.loads(line) for line in JUDGMENTS.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_lines(JUDGMENTS)]
 
 
 def test_parser_recovers_every_published_score():
@@ -63,7 +63,7 @@ def test_prompts_match_fastchat_for_every_category():
     refs = load_references(MT / "reference_answer" / "gpt-4.jsonl")
     questions = {q.question_id: q for q in load_questions(MT / "question.jsonl")}
     answers = {}
-    for line in ANSWERS.read_text().splitlines():
+    for line in read_lines(ANSWERS):
         r = json.loads(line)
         answers[int(r["question_id"])] = r["choices"][0]["turns"]
     medusa = [j for j in _judgments() if j["model"].startswith("medusa")]

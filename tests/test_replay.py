@@ -13,7 +13,7 @@ from bench.mtbench import Question, load_questions
 from bench.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.heads import fresh_heads
 
-from .conftest import SHARED
+from .conftest import DATA
 from .test_training import tiny_chat_model
 
 QUESTIONS = [Question(1, "writing", ("Say hi.", "Again, shorter.")), Question(2, "math", ("1+1?", "And 2+2?")),
@@ -100,9 +100,9 @@ def test_summary_is_ratio_of_totals():
 
 
 def test_question_loading(tmp_path):
-    qs = load_questions(SHARED / "mt_bench" / "question.jsonl")
+    qs = load_questions(DATA / "mt_bench" / "question.jsonl")
     assert len(qs) == 80 and len({q.category for q in qs}) == 8 and all(len(q.turns) == 2 for q in qs)
-    assert len(load_questions(SHARED / "mt_bench" / "question.jsonl", categories=("math",))) == 10
+    assert len(load_questions(DATA / "mt_bench" / "question.jsonl", categories=("math",))) == 10
     (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 5, "category": "x", "turns": ["a"]}) + "\n")
     assert load_questions(tmp_path / "q.jsonl")[0].turns == ("a",)
     (tmp_path / "bad.jsonl").write_text('{"question_id": 5}\n')

@@ -22,7 +22,7 @@ from treesearch.tree import (
     tree_from_json,
 )
 
-from .conftest import SHARED
+from .conftest import DATA
 
 
 def random_tree(rng: random.Random, n: int, max_depth: int, max_rank: int) -> Tree:
@@ -65,7 +65,7 @@ def test_official_order_and_properties():
 
 
 def test_official_presets_match_reference_data():
-    reference = json.loads((SHARED / "medusa" / "medusa_choices.json").read_text())
+    reference = json.loads((DATA / "medusa" / "medusa_choices.json").read_text())
     for name, paths in reference.items():
         tree = load_tree(name)
         assert tree.num_nodes == len(paths) + 1 == 64
