@@ -80,41 +80,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from treesearch.cost import load_profile
-    from treesearch.search import SearchConfig, run_search
-    from treesearch.stats import load_stats
-    from treesearch.tree import save_tree
+    from treesearch.search import SearchConfig, run_search, write_search
+    from treesearch.stats import load_stats, select
 
     stats = load_stats(args.acceptance)
+    if args.exclude_ids:  # cross-fitting: fit on every rollout but these questions'
+        stats = select(stats, drop_ids=args.exclude_ids)
     latency = load_profile(args.latency, expect_model=stats.meta.get("model")) if args.latency else None
     joint = {"auto": None, "joint": True, "independent": False}[args.estimator]
     cfg = SearchConfig(budget=args.budget, trials=args.trials, objective=args.objective, storage=args.storage,
                        study_name=args.study, seed=args.seed, joint=joint, min_budget=args.min_budget,
                        context=args.context, baseline=args.baseline, accept=args.accept,
-                       max_regret=args.max_regret)
+                       max_regret=args.max_regret, configurations=not args.trees_only, max_lookup=args.max_lookup)
     result = run_search(stats, cfg, latency, show_progress=not args.quiet)
-    best = result.best
-    provenance = {
-        "model": stats.meta.get("model"), "heads": stats.meta.get("heads"),
-        "acceptance_file": str(args.acceptance), "acceptance_sha256": stats.sha256,
-        "latency_file": str(args.latency) if args.latency else None,
-        "node_budget": cfg.budget, "predicted_tau": round(best.tau, 6),
-        "predicted_speedup": round(best.speedup, 6) if best.speedup is not None else None,
-        "estimator": "joint replay" if (joint if joint is not None else stats.has_joint) else "independence",
-        "search": {"tool": "optuna", "study": cfg.study_name, "storage": cfg.storage, "objective": result.objective,
-                   "trials_complete": result.trials_complete, "seed": cfg.seed},
-    }
-    if best.typical is not None:
-        provenance["acceptance"] = {"rule": "typical", "temperature": stats.typical.temperature,
-                                    "posterior_threshold": best.typical.posterior_threshold,
-                                    "posterior_alpha": best.typical.posterior_alpha,
-                                    "predicted_regret": round(best.regret, 6), "max_regret": cfg.max_regret,
-                                    "pareto": [{"medusa_choices": s.tree.as_lists(), "tau": round(s.tau, 6),
-                                                "speedup": s.speedup, "regret": round(s.regret, 6),
-                                                "posterior_threshold": s.typical.posterior_threshold,
-                                                "posterior_alpha": s.typical.posterior_alpha}
-                                               for s in result.pareto]}
-    path = save_tree(best.tree, args.out, **provenance)
+    path = write_search(result, stats, cfg, args.out, str(args.acceptance), str(args.latency) if args.latency else None)
     print(format_search_table(result))
+    if result.space == "configurations":
+        best = result.best
+        verdict = "use no heads" if not best.uses_heads else "use the heads"
+        print(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x plain "
+              "decoding)")
     print(f"\nwritten: {path}")
     if args.plots:
         from bench.plots import plot_search
@@ -125,12 +110,16 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def format_search_table(result) -> str:
-    rows = [("search best", result.best), ("exact optimum (full budget)", result.optimum)]
+    rows = [("search best", result.best)]
+    if result.best_with_heads is not None and result.best_with_heads is not result.best:
+        rows.append(("best with heads", result.best_with_heads))
+    rows.append(("exact optimum (full budget)", result.optimum))
     if result.baseline is not None:
         rows.append((f"baseline {result.baseline.tree.name}", result.baseline))
     typical = result.best.typical is not None
-    lines = ["| tree | nodes | depth | tau | speedup |" + (" eps | delta | regret |" if typical else ""),
-             "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if typical else "")]
+    lines = ["| configuration | tree | nodes | depth | lookup | gate | tau | speedup |"
+             + (" eps | delta | regret |" if typical else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if typical else "")]
     if typical:
         rows += [(f"Pareto {i}", s) for i, s in enumerate(result.pareto)]
     for label, s in rows:
@@ -138,8 +127,11 @@ def format_search_table(result) -> str:
         extra = ""
         if s.typical is not None:
             extra = f" {s.typical.posterior_threshold:.4f} | {s.typical.posterior_alpha:.4f} | {s.regret:.4f} |"
-        lines.append(f"| {label} | {s.tree.num_nodes - 1} | {s.tree.depth} | {s.tau:.4f} | {sp} |{extra}")
-    lines.append(f"\nobjective: {result.objective}; study {result.study_name!r}: "
+        tree = "no heads" if s.tree is None else f"{s.num_nodes - 1} nodes"
+        depth = s.tree.depth if s.tree is not None else 0
+        lines.append(f"| {label} | {tree} | {s.num_nodes - 1} | {depth} | {s.lookup} | {s.gate:g} | {s.tau:.4f} | "
+                     f"{sp} |{extra}")
+    lines.append(f"\nobjective: {result.objective} over {result.space}; study {result.study_name!r}: "
                  f"{result.trials_complete} complete trials ({result.storage})")
     return "\n".join(lines)
 
@@ -218,13 +210,14 @@ def builtin_split(prompts, source: str, part: str):
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from bench.mtbench import load_questions
     from bench.quality import fidelity
+    from bench.suites import load_suite
+    from bench.workload import spread_over_categories
     from medusa_runtime.decode import encode_prompt
     from medusa_runtime.model import load_model
     from treesearch.tree import write_json_atomic
 
-    questions = spread_over_categories(load_questions(args.questions, log=_log), args.limit)
+    questions = spread_over_categories(load_suite(args.questions, log=_log), args.limit)
     original = load_model(args.reference, args.dtype, args.device, log=_log)
     trained = load_model(args.model, args.dtype, args.device, log=_log)
     prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
@@ -350,15 +343,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
     loaded, heads = _model_and_heads(args)
     if heads is None:
         raise ValueError("profiling needs heads (--heads DIR or fresh:K)")
-    cfg = ProfileConfig(nodes=tuple(args.nodes), contexts=tuple(args.contexts), repeats=args.repeats)
+    cfg = ProfileConfig(nodes=tuple(args.nodes), contexts=tuple(sorted(args.contexts)), repeats=args.repeats,
+                        prefill=tuple(sorted(args.prefill)))
     prof = profile_latency(loaded, heads, cfg)
     path = save_profile(prof, args.out)
     print(f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
-          f"bookkeeping {prof.bookkeeping_ms:.2f} ms")
+          f"bookkeeping {prof.bookkeeping_ms:.2f} ms, lookup drafting {prof.lookup_ms:.3f} ms per step")
     if prof.heads_nodes:
         print("  heads by tree size: " + "  ".join(f"{n}:{v:.2f}" for n, v in zip(prof.heads_nodes, prof.heads_by_nodes_ms)))
-    for ctx, row in zip(prof.contexts, prof.verify_ms):
-        print(f"  context {ctx}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
+    if prof.heads_fit:
+        a, b, c = prof.heads_fit
+        print(f"  heads by shape: {a:.2f} + {b:.2f} per level + {c:.2f} per row ms")
+    if prof.bookkeeping_nodes:
+        print("  bookkeeping by verified nodes: " + "  ".join(
+            f"{n}:{v:.2f}" for n, v in zip(prof.bookkeeping_nodes, prof.bookkeeping_by_nodes_ms)))
+    if prof.prefill_tokens:
+        print("  prefill by prompt length: " + "  ".join(
+            f"{n}:{v:.1f}" for n, v in zip(prof.prefill_tokens, prof.prefill_ms)))
+    for ctx, plain, row in zip(prof.contexts, prof.plain_ms, prof.verify_ms):
+        print(f"  context {ctx}: plain {plain:.2f}, verify " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
     print(f"written: {path}")
     if args.plots:
         from bench.plots import plot_latency
@@ -400,20 +403,18 @@ def _replay_inputs(args, configs) -> dict:
     folder = shipped_heads_dir() if heads == "default" else Path(heads)
     return {"runtime": RUNTIME_REVISION, "model": args.model, "dtype": args.dtype, "device": args.device,
             "heads": folder_hash(folder) if folder is not None and folder.is_dir() else heads,
-            "questions": file_hash(Path(args.questions)) if args.questions else "mt-bench",
+            "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
+            else args.questions or "mt-bench",
             "max_new_tokens": args.max_new_tokens,
             "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
 
 
 def _run_replay(args, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
-    from bench.mtbench import load_questions
     from bench.pipeline import StageCache, isolate_records
     from bench.runner import ReplayConfig, replay
 
-    questions = load_questions(args.questions, tuple(args.categories) if args.categories else None, log=_log)
-    if args.limit:
-        questions = spread_over_categories(questions, args.limit)
+    questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
     if heads is None and any(c.method == "medusa" for c in configs):
         raise ValueError("Medusa configurations need --heads")
@@ -435,18 +436,24 @@ def _run_replay(args, configs, turns: int):
     return loaded, df
 
 
-def spread_over_categories(questions, limit: int):
-    """The first questions of each category in turn, so a small limit still covers every category."""
-    by_cat: dict[str, list] = {}
-    for q in questions:
-        by_cat.setdefault(q.category, []).append(q)
-    out, i = [], 0
-    while len(out) < min(limit, len(questions)):
-        for cat in by_cat:
-            if i < len(by_cat[cat]) and len(out) < limit:
-                out.append(by_cat[cat][i])
-        i += 1
-    return out
+def select_questions(args: argparse.Namespace):
+    """The questions a replay runs: the set (--questions), then --categories, --ids (in their order), --limit."""
+    from bench.suites import load_suite
+    from bench.workload import spread_over_categories
+
+    questions = load_suite(args.questions, log=_log)
+    if args.categories:
+        unknown = set(args.categories) - {q.category for q in questions}
+        if unknown:
+            raise ValueError(f"no questions in categories {sorted(unknown)}")
+        questions = [q for q in questions if q.category in args.categories]
+    if args.ids:
+        by_id = {q.question_id: q for q in questions}
+        missing = [i for i in args.ids if i not in by_id]
+        if missing:
+            raise ValueError(f"question ids not in the set: {', '.join(map(str, missing[:5]))}")
+        questions = [by_id[i] for i in args.ids]
+    return spread_over_categories(questions, args.limit) if args.limit else questions
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
@@ -724,6 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", required=True, help="heads folder or fresh:K")
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--prefill", type=int, nargs="+", default=[],
+                   help="prompt lengths whose prefill is timed (default: the contexts)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="results/latency.json")
     p.add_argument("--plots", default=None)
@@ -748,8 +757,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
-        p.add_argument("--questions", default=None, help="questions JSONL (default: MT-Bench, fetched offline)")
+        p.add_argument("--questions", default=None,
+                       help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)
+        p.add_argument("--ids", nargs="+", type=int, default=None, metavar="ID", help="only these question ids")
         p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=1)
@@ -786,6 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance rule; typical also searches its thresholds against a quality proxy (Pareto front)")
     p.add_argument("--max-regret", type=float, default=0.05,
                    help="typical: pick the fastest Pareto tree losing at most this many nats per token")
+    p.add_argument("--trees-only", action="store_true",
+                   help="greedy: search heads trees only (default: every configuration the runtime runs, no heads, "
+                        "lookup chain and gate included, when the statistics carry rollout tokens and --latency is given)")
+    p.add_argument("--max-lookup", type=int, default=8, help="longest prompt-lookup chain a configuration may use")
+    p.add_argument("--exclude-ids", nargs="+", default=[], metavar="ID",
+                   help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
+                        "search's pick will be measured on)")
     p.add_argument("--out", default="results/tree.json")
     p.add_argument("--plots", default=None, help="folder for the search plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

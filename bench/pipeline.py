@@ -1,11 +1,18 @@
 """``nox -s bench``: every stage end to end on the default model, each stage cached by its inputs.
 
-    heads (shipped, or trained with --retrain) -> calibrate -> profile -> search -> replay -> report
+    heads (shipped, or trained with --retrain) -> calibrate (the workload) -> profile -> search (per fold)
+        -> replay -> report
 
-A stage is skipped when its output exists and the hash of its inputs (configuration plus the
-files it reads) matches the one recorded in ``results/bench/stages.json``; a second run only
-redoes what changed. ``--profile quick`` (default) is sized for a 2-core CPU; ``--profile full``
-replays all of MT-Bench.
+The workload is a question set (MT-Bench by default, ``--questions humaneval`` or a JSONL). Every
+question is rolled out once for calibration; the replayed questions are split into folds, and each
+fold's search and predictions read only the other questions' rollouts (``bench.workload``). The
+search's pick for a fold is replayed on that fold's questions, beside the alternatives, in one
+interleaved run; the report sets predicted against measured for every configuration.
+
+A stage is skipped when its outputs exist and the hash of its inputs (configuration plus the files it
+reads) matches the one recorded in ``results/bench/stages.json``; a second run only redoes what
+changed. ``--profile quick`` (default) is sized for a 2-core CPU; ``--profile full`` replays all of
+MT-Bench.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -24,30 +32,41 @@ from treesearch.tree import write_json_atomic
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
 # prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
-# 5: the lean engine's C forward for bf16 decode steps.
-RUNTIME_REVISION = 5
+# 5: the lean engine's C forward for bf16 decode steps. 6: workload calibration, profile by context and shape.
+RUNTIME_REVISION = 6
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
+WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
 @dataclass(frozen=True)
 class BenchProfile:
-    calib_prompts: int  # calibration prompts (builtin calibration split)
-    calib_tokens: int  # rollout length
+    questions: int  # questions replayed, spread over the categories
+    folds: int  # cross-fitting folds over the replayed questions
+    turns: int  # turns replayed per question (calibration rolls out first turns)
+    max_new_tokens: int  # per replayed turn; calibration rollouts have the same length
     latency_nodes: tuple[int, ...]  # tree sizes profiled
-    latency_contexts: tuple[int, ...]
     latency_repeats: int
     search_budget: int  # largest tree searched (root excluded)
     search_trials: int
-    questions: int  # MT-Bench questions replayed (spread over the 8 categories)
-    turns: int
-    max_new_tokens: int
+    peers: int  # transformers' generate and prompt lookup, and mc_sim_7b_63, run on this many of the replayed
+    #             questions (spread over the categories): slow here, and not what the search is checked against
 
 
 PROFILES = {
-    "quick": BenchProfile(60, 128, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), (256,), 5, 64, 40, 16, 1, 96),
-    "full": BenchProfile(144, 192, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), (128, 512), 7, 128,
-                         120, 80, 2, 256),
+    "quick": BenchProfile(40, 5, 1, 96, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), 5, 64, 60, 16),
+    "full": BenchProfile(80, 5, 2, 256, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), 7, 128, 120, 80),
 }
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    profile: str = "quick"  # a key of PROFILES
+    questions: str = "mt-bench"  # mt-bench | humaneval | a question JSONL
+    calibration: str | None = None  # None: the question set itself, cross-fitted; else a prompt source
+    allow_overlap: bool = False  # accept a calibration set that holds replayed questions
+    retrain: bool = False  # train heads (quick profile) instead of the shipped ones
+    out: str = "results/bench"
+    dtype: str = "bfloat16"
 
 
 def file_hash(path: Path) -> str:
@@ -94,82 +113,194 @@ def _cli(*argv: str) -> None:
         raise SystemExit(f"[bench] stage failed: medusa-bench {' '.join(argv)}")
 
 
-def run(profile_name: str, retrain: bool, out: Path, dtype: str) -> None:
+# ---------------------------------------------------------------------------- stages
+
+
+def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
+    """The shipped heads, or heads trained with the quick profile (``--retrain``)."""
     from medusa_runtime.heads import shipped_heads_dir
     from medusa_runtime.prompts import BUILTIN_REVISION
 
-    prof = PROFILES[profile_name]
-    out.mkdir(parents=True, exist_ok=True)
-    cache = StageCache(out)
-    t_start = time.perf_counter()
-
     heads_dir = shipped_heads_dir()
-    if retrain or heads_dir is None:
+    if opts.retrain or heads_dir is None:
         heads_dir = out / "heads-trained" / "heads"
         from bench.cli import TRAIN_PROFILES
 
         train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION}
         cache.run("train", train_key, [heads_dir],
                   lambda: _cli("train", "--profile", "quick", "--out", str(out / "heads-trained")))
-    heads = str(heads_dir)
-    heads_key = folder_hash(heads_dir)
+    return heads_dir
+
+
+def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path) -> dict:
+    """questions.jsonl (the set, MT-Bench schema) and workload.json: replayed questions, folds, calibration."""
+    from bench.suites import load_suite
+    from bench.workload import check_disjoint, make_folds, spread_over_categories
+
+    questions = load_suite(opts.questions, log=_log)
+    qfile = out / "questions.jsonl"
+    lines = [json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)})
+             for q in questions]
+    if not qfile.is_file() or qfile.read_text() != "\n".join(lines) + "\n":
+        qfile.write_text("\n".join(lines) + "\n")
+    replayed = spread_over_categories(questions, prof.questions)
+    folds = make_folds(replayed, prof.folds)
+    if opts.calibration is not None:  # another prompt set: it must not hold what is replayed
+        from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
+
+        prompts = load_prompt_source(opts.calibration)
+        prompts = builtin_split(prompts, "calibration") if opts.calibration in BUILTIN_NAMES else prompts
+        check_disjoint([p.turns[0] for p in prompts], replayed, opts.allow_overlap)
+    if opts.calibration is None and len(questions) - max(len(f) for f in folds) < 16:
+        raise ValueError(f"{len(questions)} questions leave fewer than 16 to calibrate a fold on; replay fewer "
+                         "questions or use more folds")
+    workload = {"schema": WORKLOAD_SCHEMA, "questions": opts.questions, "questions_sha256": file_hash(qfile),
+                "total": len(questions), "replayed": [q.question_id for q in replayed],
+                "folds": [list(f) for f in folds],
+                "peers": [q.question_id for q in spread_over_categories(replayed, prof.peers)],
+                "calibration": opts.calibration or "the question set, cross-fitted by fold",
+                "allow_overlap": opts.allow_overlap, "max_new_tokens": prof.max_new_tokens, "turns": prof.turns}
+    write_json_atomic(out / "workload.json", workload)
+    return workload
+
+
+def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path,
+                    workload: dict) -> Path:
+    """Greedy rollouts of every calibration prompt, as long as a replayed turn, with ranks, tokens and gate."""
+    from medusa_runtime.prompts import BUILTIN_REVISION
 
     acc = out / "acceptance.json"
-    cache.run("calibrate", {"heads": heads_key, "p": prof.calib_prompts, "t": prof.calib_tokens, "dtype": dtype,
-                            "typical_t": TYPICAL_TEMPERATURE, "prompts_rev": BUILTIN_REVISION},
-              [acc], lambda: _cli("calibrate", "--heads", heads, "--dtype", dtype, "--limit", str(prof.calib_prompts),
-                                  "--max-new-tokens", str(prof.calib_tokens), "--heldout", "0.25", "--out", str(acc),
-                                  "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))
+    data = opts.calibration or str(out / "questions.jsonl")
+    key = {"heads": folder_hash(heads), "data": data, "data_sha": workload["questions_sha256"],
+           "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype,
+           "typical_t": TYPICAL_TEMPERATURE, "runtime": RUNTIME_REVISION}
+    cache.run("calibrate", key, [acc],
+              lambda: _cli("calibrate", "--heads", str(heads), "--dtype", opts.dtype, "--data", data,
+                           "--max-new-tokens", str(prof.max_new_tokens), "--heldout", "0", "--out", str(acc),
+                           "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))
+    return acc
+
+
+def workload_lengths(acc: Path, max_new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(contexts, prefill lengths) that cover the workload: the calibration prompts' lengths, short to long,
+    and the contexts their steps run at (the prompt plus up to a turn of new tokens)."""
+    from treesearch.stats import load_stats
+
+    stats = load_stats(acc)
+    lengths = sorted(len(t.prompt) for t in stats.texts + stats.heldout_texts)
+    if not lengths:
+        return (256,), (256,)
+    lo, mid, hi = lengths[0], int(statistics.median(lengths)), lengths[-1]
+    contexts = sorted({max(16, 16 * round(c / 16)) for c in (lo, mid + max_new_tokens // 2, hi + max_new_tokens)})
+    prefill = sorted({lo, mid, hi})
+    return tuple(contexts), tuple(prefill)
+
+
+def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path
+                  ) -> Path:
     lat = out / "latency.json"
-    cache.run("profile", {"heads": heads_key, "nodes": prof.latency_nodes, "ctx": prof.latency_contexts,
-                          "dtype": dtype, "runtime": RUNTIME_REVISION}, [lat],
-              lambda: _cli("profile", "--heads", heads, "--dtype", dtype, "--nodes", *map(str, prof.latency_nodes),
-                           "--contexts", *map(str, prof.latency_contexts), "--repeats", str(prof.latency_repeats),
-                           "--out", str(lat), "--plots", str(out / "plots")))
-    tree = out / "tree.json"
+    contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
+    key = {"heads": folder_hash(heads), "nodes": prof.latency_nodes, "ctx": contexts, "prefill": prefill,
+           "repeats": prof.latency_repeats, "dtype": opts.dtype, "runtime": RUNTIME_REVISION}
+    cache.run("profile", key, [lat],
+              lambda: _cli("profile", "--heads", str(heads), "--dtype", opts.dtype, "--nodes",
+                           *map(str, prof.latency_nodes), "--contexts", *map(str, contexts), "--prefill",
+                           *map(str, prefill), "--repeats", str(prof.latency_repeats), "--out", str(lat),
+                           "--plots", str(out / "plots")))
+    return lat
+
+
+def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict
+                 ) -> list[Path]:
+    """One configuration search per fold, fitted without the fold's questions; and the typical search."""
     db = out / "treesearch.db"
     study = f"bench-{file_hash(acc)}-{file_hash(lat)}"
-    cache.run("search", {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
-                         "trials": prof.search_trials}, [tree],
-              lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
-                           str(prof.search_budget), "--trials", str(prof.search_trials), "--storage",
-                           f"sqlite:///{db}", "--study", study, "--out", str(tree), "--plots", str(out / "plots"),
-                           "--quiet"))
+    files = []
+    for f, fold in enumerate(workload["folds"]):
+        path = out / "search" / f"fold-{f}.json"
+        files.append(path)
+        key = {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
+               "trials": prof.search_trials, "exclude": fold, "runtime": RUNTIME_REVISION}
+        cache.run(f"search-fold-{f}", key, [path],
+                  lambda fold=fold, f=f, path=path: _cli(
+                      "search", "--acceptance", str(acc), "--latency", str(lat), "--budget", str(prof.search_budget),
+                      "--trials", str(prof.search_trials), "--storage", f"sqlite:///{db}", "--study",
+                      f"{study}-fold{f}", "--exclude-ids", *map(str, fold), "--out", str(path),
+                      *(("--plots", str(out / "plots")) if f == 0 else ()), "--quiet"))
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
-    tree_typical = out / "tree-typical.json"
+    typical = out / "tree-typical.json"
+    fold0 = workload["folds"][0]
     cache.run("search-typical", {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
-                                 "trials": prof.search_trials},
-              [tree_typical],
+                                 "trials": prof.search_trials, "exclude": fold0}, [typical],
               lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
                            str(prof.search_budget), "--trials", str(prof.search_trials), "--accept", "typical",
-                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical", "--out", str(tree_typical),
-                           "--plots", str(out / "plots"), "--quiet"))
-    # every chain the heads allow, so that "the best chain" is the best measured one, not a prediction
-    chains = [{"name": f"medusa chain:{d}", "method": "medusa", "tree": f"chain:{d}"}
-              for d in range(1, _num_heads(acc) + 1)]
-    config = {"model": "default", "heads": heads, "dtype": dtype, "max_new_tokens": prof.max_new_tokens,
-              "turns": prof.turns, "repeats": 1,
-              "configurations": [
-                  {"name": "generate", "method": "generate"},
-                  {"name": "plain", "method": "plain"},
-                  {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10},
-                  {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
-                  *chains,
-                  {"name": "medusa searched", "method": "medusa", "tree": str(tree)},
-                  # the runtime's prompt-lookup chain (4 draft tokens), alone and beside the searched tree
-                  {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
-                  {"name": "medusa searched +lookup4", "method": "medusa", "tree": str(tree), "lookup_tokens": 4},
-              ]}
+                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical", "--exclude-ids",
+                           *map(str, fold0), "--out", str(typical), "--plots", str(out / "plots"), "--quiet"))
+    return files
+
+
+def replay_configurations(acc: Path, searches: list[Path], workload: dict) -> list[dict]:
+    """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
+    and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
+    heads), run on that fold's questions; on the peers' questions also transformers' generate and prompt
+    lookup and the official mc_sim_7b_63 tree."""
+    from treesearch.search import load_recommendation
+    from treesearch.stats import load_stats
+
+    peers = {"question_ids": workload["peers"]}
+    depths = sorted({1, 2, load_stats(acc).num_heads})
+    chains = [{"name": f"medusa chain:{d}", "method": "medusa", "tree": f"chain:{d}"} for d in depths]
+    configs = [{"name": "generate", "method": "generate", **peers},
+               {"name": "plain", "method": "plain"},
+               {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **peers},
+               {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
+               {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63", **peers},
+               *chains]
+    for path, fold in zip(searches, workload["folds"]):
+        pick = load_recommendation(path)
+        configs.append(_config_of("searched", pick, path, fold))
+        if not pick.uses_heads:
+            configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
+                                      fold))
+    return configs
+
+
+def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
+    base = {"name": name, "lookup_tokens": dec.lookup, "question_ids": list(fold)}
+    if dec.tree is None:
+        return {**base, "method": "plain"}
+    return {**base, "method": "medusa", "tree": str(tree_file), "gate": dec.gate}
+
+
+def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
+                 searches: list[Path], workload: dict) -> None:
+    configs = replay_configurations(acc, searches, workload)
+    config = {"model": "default", "heads": str(heads), "dtype": opts.dtype, "max_new_tokens": prof.max_new_tokens,
+              "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
-    replay_inputs = {"config": config, "tree": file_hash(tree), "heads": heads_key, "q": prof.questions,
-                     "runtime": RUNTIME_REVISION}
-    cache.run("replay", replay_inputs,
-              [replay_dir / "summary.csv"],
-              lambda: _cli("replay", "--config", str(cfg_file), "--heads", heads, "--dtype", dtype,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--limit", str(prof.questions),
-                           "--out", str(replay_dir)))
+    key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
+           "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION}
+    ids = [str(i) for i in workload["replayed"]]
+    cache.run("replay", key, [replay_dir / "summary.csv"],
+              lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), "--dtype", opts.dtype,
+                           "--questions", str(out / "questions.jsonl"), "--ids", *ids,
+                           "--max-new-tokens", str(prof.max_new_tokens), "--out", str(replay_dir)))
+
+
+def run(opts: BenchOptions) -> None:
+    prof = PROFILES[opts.profile]
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = StageCache(out)
+    t_start = time.perf_counter()
+    heads = stage_heads(opts, out, cache)
+    workload = stage_workload(opts, prof, out)
+    acc = stage_calibrate(opts, prof, out, cache, heads, workload)
+    lat = stage_profile(opts, prof, out, cache, heads, acc)
+    searches = stage_search(prof, out, cache, acc, lat, workload)
+    stage_replay(opts, prof, out, cache, heads, acc, searches, workload)
     from bench.report import report
 
     written = report(out)
@@ -189,21 +320,34 @@ def isolate_records(folder: Path, key: str) -> None:
     marker.write_text(key + "\n")
 
 
-def _num_heads(acc: Path) -> int:
-    from treesearch.stats import load_stats
-
-    return load_stats(acc).num_heads
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
+    parser.add_argument("--questions", default="mt-bench",
+                        help="question set replayed and (cross-fitted) calibrated on: mt-bench, humaneval, or a JSONL "
+                             "with question_id, category, turns")
+    parser.add_argument("--calibration", default=None,
+                        help="calibrate on this prompt source instead (builtin, a file): it must not hold replayed "
+                             "questions")
+    parser.add_argument("--allow-overlap", action="store_true",
+                        help="accept a --calibration set that holds replayed questions")
     parser.add_argument("--retrain", action="store_true", help="train heads (quick profile) instead of the shipped ones")
     parser.add_argument("--out", default="results/bench")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
+    opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
+                        args.dtype)
     print(f"[bench] profile {args.profile}: {asdict(PROFILES[args.profile])}", flush=True)
-    run(args.profile, args.retrain, Path(args.out), args.dtype)
+    try:
+        run(opts)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"[bench] error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -74,48 +74,9 @@ def plot_speedup_vs_quality(table: pd.DataFrame, eq: pd.DataFrame, baseline: str
     return _save(fig, out_dir, "speedup_vs_quality")
 
 
-def _stage_inputs(out: Path):
-    """(acceptance statistics, latency profile, replay configurations) of a bench run, or None when one
-    of their files is missing (a replay run outside the pipeline)."""
-    from treesearch.cost import load_profile
-    from treesearch.stats import load_stats
-
-    acc, lat, cfg_file = out / "acceptance.json", out / "latency.json", out / "replay_config.json"
-    if not (acc.is_file() and lat.is_file() and cfg_file.is_file()):
-        return None
-    return load_stats(acc), load_profile(lat), json.loads(cfg_file.read_text())["configurations"]
-
-
-def plot_measured_vs_predicted(table: pd.DataFrame, out: Path, plots: Path) -> list[Path]:
-    """Measured speed-up (over plain) of each replayed tree against the cost model's curve."""
-    from treesearch.cost import predict
-    from treesearch.optimal import model_for, optimal_tree
-    from treesearch.tree import load_tree
-
-    inputs = _stage_inputs(out)
-    if inputs is None:
-        return []
-    stats, prof, configs = inputs
-    model = model_for(stats)
-    budgets = sorted(set(np.geomspace(1, 256, 28).astype(int)))
-    curve = [predict(prof, optimal_tree(model, int(b))[1], int(b) + 1).speedup for b in budgets]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot([b + 1 for b in budgets], curve, color="tab:green", label="predicted (exact optimum + cost model)")
-    overall = table[table["category"] == "overall"].set_index("config")
-    for c in configs:
-        if c["method"] == "medusa" and c["name"] in overall.index:
-            n = load_tree(c["tree"]).num_nodes
-            ax.scatter([n], [overall.loc[c["name"], "speedup_vs_plain"]], s=40, label=f"measured: {c['name']}")
-    ax.set_xscale("log", base=2)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xlabel("tree nodes (root included)")
-    ax.set_ylabel("speedup over the runtime's plain decoding")
-    ax.set_title("speedup vs tree size")
-    ax.legend(fontsize=7)
-    return _save(fig, plots, "speedup_vs_tree_size")
-
-
 def report(out: Path) -> list[Path]:
+    from bench.scorecard import write_report
+
     plots = out / "plots"
     records = load_records(out / "replay" / "records.jsonl")
     df = records_frame(records)
@@ -130,7 +91,15 @@ def report(out: Path) -> list[Path]:
     written += plot_speedup_by_category(table, "plain", plots)
     written += plot_tau_by_category(table, plots)
     written += plot_speedup_vs_quality(table, eq, "generate", plots)
-    written += plot_measured_vs_predicted(table, out, plots)
+    scored = scorecard_of(out, df)
+    section = ""
+    if scored is not None:
+        card, verdict, questions = scored
+        written += plot_predicted_vs_measured(card, plots)
+        section = scorecard_section(card, verdict)
+        written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
+                                                    "machine": _machine(out), "questions": questions},
+                                    out / "report.json"))
     shipped = _training_json()
     if shipped is not None:
         from bench.plots import plot_training
@@ -138,54 +107,88 @@ def report(out: Path) -> list[Path]:
         written += plot_training(shipped.parent, plots)
     overall = table[table["category"] == "overall"][["config", "tokens", "seconds", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
-    md = ("## Overall\n\n" + to_markdown(overall) + "\n\n## Speedup over transformers generate, per category\n\n"
+    md = (section + "\n## Overall\n\n" + to_markdown(overall)
+          + "\n\n## Speedup over transformers generate, per category\n\n"
           + to_markdown(table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index())
           + "\n\n## Greedy outputs identical to generate (identical) and to the runtime's plain decoding "
-            "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + tree_section(table, out)
-          + typical_section(out))
+            "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out))
     (out / "summary.md").write_text(md)
     print(md)
-    return [out / "summary.md", *[p for p in written if p.suffix == ".png"]]
+    return [out / "summary.md", *[p for p in written if p.suffix in (".png", ".json")]]
 
 
-def tree_section(table: pd.DataFrame, out: Path) -> str:
-    """The searched tree against every chain and mc_sim_7b_63, measured in the same replay, beside what the
-    acceptance statistics (replay on the calibration rollouts) and the latency profile predicted."""
-    from treesearch.cost import predict
-    from treesearch.stats import tau_step_walk
-    from treesearch.tree import load_tree
+def _machine(out: Path) -> dict:
+    """The machine the latency profile describes (where the replay ran too)."""
+    lat = out / "latency.json"
+    return json.loads(lat.read_text()).get("machine", {}) if lat.is_file() else {}
 
-    inputs = _stage_inputs(out)
-    if inputs is None:
-        return ""
-    stats, prof, configs = inputs
-    overall = table[table["category"] == "overall"].set_index("config")
-    rows = []
-    for c in configs:
-        if c["method"] != "medusa" or c.get("lookup_tokens") or c["name"] not in overall.index:
-            continue
-        tree = load_tree(c["tree"])
-        tau = tau_step_walk(tree, stats.rollouts).tau
-        m = overall.loc[c["name"]]
-        rows.append({"config": c["name"], "nodes": tree.num_nodes, "predicted_tau": tau,
-                     "predicted_speedup_vs_plain": predict(prof, tau, tree.num_nodes).speedup,
-                     "tau": m["tau"], "tokens_per_s": m["tokens_per_s"], "speedup_vs_plain": m["speedup_vs_plain"]})
-    if not rows:
-        return ""
-    frame = pd.DataFrame(rows)
-    chains = frame[frame["config"].str.startswith("medusa chain:")]
-    searched = frame[frame["config"] == "medusa searched"]
-    if chains.empty or searched.empty:
-        return ""
-    best = chains.loc[chains["tokens_per_s"].idxmax()]
-    speed = float(searched["tokens_per_s"].iloc[0])
-    verdict = (f"Searched tree {speed:.2f} tokens/s; best measured chain ({best['config'].removeprefix('medusa ')}) "
-               f"{best['tokens_per_s']:.2f}: ratio {speed / best['tokens_per_s']:.3f}")
-    mc = frame[frame["config"] == "medusa mc_sim_7b_63"]
-    if not mc.empty:
-        verdict += f"; mc_sim_7b_63 {mc['tokens_per_s'].iloc[0]:.2f}: ratio {speed / mc['tokens_per_s'].iloc[0]:.3f}"
-    return ("\n## Trees: predicted (calibration replay + latency profile) and measured (this replay)\n\n"
-            + to_markdown(frame.round(3)) + "\n\n" + verdict + ".\n")
+
+def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
+    """Each predicted configuration's measured speed-up over plain against its prediction (y = x: exact)."""
+    rows = card[card["predicted_speedup_vs_plain"].notna()]
+    if rows.empty:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    lo = min(rows["predicted_speedup_vs_plain"].min(), rows["speedup_vs_plain"].min()) * 0.95
+    hi = max(rows["predicted_speedup_vs_plain"].max(), rows["speedup_vs_plain"].max()) * 1.05
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="prediction = measurement")
+    ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="tab:green", alpha=0.15,
+                    label="within 5 %")
+    for _, r in rows.iterrows():
+        ci = r["speedup_vs_plain_ci"]
+        ax.errorbar([r["predicted_speedup_vs_plain"]], [r["speedup_vs_plain"]],
+                    yerr=[[r["speedup_vs_plain"] - ci[0]], [ci[1] - r["speedup_vs_plain"]]],
+                    fmt="*" if r["searched"] else "o", ms=10 if r["searched"] else 5)
+        ax.annotate(r["config"], (r["predicted_speedup_vs_plain"], r["speedup_vs_plain"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted speed-up over plain (cross-fitted replay + latency profile)")
+    ax.set_ylabel("measured speed-up over plain (95 % interval)")
+    ax.set_title("the search's predictions against the replay")
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, plots, "predicted_vs_measured")
+
+
+def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict] | None:
+    """(scorecard, verdict, questions) of a bench run, or None outside the pipeline (no workload.json)."""
+    from bench.runner import MethodConfig
+    from bench.scorecard import scorecard, verdict
+    from bench.workload import fold_stats, predict_configs
+    from treesearch.cost import load_profile
+    from treesearch.stats import load_stats
+
+    files = [out / n for n in ("workload.json", "acceptance.json", "latency.json", "replay_config.json")]
+    if not all(f.is_file() for f in files):
+        return None
+    workload, stats, latency = json.loads(files[0].read_text()), load_stats(files[1]), load_profile(files[2])
+    configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
+    folds = [tuple(f) for f in workload["folds"]]
+    predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
+    card = scorecard(df, configs, predictions)
+    questions = {k: workload[k] for k in ("questions", "total", "replayed", "folds", "calibration", "max_new_tokens",
+                                          "turns", "peers")}
+    return card, verdict(card), questions
+
+
+def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
+    cols = ["config", "questions", "lookup", "tree_nodes", "gate", "tokens_per_s", "tau", "predicted_tau", "tau_error",
+            "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_speedup_vs_plain", "speedup_error",
+            "identical_to_plain"]
+    shown = card[[c for c in cols if c in card.columns]].copy()
+    shown["speedup_vs_plain_ci"] = shown["speedup_vs_plain_ci"].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}")
+    lines = [f"Fastest measured: {summary['fastest']} ({summary['fastest_tokens_per_s']:.2f} tokens/s)."]
+    if "searched" in summary:
+        lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
+                     + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
+    lines.append(f"Predictions checked ({summary['predictions']} configurations measured on every question of "
+                 "their folds, cross-fitted; those run on a subset are shown, not checked): tau within "
+                 f"{100 * summary['tau_tolerance']:.0f} % for all: {'yes' if summary['tau_within_tolerance'] else 'no'} "
+                 f"(worst {100 * (summary['worst_tau_error'] or 0):.1f} %); speed-up within "
+                 f"{100 * summary['speedup_tolerance']:.0f} %: {'yes' if summary['speedup_within_tolerance'] else 'no'} "
+                 f"(worst {100 * (summary['worst_speedup_error'] or 0):.1f} %).")
+    return ("\n## Configurations: measured (this replay) and predicted (cross-fitted replay of calibration rollouts "
+            "+ latency profile)\n\n" + to_markdown(shown.round(3)) + "\n\n" + "\n".join(lines) + "\n")
 
 
 def typical_section(out: Path) -> str:

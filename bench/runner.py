@@ -48,8 +48,11 @@ class MethodConfig:
     lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
     temperature_policy: str = "fixed"  # fixed: 'temperature' everywhere | fastchat: FastChat's per category
     gate: float = 0.0  # medusa: confidence gate on the tree's levels (see DecodeConfig.gate; 0: off)
+    question_ids: tuple[int, ...] | None = None  # run on these questions only (a fold's search pick); None: all
 
     def __post_init__(self) -> None:
+        if self.question_ids is not None:  # lists from JSON / YAML configuration files
+            object.__setattr__(self, "question_ids", tuple(int(i) for i in self.question_ids))
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.method == "medusa" and not self.tree:
@@ -178,14 +181,15 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
     done = {_key(r): r for r in records}
-    runners = {c.name: make_runner(c, loaded, heads) for c in configs}
+    runners = {c.digest: make_runner(c, loaded, heads) for c in configs}  # one name may run per fold, on its questions
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(cfg.repeats)
-            for c in configs if (c.name, c.digest, q.question_id, t, r) not in done]
+            for c in configs if (c.name, c.digest, q.question_id, t, r) not in done
+            and (c.question_ids is None or q.question_id in c.question_ids)]
     if not todo:
         return records
     warm = chat_ids(loaded, [questions[0].turns[0]], [])
     for c in configs:  # warm-up, excluded from the records
-        runners[c.name](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
+        runners[c.digest](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
     meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
             "device": str(loaded.device), **(extra or {})}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
@@ -194,9 +198,10 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
             earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
             temperature = c.temperature_for(q.category)
-            out = runners[c.name](prompt, cfg.max_new_tokens, temperature)
+            out = runners[c.digest](prompt, cfg.max_new_tokens, temperature)
             rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
                    "tree": c.tree, "accept": c.accept, "temperature": temperature,
+                   "lookup_tokens": c.lookup_tokens, "gate": c.gate,
                    "question_id": q.question_id, "category": q.category,
                    "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,

@@ -5,7 +5,11 @@ one forward over prompt + continuation gives the hidden state at every position,
 their top-k there, and position i (the hidden state of y_i, y_0 being the prompt's last token)
 records, for each head j, the rank of y_{i+j+2} in head j's top-k (or a miss). Positions
 i = 0..M-2 are exactly the states a greedy Medusa step can start from, so the rank vectors replay
-any tree (see ``treesearch.stats``). A held-out share of the prompts is stored separately.
+any tree (see ``treesearch.stats``). Beside them each rollout keeps its prompt's id, its prompt and
+output token ids (the prompt-lookup chain and every step's context replay from them) and, per position,
+the heads' top-1 probabilities along their own top-1 chain (what the decoder's confidence gate reads),
+so whole configurations replay (``treesearch.replay``). A held-out share of the prompts is stored
+separately.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from treesearch.stats import AcceptanceStats, marginal_from_rollouts
+from treesearch.stats import AcceptanceStats, RolloutText, marginal_from_rollouts
 from treesearch.typical import TypicalSeq, TypicalStats
 
 from .decode import encode_prompt
@@ -79,8 +83,9 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
 
 
 def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int,
-               following: torch.Tensor | None = None) -> torch.Tensor:
-    """[P, K, topk] token ids: each head's top-k at each of the P hidden states [P, H].
+               following: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's top-k token ids [P, K, topk] at each of the P hidden states [P, H], and the gate's
+    probabilities [P, K] float32 there (see :func:`_gate_probs`).
 
     ``following`` [>= P] are the tokens after the positions: following[i] is the token after position i
     (a greedy step's root there, read by root-conditioned heads) and following[i + j] the parent that
@@ -88,7 +93,7 @@ def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, to
     lm_weight = loaded.model.get_output_embeddings().weight
     embed = loaded.model.get_input_embeddings()
     conditioned = heads.root_conditioned and following is not None
-    tops = []
+    tops, gates = [], []
     for s in range(0, hidden.shape[0], 64):  # [p, K, S] logits at a time (S: the heads' draft vocabulary, else V)
         rows = torch.arange(s, min(s + 64, hidden.shape[0]), device=hidden.device)
         root_embedding = embed(following[rows]) if conditioned else None
@@ -98,7 +103,28 @@ def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, to
             parents = embed(following[at])  # [p, K-1, H]
         logits = heads.draft_logits(heads.head_states(hidden[s:s + 64], root_embedding, parents), lm_weight)
         tops.append(heads.token_ids(torch.topk(logits.float(), topk, dim=-1).indices))
-    return torch.cat(tops)
+        gates.append(_gate_probs(heads, hidden[s:s + 64], root_embedding, embed, lm_weight, logits))
+    return torch.cat(tops), torch.cat(gates)
+
+
+def _gate_probs(heads: MedusaHeads, hidden: torch.Tensor, root_embedding: torch.Tensor | None, embed,
+                lm_weight: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[p, K] float32: head j's top-1 softmax probability when it reads, as path-conditioned heads do, the
+    top-1 guess of head j-1 (itself read the same way) as its parent: the decoder's confidence gate takes
+    the cumulative product of these along the tree's top-1 chain. Heads that read no parent all score the
+    one state, so ``logits`` [p, K, S] (scored with the true parents) already hold them."""
+    def top1(lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.softmax(lg.float(), dim=-1).amax(dim=-1), heads.token_ids(torch.topk(lg.float(), 1, dim=-1).indices[..., 0])
+
+    if not (heads.path_conditioned and root_embedding is not None):
+        return top1(logits)[0]
+    probs, token = top1(logits[:, 0])
+    chain = [probs]
+    for j in range(1, heads.num_heads):
+        state = heads.conditioned_state(j, hidden, root_embedding, embed(token))  # [p, H]
+        probs, token = top1(heads.draft_logits(state[:, None, :], lm_weight)[:, 0])
+        chain.append(probs)
+    return torch.stack(chain, dim=1)
 
 
 def _ranks(top: torch.Tensor, rollout: torch.Tensor) -> list[tuple[int, ...]]:
@@ -133,33 +159,41 @@ def _typical_seq(base_logits: torch.Tensor, top: torch.Tensor, temperature: floa
     return TypicalSeq(logp.numpy(), entropy.numpy(), own.numpy())
 
 
+@dataclass(frozen=True)
+class RolloutStatistics:
+    """What calibration measures on one rollout."""
+
+    ranks: list[tuple[int, ...]]  # [M-1] per position, head j's rank of y_{i+j+2} (-1: not in the top-k)
+    gate: np.ndarray  # [M-1, K] float32: the heads' top-1 probabilities along their top-1 chain
+    typical: TypicalSeq | None  # typical-acceptance arrays (with a typical temperature)
+
+
 @torch.inference_mode()
 def rollout_statistics(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
-                       topk: int, typical_temperature: float | None = None
-                       ) -> tuple[list[tuple[int, ...]], TypicalSeq | None]:
-    """Rank vectors of one rollout and, with a temperature, its typical-acceptance arrays."""
+                       topk: int, typical_temperature: float | None = None) -> RolloutStatistics:
+    """Rank vectors of one rollout, its gate probabilities and, with a temperature, its typical arrays."""
     m = len(rollout)
     if m < 2:
         empty = TypicalSeq(np.zeros((0, heads.num_heads, topk), np.float32), np.zeros(1, np.float32),
                            np.zeros(1, np.float32))
-        return [], (empty if typical_temperature else None)
+        return RolloutStatistics([], np.zeros((0, heads.num_heads), np.float32),
+                                 empty if typical_temperature else None)
     ids = torch.tensor([list(prompt) + list(rollout)], device=loaded.device)
     # logits of the last M + 1 positions: prompt's last token .. y_M; rows 0..M-1 predict y_1..y_M
     out = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=m + 1 if typical_temperature else 1)
     p = len(prompt)
     hidden = out.hidden_states[-1][0, p - 1 : p - 1 + m - 1]  # [M-1, H]: states of y_0 .. y_{M-2}
     following = torch.tensor(list(rollout), device=loaded.device)  # y_1 .. y_M: roots and parents
-    top = _head_topk(loaded, heads, hidden, topk, following)  # [M-1, K, topk]
+    top, gate = _head_topk(loaded, heads, hidden, topk, following)  # [M-1, K, topk], [M-1, K]
     ranks = _ranks(top, following)
-    if not typical_temperature:
-        return ranks, None
-    return ranks, _typical_seq(out.logits[0, :m].cpu(), top.cpu(), typical_temperature)
+    typical = _typical_seq(out.logits[0, :m].cpu(), top.cpu(), typical_temperature) if typical_temperature else None
+    return RolloutStatistics(ranks, gate.float().cpu().numpy(), typical)
 
 
 def rank_vectors(loaded: LoadedModel, heads: MedusaHeads, prompt: Sequence[int], rollout: Sequence[int],
                  topk: int) -> list[tuple[int, ...]]:
     """Rank of y_{i+j+2} in head j's top-k at each position i = 0..M-2 (-1: not in the top-k)."""
-    return rollout_statistics(loaded, heads, prompt, rollout, topk)[0]
+    return rollout_statistics(loaded, heads, prompt, rollout, topk).ranks
 
 
 def split_prompts(n: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -182,16 +216,18 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
     fit_idx, held_idx = split_prompts(len(prompts), cfg.heldout_fraction, cfg.seed)
     measured = [rollout_statistics(loaded, heads, encoded[i], rollouts[i], cfg.topk, cfg.typical_temperature)
                 for i in tqdm(range(len(prompts)), desc="head ranks", disable=not progress, unit="prompt")]
-    vectors = [ranks for ranks, _ in measured]
-    fit = tuple(tuple(vectors[i]) for i in fit_idx)
-    held = tuple(tuple(vectors[i]) for i in held_idx)
+    texts = [RolloutText(prompts[i].id or f"#{i}", tuple(encoded[i]), tuple(rollouts[i]), measured[i].gate)
+             for i in range(len(prompts))]
+    fit = tuple(tuple(measured[i].ranks) for i in fit_idx)
+    held = tuple(tuple(measured[i].ranks) for i in held_idx)
     typical = None
     if cfg.typical_temperature:
-        typical = TypicalStats(cfg.typical_temperature, tuple(measured[i][1] for i in fit_idx),
-                               tuple(measured[i][1] for i in held_idx))
+        typical = TypicalStats(cfg.typical_temperature, tuple(measured[i].typical for i in fit_idx),
+                               tuple(measured[i].typical for i in held_idx))
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "rule": "greedy",
             "draft_vocab": None if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),
             "machine": platform.node(), "versions": software_versions(), **(provenance or {})}
-    return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta, typical=typical)
+    return AcceptanceStats(marginal_from_rollouts(fit, heads.num_heads, cfg.topk), fit, held, meta, typical=typical,
+                           texts=tuple(texts[i] for i in fit_idx), heldout_texts=tuple(texts[i] for i in held_idx))

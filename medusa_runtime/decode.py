@@ -137,6 +137,9 @@ class MedusaDecoder:
         self.variants: list[TreeBuffers] = self._with_lookup(buffers, heads_depth)
         self.gated: list[list[TreeBuffers]] | None = None
         if config.gate > 0 and self.tree is not None:
+            if any((0,) * d not in set(self.tree.paths) for d in range(1, self.tree.depth + 1)):
+                raise ValueError(f"the gate reads the heads' top-1 chain: tree '{self.tree.name}' must hold "
+                                 "[0], [0, 0], ... to its depth")
             self.gated = [self._with_lookup(self._cut(d), heads_depth) for d in range(heads_depth)] + [self.variants]
         # path-conditioned heads: per tree level, which nodes are parents and where their children sit
         self._path_plan: list[PathLevel] | None = None

@@ -1,7 +1,7 @@
 """Prompt lookup as a candidate source beside the heads: an n-gram match against the text so far.
 
-The last n tokens (n from ``max_ngram`` down to ``min_ngram``) are looked up among earlier
-positions of prompt + output; the tokens that followed the most recent earlier occurrence become a
+The drafts come from ``treesearch.ngram`` (pure Python, shared with the replay of rollouts): the
+tokens that followed the most recent earlier occurrence of the text's last n tokens become a
 chain of draft nodes hung under the tree's root, after the heads' nodes, and are verified in the
 same forward pass. With no match the step verifies the heads' tree alone (the chain's nodes are the
 last ones of the tree, so every shorter tree is a prefix of the full one: same mask, same offsets).
@@ -9,63 +9,13 @@ last ones of the tree, so every shorter tree is a prefix of the full one: same m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from treesearch.ngram import LookupConfig, NgramIndex
 
 from .tree_buffers import TreeBuffers
 
-
-@dataclass(frozen=True)
-class LookupConfig:
-    num_tokens: int = 0  # draft tokens from prompt lookup per step (0: off)
-    max_ngram: int = 3  # longest suffix tried first
-    min_ngram: int = 2  # shortest suffix still trusted
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"lookup tokens must be >= 0, got {self.num_tokens}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-
-
-class NgramIndex:
-    """Latest earlier occurrence of every n-gram (n in [min, max]) of a growing token sequence.
-
-    ``index[gram] = e`` means ``tokens[e - n:e] == gram`` and ``e < len(tokens)``: at least one
-    token followed it. Updates are incremental: O(max_ngram) dictionary writes per new token.
-    """
-
-    def __init__(self, cfg: LookupConfig, tokens: list[int] | None = None):
-        self.cfg = cfg
-        self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}
-        if tokens:
-            self.extend(tokens)
-
-    def extend(self, new: list[int]) -> None:
-        for tok in new:
-            end = len(self.tokens)  # n-grams ending here now have a follower: `tok`
-            for n in range(self.cfg.min_ngram, self.cfg.max_ngram + 1):
-                if end >= n:
-                    self.index[tuple(self.tokens[end - n:end])] = end
-            self.tokens.append(tok)
-
-    def draft(self, suffix_extra: int | None = None) -> list[int]:
-        """Up to ``num_tokens`` tokens predicted to follow the sequence (plus ``suffix_extra``)."""
-        seq = self.tokens if suffix_extra is None else self.tokens + [suffix_extra]
-        last = len(self.tokens)  # with suffix_extra, the n-gram ending here has a follower but is not indexed yet
-        for n in range(self.cfg.max_ngram, self.cfg.min_ngram - 1, -1):
-            if len(seq) < n:
-                continue
-            gram = seq[len(seq) - n:]
-            if suffix_extra is not None and last >= n and self.tokens[last - n:] == gram:
-                end = last
-            else:
-                end = self.index.get(tuple(gram))
-            if end is not None and end < len(seq):
-                return seq[end:end + self.cfg.num_tokens]
-        return []
+__all__ = ["LookupConfig", "NgramIndex", "with_lookup_chain"]
 
 
 def with_lookup_chain(buffers: TreeBuffers, length: int, heads_depth: int) -> TreeBuffers:

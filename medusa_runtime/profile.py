@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from treesearch.cost import LatencyProfile
+from treesearch.cost import LatencyProfile, head_rows
 from treesearch.optimal import IndependentModel, optimal_tree
+from treesearch.tree import chain
 
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
+from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
 
 
@@ -33,6 +35,16 @@ class ProfileConfig:
     contexts: tuple[int, ...] = (128, 512)  # KV-cache lengths
     repeats: int = 7  # timed repeats per point (median)
     warmup: int = 2  # untimed repeats first
+    prefill: tuple[int, ...] = ()  # prompt lengths whose prefill is timed (empty: the contexts)
+    bookkeeping_max_nodes: int = 64  # bookkeeping is timed in real decode loops for tree sizes up to this
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "contexts", "prefill"):
+            values = getattr(self, name)
+            if any(v < 1 for v in values) or len(set(values)) != len(values):
+                raise ValueError(f"profile {name} must be distinct and >= 1, got {list(values)}")
+        if not self.nodes or not self.contexts or self.repeats < 1:
+            raise ValueError("a profile needs node counts, contexts and repeats >= 1")
 
 
 def describe_machine(loaded: LoadedModel) -> dict[str, object]:
@@ -87,20 +99,33 @@ def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[floa
     return [statistics.median(t) for t in times]
 
 
-def _loop_cfg(topk: int = 10) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False)
+@dataclass(frozen=True)
+class LoopTimes:
+    """Median ms per step of real generate calls, split as the decode loop times it."""
+
+    step: float  # the whole step (the loop's time after prefill, per step)
+    heads: float  # drafting and the heads (propose)
+    verify: float  # the forward of the verified nodes
+    rest: float  # acceptance, compaction, the loop: everything else
 
 
-def _loop_ms(dec: MedusaDecoder, prompt: torch.Tensor, cfg: ProfileConfig) -> tuple[float, float]:
-    """(median ms per step, median ms per step outside heads and verify) of real generate calls."""
-    per_step, other = [], []
-    for i in range(cfg.warmup + max(3, cfg.repeats // 2)):
-        st = dec.generate(prompt).stats
-        if i >= cfg.warmup and st.steps:
-            loop = st.time_total - st.time_prefill
-            per_step.append(1000 * loop / st.steps)
-            other.append(1000 * (loop - st.time_heads - st.time_verify) / st.steps)
-    return statistics.median(per_step), statistics.median(other)
+def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None
+                 ) -> list[LoopTimes]:
+    """Real decode loops, one generate per decoder per round (drift hits every decoder alike): the heads'
+    time inside a real step, after a verify has streamed the weights through the caches, is what a decode
+    pays, and a tight loop of heads alone (weights staying cached) underestimates it."""
+    samples: list[list[tuple[float, float, float, float]]] = [[] for _ in decoders]
+    for r in range(cfg.warmup + max(3, cfg.repeats)):
+        for i, dec in enumerate(decoders):
+            st = dec.generate(prompt).stats
+            if r < cfg.warmup or not st.steps:
+                continue
+            loop = 1000 * (st.time_total - st.time_prefill) / st.steps
+            heads, verify = 1000 * st.time_heads / st.steps, 1000 * st.time_verify / st.steps
+            samples[i].append((loop, heads, verify, loop - heads - verify))
+        if bar is not None:
+            bar.update(1)
+    return [LoopTimes(*(statistics.median(col) for col in zip(*rows))) for rows in samples]
 
 
 @torch.inference_mode()
@@ -109,57 +134,120 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     dev = loaded.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
-    verify = []
-    plain = []
-    bar = tqdm(total=len(cfg.contexts) * cfg.repeats, desc="latency profile", unit="round", disable=not progress)
-    decoders = {}
-    for n in cfg.nodes:
-        if n > 1:
-            tree = _shape_tree(n, heads.num_heads)
-            decoders[n] = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1))
+    trees = {n: _shape_tree(n, heads.num_heads) for n in cfg.nodes if n > 1}
+    verifiers = {n: MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1)) for n, t in trees.items()}
     plain_dec = MedusaDecoder(loaded, None, None)
+    bar = tqdm(total=cfg.repeats + cfg.warmup + max(3, cfg.repeats), desc="latency profile", unit="round",
+               disable=not progress)
+
+    # 1. verify forwards: every (context, size) once per round, all contexts in the same rounds
+    steps = []
     for ctx in cfg.contexts:
         cache = plain_dec.new_cache(ctx + max(cfg.nodes))
-        prompt = torch.randint(0, loaded.vocab_size, (1, ctx), generator=gen).to(dev)
-        plain_dec.prefill(prompt[0], cache)
-        steps = []
+        plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
         for n in cfg.nodes:
-            dec = decoders.get(n, plain_dec)
+            dec = verifiers.get(n, plain_dec)
             tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
 
-            def step(dec=dec, tokens=tokens):
+            def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
                 dec.verify(tokens, ctx, cache)
                 dec.compact(cache, ctx, [])  # drop the tree again
 
             steps.append(step)
-        row = _interleaved_ms(steps, sync, cfg.repeats, cfg.warmup, bar)
-        verify.append(tuple(row))
-        # the plain step: its forward (the 1-node point of the same rounds, when profiled) plus the rest of
-        # a real plain decode step (argmax, cache bookkeeping, loop), so that plain and tree steps are
-        # compared on forwards timed side by side
-        step_ms, rest_ms = _loop_ms(MedusaDecoder(loaded, None, None, config=_loop_cfg()), prompt[0], cfg)
-        plain.append(row[cfg.nodes.index(1)] + rest_ms if 1 in cfg.nodes else step_ms)
-    bar.close()
+    flat = _interleaved_ms(steps, sync, cfg.repeats, cfg.warmup, bar)
+    tight = np.asarray(flat).reshape(len(cfg.contexts), len(cfg.nodes))  # [contexts, nodes]
 
-    hidden = torch.randn(loaded.hidden_size, generator=gen).to(dev, loaded.dtype)
-    heads_ms = book_ms = 0.0
-    sizes = sorted(decoders)
-    by_size: list[float] = []
-    if decoders:
-        # heads + top-k per tree size, in rounds: path-conditioned heads score one row per parent node
-        by_size = _interleaved_ms([lambda dec=decoders[n]: dec.propose(hidden, 0) for n in sizes], sync,
-                                  cfg.repeats * 3, cfg.warmup)
-        mid_n = min(sizes, key=lambda n: abs(n - 16))
-        mid = decoders[mid_n]
-        heads_ms = by_size[sizes.index(mid_n)]
-        # everything of a real Medusa step that is neither heads nor verify: acceptance, compaction, loop
-        book_ms = _loop_ms(MedusaDecoder(loaded, heads, mid.tree, config=_loop_cfg(mid.buffers.topk)),
-                           prompt[0, : cfg.contexts[0]], cfg)[1]
+    # 2. real decode loops, interleaved: plain decoding, the profile's shapes up to a size, and chains 1..K
+    loop_sizes = [n for n in sorted(trees) if n <= cfg.bookkeeping_max_nodes]
+    loop_trees = [trees[n] for n in loop_sizes] + [chain(d) for d in range(1, heads.num_heads + 1)]
+    loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
+        [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
+    mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
+    times = _loop_rounds(loops, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg, bar=bar)
+    bar.close()
+    verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], [t.verify for t in times])
+    plain_rest = times[0].rest
+    # the plain step: its forward (the 1-node point of the verify table) plus the rest of a real plain step
+    plain = [row[cfg.nodes.index(1)] + plain_rest if 1 in cfg.nodes else times[0].step for row in verify]
+    shaped = times[1:1 + len(loop_sizes)]
+    by_size = [t.heads for t in shaped]
+    heads_ms = by_size[loop_sizes.index(min(loop_sizes, key=lambda n: abs(n - 16)))] if loop_sizes else 0.0
+    fit = _fit_heads(loop_trees, [t.heads for t in times[1:]], heads.path_conditioned) if loop_trees else ()
+    book_sizes = [1] + loop_sizes
+    book = [plain_rest] + [t.rest for t in shaped]
+    book_ms = book[book_sizes.index(min(book_sizes, key=lambda n: abs(n - 16)))]
+    prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
+    prefill = _prefill_ms(loaded, prefill_tokens, gen, sync, cfg)
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "medians in ms of rounds across tree sizes; verify includes mask building; heads per tree size "
-                    "(heads_ms: the size nearest 16); plain = the 1-node "
-                    "forward + the rest of a real plain decode step; bookkeeping = a real Medusa step minus heads "
-                    "and verify"}
+            "note": "medians in ms of rounds; verify: every (context, size) forward once per round, mask building "
+                    "included, scaled per size to the verify time of real decode loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
+                    "bookkeeping: real decode loops (shapes by size, chains 1..K) at the middle context, one generate "
+                    "per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares "
+                    "over levels and rows); prefill = a generate that stops after its first token; lookup = drafting "
+                    "and extending the n-gram index, per step"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
-                          tuple(sizes), tuple(by_size))
+                          tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
+                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
+
+
+def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],
+                    loop_verify: list[float]) -> list[tuple[float, ...]]:
+    """The verify table [contexts][nodes] as a decode pays it: a verify inside a real loop (after the heads
+    and the bookkeeping of the step, with whatever they left in the caches) costs more, relative to a
+    one-row verify, than the same forward repeated in a tight loop. The tight rounds give the shape over
+    contexts; each size is scaled by in-loop / tight at the loops' context (sizes without a loop take the
+    factor of the nearest size that has one)."""
+    at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
+    measured: dict[int, list[float]] = {}
+    for n, v in zip(loop_nodes, loop_verify):  # a size may run in more than one loop (a shape and a chain)
+        if n in cfg.nodes:
+            measured.setdefault(n, []).append(v / tight[at, cfg.nodes.index(n)])
+    if not measured:
+        return [tuple(row) for row in tight]
+    sizes = sorted(measured)
+    factor = [statistics.median(measured[min(sizes, key=lambda m: abs(m - n))]) for n in cfg.nodes]
+    return [tuple(float(x) for x in row * np.asarray(factor)) for row in tight]
+
+
+def _loop_cfg(topk: int = 10) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False)
+
+
+def _prefill_ms(loaded: LoadedModel, lengths: tuple[int, ...], gen: torch.Generator, sync, cfg: ProfileConfig
+                ) -> list[float]:
+    """Median ms of a generate that stops after its first token (new cache, prompt forward, first token),
+    per prompt length, in rounds."""
+    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+    prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in lengths]
+    return _interleaved_ms([lambda p=p: dec.generate(p) for p in prompts], sync, cfg.repeats, cfg.warmup)
+
+
+def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, steps: int = 200) -> float:
+    """Per step of a decode with a lookup chain: the n-gram draft (root appended), laying it out for the
+    verify, and extending the index by the committed tokens, on a prompt of repeated phrases."""
+    rng = torch.Generator().manual_seed(1)
+    phrase = torch.randint(0, loaded.vocab_size, (12,), generator=rng).tolist()
+    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(lookup=LookupConfig(draft_tokens)))
+    hidden = torch.zeros(loaded.hidden_size, dtype=loaded.dtype)
+
+    def run() -> None:
+        index = NgramIndex(dec.config.lookup, phrase * 20)
+        for i in range(steps):
+            root = phrase[i % len(phrase)]
+            dec.propose(hidden, root, index.draft(root))
+            index.extend([root, phrase[(i + 1) % len(phrase)]])
+
+    return _median_ms(run, lambda: None, max(3, cfg.repeats), 1) / steps
+
+
+def _fit_heads(trees, times: list[float], path_conditioned: bool) -> tuple[float, float, float]:
+    """Least squares ``ms = a + b * levels + c * rows`` over the timed trees (``treesearch.cost.head_rows``);
+    heads that score one row per head have rows = levels, and then c = 0."""
+    shape = np.array([head_rows(t, path_conditioned) for t in trees], dtype=float)  # [trees, 2]
+    y = np.asarray(times, dtype=float)
+    if np.array_equal(shape[:, 0], shape[:, 1]):
+        (a, b), *_ = np.linalg.lstsq(np.column_stack([np.ones(len(y)), shape[:, 0]]), y, rcond=None)
+        return float(a), float(b), 0.0
+    (a, b, c), *_ = np.linalg.lstsq(np.column_stack([np.ones(len(y)), shape]), y, rcond=None)
+    return float(a), float(b), float(c)

@@ -34,6 +34,7 @@ class Prompt:
     turns: tuple[str, ...]  # user turns; the assistant's replies come from the model itself
     category: str
     source: str = BUILTIN_SOURCE
+    id: str = ""  # the record's own id (question_id, id or task_id) where it has one
 
 
 _TOPICS = {
@@ -239,7 +240,8 @@ def _prompt_from_record(rec: dict, source: str) -> Prompt | None:
         text = rec.get("prompt", rec.get("instruction", rec.get("text")))
         turns = (str(text),) if text else ()
     turns = tuple(t for t in turns if t.strip())
-    return Prompt(turns, str(rec.get("category", "other")), source) if turns else None
+    rid = next((rec[k] for k in ("question_id", "id", "task_id") if rec.get(k) is not None), "")
+    return Prompt(turns, str(rec.get("category", "other")), source, str(rid)) if turns else None
 
 
 def load_prompt_source(source: str, limit: int | None = None) -> list[Prompt]:

@@ -156,7 +156,7 @@ def test_draft_vocabulary_restricts_proposals_and_round_trips(tmp_path, shared):
     assert torch.isinf(out[..., outside]).all() and not torch.equal(full, out[:1])
 
     # calibration ranks the same candidates: the top-k of the full logits masked to the vocabulary
-    top = _head_topk(loaded, heads, h, 4)  # [5, 4, 4]
+    top = _head_topk(loaded, heads, h, 4)[0]  # [5, 4, 4]
     assert torch.equal(top, torch.topk(out, 4, dim=-1).indices)
 
     fmt = "shared" if shared else "official"
@@ -220,7 +220,7 @@ def test_root_conditioned_heads_read_the_root_and_round_trip(tmp_path):
         x = x + torch.nn.functional.silu(x @ b1.weight.T + b1.bias)
         torch.testing.assert_close(out[:, j], lm_head(x), rtol=1e-5, atol=1e-5)
     # calibration ranks with the roots it is given
-    assert torch.equal(_head_topk(loaded, cond, h, 4, roots), torch.topk(out, 4, dim=-1).indices)
+    assert torch.equal(_head_topk(loaded, cond, h, 4, roots)[0], torch.topk(out, 4, dim=-1).indices)
 
     with pytest.raises(HeadsError, match="no official-format layout"):
         save_heads(cond, tmp_path / "official", fmt="official", lm_head=lm_head)
@@ -291,7 +291,7 @@ def test_path_conditioned_heads_read_their_parent_and_round_trip(tmp_path):
     following = torch.tensor([7, 7, 3, 9, 60, 11, 12, 13])
     at = torch.arange(5)[:, None] + torch.arange(1, 4)
     want = path(h, lm_head, embed(following[:5]), embed(following[at]))
-    assert torch.equal(_head_topk(loaded, path, h, 4, following), torch.topk(want, 4, dim=-1).indices)
+    assert torch.equal(_head_topk(loaded, path, h, 4, following)[0], torch.topk(want, 4, dim=-1).indices)
 
     folder = save_heads(path, tmp_path / "shared", fmt="shared")
     meta = json.loads((folder / "config.json").read_text())

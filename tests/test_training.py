@@ -559,9 +559,9 @@ def test_fidelity_against_direct_computation():
     a direct computation (sequential log-softmax, position-by-position agreement)."""
     import copy
 
-    from bench.cli import spread_over_categories
     from bench.mtbench import Question
     from bench.quality import fidelity
+    from bench.workload import spread_over_categories
 
     original = tiny_llama(vocab=32, seed=3)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [9, 8]]

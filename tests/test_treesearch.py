@@ -47,12 +47,12 @@ from treesearch.stats import (
 )
 from treesearch.tree import load_tree, make_tree
 
-from .conftest import SHARED
+from .conftest import DATA
 
 
 def vicuna_7b_marginal() -> np.ndarray:
     """Official Medusa Vicuna-7B head top-1..5 training accuracies -> per-rank probabilities."""
-    rows = list(csv.DictReader((SHARED / "medusa" / "medusa_acc.csv").open()))
+    rows = list(csv.DictReader((DATA / "medusa" / "medusa_acc.csv").open()))
     row = next(r for r in rows if r["Name"] == "7b")
     acc = [[float(row[f"train/medusa{j}_top{k}"]) for k in range(1, 6)] for j in range(5)]
     return marginal_from_topk_accuracy(acc)
@@ -378,36 +378,3 @@ def test_exporters():
     assert [list(t) for t in ast.literal_eval(vllm["speculative_token_tree"])] == tree.as_lists()
     with pytest.raises(ValueError, match="unknown export format"):
         export_tree(tree, "onnx")
-
-
-def test_bench_report_compares_the_searched_tree_with_the_best_measured_chain(tmp_path, monkeypatch):
-    """The report's tree section: every replayed Medusa tree beside its prediction (replay of the calibration
-    rollouts + cost model), and the searched tree's speed against the fastest measured chain, not a predicted one."""
-    import pandas as pd
-
-    from bench.report import tree_section
-
-    rollouts = synthetic_rollouts(3)
-    save_stats(AcceptanceStats(marginal_from_rollouts(rollouts, 3, 4), rollouts, rollouts[:2], {"model": "m"}),
-               tmp_path / "acceptance.json")
-    save_profile(_latency(), tmp_path / "latency.json")
-    (tmp_path / "tree.json").write_text(json.dumps({"schema": "medusa-tree/1", "medusa_choices": [[0], [1], [0, 0]]}))
-    configs = [{"name": "plain", "method": "plain"},
-               {"name": "medusa chain:1", "method": "medusa", "tree": "chain:1"},
-               {"name": "medusa chain:2", "method": "medusa", "tree": "chain:2"},
-               {"name": "medusa searched", "method": "medusa", "tree": str(tmp_path / "tree.json")},
-               {"name": "medusa searched +lookup4", "method": "medusa", "tree": str(tmp_path / "tree.json"),
-                "lookup_tokens": 4}]
-    (tmp_path / "replay_config.json").write_text(json.dumps({"configurations": configs}))
-    speeds = {"plain": 20.0, "medusa chain:1": 24.0, "medusa chain:2": 26.0, "medusa searched": 27.3,
-              "medusa searched +lookup4": 40.0}
-    table = pd.DataFrame([{"config": c, "category": "overall", "tokens_per_s": v, "tau": 1.3,
-                           "speedup_vs_plain": v / 20.0} for c, v in speeds.items()])
-    text = tree_section(table, tmp_path)
-    assert "best measured chain (chain:2) 26.00: ratio 1.050" in text  # 27.3 / 26, not the slower chain:1
-    assert "medusa searched +lookup4" not in text and "| medusa chain:1 |" in text
-    stats = load_stats(tmp_path / "acceptance.json")
-    searched = load_tree(str(tmp_path / "tree.json"))
-    tau = tau_step_walk(searched, stats.rollouts).tau
-    row = next(line for line in text.splitlines() if line.startswith("| medusa searched |"))
-    assert f"| {searched.num_nodes} | {tau:.3f} | {predict(_latency(), tau, searched.num_nodes).speedup:.3f} |" in row

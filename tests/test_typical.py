@@ -28,7 +28,7 @@ def test_typical_arrays_against_sequential_forwards():
     heads = _heads_that_guess(loaded, k=3)
     prompt, temperature, topk = [3, 1, 4, 1, 5], 0.7, 5
     rollout = hf_greedy(loaded, prompt, 16)
-    _, seq = rollout_statistics(loaded, heads, prompt, rollout, topk, temperature)
+    seq = rollout_statistics(loaded, heads, prompt, rollout, topk, temperature).typical
     m = len(rollout)
     lm = loaded.model.get_output_embeddings()
     with torch.no_grad():

@@ -1,13 +1,22 @@
 """Cost model from a measured latency profile (``latency.json``): predicted tokens/s and speed-up of a tree.
 
-    tokens/s (tree)  = tau / (heads(nodes) + verify(nodes) + bookkeeping)
-    tokens/s (plain) = 1 / plain_step
-    speedup          = tokens/s (tree) / tokens/s (plain)
+    step (plain)            = plain(context)                 [+ lookup, when a lookup chain is drafted]
+    step (n verified nodes) = verify(n, context) + bookkeeping(n) + heads(tree nodes) [+ lookup]
+    tokens/s (tree)         = tau / step ;  tokens/s (plain) = 1 / plain step
+    speedup                 = tokens/s (tree) / tokens/s (plain)
 
-``verify(n)`` is interpolated linearly between the measured node counts, at the context length
-nearest to the one asked for (or the median over measured contexts). ``heads(n)`` likewise between
-the tree sizes whose heads were timed (path-conditioned heads score one row per parent node, so their
-time grows with the tree); a profile without those points uses its one ``heads_ms`` for every tree.
+``verify(n, c)`` is interpolated linearly between the measured node counts and, between the measured
+context lengths, linearly in the context (attention reads every cached position once per row, so its
+share of a step grows linearly with the context; beyond the longest measured context the last segment
+is extended, below the shortest its time is kept, and with one context that one is used everywhere). ``heads(n)`` is interpolated between the
+tree sizes whose heads were timed (path-conditioned heads score one row per parent node, so their
+time grows with the tree); a profile without those points uses its one ``heads_ms`` for every tree. What
+the heads do depends on the tree's shape more than on its size (a 3-node chain runs two heads, a 3-node
+fan one), so a profile also fits ``heads_time(tree) = a + b * levels + c * rows`` over trees of many shapes,
+rows being what the heads score (one per parent node for path-conditioned heads, one per head otherwise).
+``bookkeeping(n)`` (acceptance, cache compaction, the loop) likewise where it was timed per size, else
+the one ``bookkeeping_ms``. ``prefill(p)``, the prompt forward of p tokens, lets a whole generate be
+predicted (``treesearch.replay``), since measured tokens/s include it.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .stats import StatsError
-from .tree import read_json, write_json_atomic
+from .tree import Tree, read_json, write_json_atomic
 
 LATENCY_SCHEMA = "medusa-latency/1"
 
@@ -38,21 +47,60 @@ class LatencyProfile:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # model, dtype, machine
     heads_nodes: tuple[int, ...] = ()  # tree sizes (root included, ascending) whose heads time was measured
     heads_by_nodes_ms: tuple[float, ...] = ()  # [heads_nodes]: heads + top-k for a tree of that size
+    bookkeeping_nodes: tuple[int, ...] = ()  # verified node counts (root included, ascending) timed for bookkeeping
+    bookkeeping_by_nodes_ms: tuple[float, ...] = ()  # [bookkeeping_nodes]: the rest of a real step of that size
+    prefill_tokens: tuple[int, ...] = ()  # prompt lengths whose prefill was timed (ascending)
+    prefill_ms: tuple[float, ...] = ()  # [prefill_tokens]: new cache + prompt forward + first token
+    lookup_ms: float = 0.0  # drafting from the n-gram index and extending it, per step with a lookup chain
+    # heads time fitted on trees of many shapes: ms = intercept + per_level * depth + per_row * head rows
+    heads_fit: tuple[float, ...] = ()  # (intercept, per_level, per_row); () when not fitted
+    heads_path_conditioned: bool = False  # path-conditioned heads score one row per parent (else one per head)
 
-    def _ctx_index(self, context: int | None) -> int | None:
+    def _by_context(self, values: np.ndarray, context: int | None) -> np.ndarray:
+        """values [contexts, ...] at ``context``: linear between measured contexts, the last segment extended
+        beyond the longest, held at the shortest below it (None: the median over contexts)."""
         if context is None:
-            return None
-        return int(np.argmin([abs(c - context) for c in self.contexts]))
+            return np.median(values, axis=0)
+        ctx = np.asarray(self.contexts, dtype=float)
+        if len(ctx) == 1 or context <= ctx[0]:
+            return values[0]
+        i = min(int(np.searchsorted(ctx, context)) - 1, len(ctx) - 2)  # segment [i, i + 1]
+        w = (context - ctx[i]) / (ctx[i + 1] - ctx[i])
+        return values[i] + w * (values[i + 1] - values[i])
 
     def verify(self, num_nodes: int, context: int | None = None) -> float:
         """Interpolated verify time (ms) for a tree of ``num_nodes`` nodes (root included)."""
-        table = np.asarray(self.verify_ms)
-        row = table[self._ctx_index(context)] if context is not None else np.median(table, axis=0)
+        row = self._by_context(np.asarray(self.verify_ms, dtype=float), context)
         return float(np.interp(num_nodes, self.nodes, row))
 
     def plain(self, context: int | None = None) -> float:
-        i = self._ctx_index(context)
-        return float(self.plain_ms[i] if i is not None else np.median(self.plain_ms))
+        """One plain decode step (ms) at this context."""
+        return float(self._by_context(np.asarray(self.plain_ms, dtype=float)[:, None], context)[0])
+
+    def heads_time(self, tree: Tree) -> float:
+        """Heads + top-k for this tree (ms): the fit over tree shapes where the profile has one, else the
+        interpolation by node count."""
+        if not self.heads_fit:
+            return self.heads(tree.num_nodes)
+        levels, rows = head_rows(tree, self.heads_path_conditioned)
+        intercept, per_level, per_row = self.heads_fit
+        return max(0.0, intercept + per_level * levels + per_row * rows)
+
+    def bookkeeping(self, num_nodes: int) -> float:
+        """Acceptance, compaction and the loop (ms) for a step that verified ``num_nodes`` nodes."""
+        if not self.bookkeeping_nodes:
+            return self.bookkeeping_ms
+        return float(np.interp(num_nodes, self.bookkeeping_nodes, self.bookkeeping_by_nodes_ms))
+
+    def prefill(self, prompt_tokens: int) -> float:
+        """The prompt forward (ms): linear between the timed lengths, the end segments extended (0 if not timed)."""
+        if not self.prefill_tokens:
+            return 0.0
+        if len(self.prefill_tokens) == 1:
+            return self.prefill_ms[0]
+        x, y = np.asarray(self.prefill_tokens, dtype=float), np.asarray(self.prefill_ms, dtype=float)
+        i = int(np.clip(np.searchsorted(x, prompt_tokens) - 1, 0, len(x) - 2))
+        return float(max(y[i] + (prompt_tokens - x[i]) * (y[i + 1] - y[i]) / (x[i + 1] - x[i]), 0.0))
 
     def heads(self, num_nodes: int) -> float:
         """Heads time (ms) for a tree of ``num_nodes`` nodes: interpolated, held flat outside the measured sizes."""
@@ -60,10 +108,25 @@ class LatencyProfile:
             return self.heads_ms
         return float(np.interp(num_nodes, self.heads_nodes, self.heads_by_nodes_ms))
 
-    def step_ms(self, num_nodes: int, context: int | None = None) -> float:
-        if num_nodes <= 1:
-            return self.plain(context)
-        return self.heads(num_nodes) + self.verify(num_nodes, context) + self.bookkeeping_ms
+    def step_ms(self, num_nodes: int, context: int | None = None, heads_ms: float | None = None,
+                lookup: bool = False) -> float:
+        """One decode step verifying ``num_nodes`` nodes (root included) at this context. ``heads_ms``: what the
+        heads cost this step (default: ``heads(num_nodes)``; 0 for no heads, see ``heads_time``); ``lookup``:
+        a lookup chain was drafted (its nodes are counted in ``num_nodes``)."""
+        heads = (self.heads(num_nodes) if num_nodes > 1 else 0.0) if heads_ms is None else heads_ms
+        extra = self.lookup_ms if lookup else 0.0
+        if num_nodes <= 1 and heads <= 0:
+            return self.plain(context) + extra
+        return heads + self.verify(num_nodes, context) + self.bookkeeping(num_nodes) + extra
+
+
+def head_rows(tree: Tree, path_conditioned: bool) -> tuple[int, int]:
+    """(levels, rows) the heads score for ``tree``: one level per depth; path-conditioned heads score level d
+    once per parent node at level d - 1 (the root alone for d = 1), other heads one row per head."""
+    if not path_conditioned:
+        return tree.depth, tree.depth
+    parents = {p[:-1] for p in tree.paths}  # every node with a child, the root () included
+    return tree.depth, len(parents)
 
 
 @dataclass(frozen=True)
@@ -86,7 +149,10 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
     return {"schema": LATENCY_SCHEMA, **p.meta, "nodes": list(p.nodes), "contexts": list(p.contexts),
             "verify_ms": [list(r) for r in p.verify_ms], "plain_ms": list(p.plain_ms), "heads_ms": p.heads_ms,
             "bookkeeping_ms": p.bookkeeping_ms, "heads_nodes": list(p.heads_nodes),
-            "heads_by_nodes_ms": list(p.heads_by_nodes_ms)}
+            "heads_by_nodes_ms": list(p.heads_by_nodes_ms), "bookkeeping_nodes": list(p.bookkeeping_nodes),
+            "bookkeeping_by_nodes_ms": list(p.bookkeeping_by_nodes_ms), "prefill_tokens": list(p.prefill_tokens),
+            "prefill_ms": list(p.prefill_ms), "lookup_ms": p.lookup_ms, "heads_fit": list(p.heads_fit),
+            "heads_path_conditioned": p.heads_path_conditioned}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -106,6 +172,13 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         book = float(obj.get("bookkeeping_ms", 0.0))
         heads_nodes = tuple(int(n) for n in obj.get("heads_nodes", ()))
         heads_by_nodes = tuple(float(x) for x in obj.get("heads_by_nodes_ms", ()))
+        book_nodes = tuple(int(n) for n in obj.get("bookkeeping_nodes", ()))
+        book_by_nodes = tuple(float(x) for x in obj.get("bookkeeping_by_nodes_ms", ()))
+        prefill_tokens = tuple(int(n) for n in obj.get("prefill_tokens", ()))
+        prefill = tuple(float(x) for x in obj.get("prefill_ms", ()))
+        lookup = float(obj.get("lookup_ms", 0.0))
+        heads_fit = tuple(float(x) for x in obj.get("heads_fit", ()))
+        path_conditioned = bool(obj.get("heads_path_conditioned", False))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -118,10 +191,21 @@ def profile_from_json(obj: Any) -> LatencyProfile:
             n < 2 for n in heads_nodes) or any(x < 0 for x in heads_by_nodes):
         raise StatsError("latency 'heads_nodes' must be ascending, distinct and >= 2, with one non-negative "
                          "'heads_by_nodes_ms' time each")
+    for name, xs, ys, low in (("bookkeeping_nodes", book_nodes, book_by_nodes, 1),
+                              ("prefill_tokens", prefill_tokens, prefill, 1)):
+        if len(xs) != len(ys) or list(xs) != sorted(set(xs)) or any(n < low for n in xs) or any(y < 0 for y in ys):
+            raise StatsError(f"latency '{name}' must be ascending, distinct and >= {low}, with one non-negative "
+                             "time each")
+    if list(contexts) != sorted(set(contexts)) or lookup < 0:
+        raise StatsError("latency 'contexts' must be ascending and distinct, 'lookup_ms' non-negative")
+    if len(heads_fit) not in (0, 3):
+        raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
-            "heads_by_nodes_ms"}
+            "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
+            "lookup_ms", "heads_fit", "heads_path_conditioned"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
-                          heads_nodes, heads_by_nodes)
+                          heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
+                          heads_fit, path_conditioned)
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:

@@ -8,6 +8,13 @@ by the step walk over them, the tau the decoder realises, which lies below the p
 trees are built for wherever acceptance comes in runs. The exact unconstrained optimum is enqueued as a
 warm start and the official ``mc_sim_7b_63`` tree as a baseline trial.
 
+With rollout tokens in the statistics (``texts``) and a latency profile, a greedy search is a search over
+*configurations*, everything the runtime can run: no heads or a heads tree, a prompt-lookup chain of
+0..8 draft tokens, a confidence gate; each trial is replayed on the rollouts (heads, lookup and gate
+jointly, ``treesearch.replay``) and priced step by step at its real context. Plain decoding, plain +
+lookup and small trees are enqueued beside the optimum, so "use no heads" is an answer the search can
+give, and does, where the heads do not pay on the workload and machine at hand.
+
 Storage is any Optuna storage URL (SQLite in ``results/`` by default; PostgreSQL or MySQL for many
 machines); ``load_if_exists`` makes studies resumable and shareable between workers, and the study
 stops once it holds ``trials`` complete trials, whoever ran them.
@@ -27,9 +34,11 @@ from typing import Any
 import optuna
 
 from .cost import LatencyProfile, predict
+from .ngram import MAX_LOOKUP
 from .optimal import Constraints, JointModel, PathModel, expected_depth, model_for, optimal_tree
+from .replay import Decoding, ReplayResult, replay
 from .stats import AcceptanceStats, StatsError, tau_step_walk
-from .tree import Tree, load_tree, make_tree
+from .tree import Tree, load_tree, make_tree, read_json, save_tree
 from .typical import TypicalParams, typical_walk
 
 BASELINE_TREE = "mc_sim_7b_63"
@@ -49,6 +58,8 @@ class SearchConfig:
     baseline: str = BASELINE_TREE  # official tree evaluated as a baseline trial
     accept: str = "greedy"  # greedy | typical (searches the thresholds too; needs typical statistics)
     max_regret: float = 0.05  # typical: quality floor, nats per token, for the tree chosen from the Pareto front
+    configurations: bool = True  # greedy with rollout tokens and latency: also search no heads, lookup and gate
+    max_lookup: int = MAX_LOOKUP  # longest prompt-lookup chain a configuration may draft
 
     def __post_init__(self) -> None:
         if self.accept not in ("greedy", "typical"):
@@ -61,16 +72,37 @@ class SearchConfig:
             raise StatsError(f"trials must be >= 1, got {self.trials}")
         if self.objective not in ("tau", "speedup", "auto"):
             raise StatsError(f"unknown objective {self.objective!r}; use tau or speedup")
+        if not 0 <= self.max_lookup <= 32:
+            raise StatsError(f"max_lookup must be within 0..32, got {self.max_lookup}")
 
 
 @dataclass(frozen=True)
 class TreeScore:
-    tree: Tree
+    tree: Tree | None  # None: a configuration without heads (plain decoding, with a lookup chain if any)
     tau: float  # predicted tokens per step
     speedup: float | None  # predicted over plain decoding (None without a latency profile)
     tokens_per_s: float | None
     typical: TypicalParams | None = None  # thresholds (typical acceptance only)
     regret: float | None = None  # typical: quality proxy, nats per token lost against the base model's choice
+    lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
+    gate: float = 0.0  # confidence gate on the tree's levels (0: off)
+
+    @property
+    def uses_heads(self) -> bool:
+        return self.tree is not None
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the heads' tree, the root included (1 without heads)."""
+        return self.tree.num_nodes if self.tree is not None else 1
+
+    @property
+    def decoding(self) -> Decoding:
+        return Decoding(self.tree, self.lookup, self.gate)
+
+    @property
+    def label(self) -> str:
+        return self.decoding.label
 
 
 @dataclass
@@ -84,6 +116,8 @@ class SearchResult:
     trials_complete: int
     history: list[dict[str, Any]] = field(default_factory=list)  # per trial: number, value, nodes, depth
     pareto: list[TreeScore] = field(default_factory=list)  # typical: speed (or tau) vs regret front
+    best_with_heads: TreeScore | None = None  # configurations: the fastest trial that uses heads (= best if it does)
+    space: str = "trees"  # trees | configurations (no heads, lookup chain and gate searched too)
 
 
 def objective_value(score: TreeScore, objective: str) -> float:
@@ -113,6 +147,15 @@ def score_tree(tree: Tree, model: PathModel, latency: LatencyProfile | None, con
     return _with_speed(tree, tau, latency, context)
 
 
+def score_decoding(dec: Decoding, stats: AcceptanceStats, latency: LatencyProfile,
+                   plain: ReplayResult | None = None) -> TreeScore:
+    """A configuration replayed on the rollouts (heads, lookup chain and gate jointly) and priced step by
+    step: speed-up = predicted time of plain decoding / predicted time of the configuration, same rollouts."""
+    res = replay(dec, stats, latency)
+    base = plain if plain is not None else replay(Decoding(), stats, latency)
+    return TreeScore(dec.tree, res.tau, base.time_ms / res.time_ms, res.tokens_per_s, lookup=dec.lookup, gate=dec.gate)
+
+
 def score_typical(tree: Tree, stats: AcceptanceStats, params: TypicalParams, latency: LatencyProfile | None,
                   context: int | None) -> TreeScore:
     """Tau and regret by replaying typical acceptance on the fitting rollouts (``treesearch.typical``)."""
@@ -131,6 +174,10 @@ class TreeObjective:
             raise StatsError("objective 'speedup' needs a latency profile (--latency)")
         if cfg.accept == "typical":
             _typical_stats(stats)  # fail before the study starts
+        # configurations (no heads, lookup, gate) replayed jointly: greedy, with rollout tokens and a profile
+        self.configurations = (cfg.configurations and cfg.accept == "greedy" and latency is not None
+                               and stats.has_texts and self.objective == "speedup")
+        self.plain = replay(Decoding(), stats, latency) if self.configurations else None
 
     @property
     def directions(self) -> list[str]:
@@ -145,7 +192,10 @@ class TreeObjective:
             return self.value(score), -score.regret
         return self.value(score)
 
-    def score(self, tree: Tree, params: TypicalParams | None) -> TreeScore:
+    def score(self, tree: Tree | None, params: TypicalParams | None = None, lookup: int = 0,
+              gate: float = 0.0) -> TreeScore:
+        if self.configurations:
+            return score_decoding(Decoding(tree, lookup, gate), self.stats, self.latency, self.plain)
         if self.cfg.accept == "typical":
             return score_typical(tree, self.stats, params or TypicalParams(), self.latency, self.cfg.context)
         rollouts = self.stats.rollouts if isinstance(self.model, JointModel) else None
@@ -163,28 +213,50 @@ class TreeObjective:
         return TypicalParams(trial.suggest_float("posterior_threshold", 0.01, 0.5, log=True),
                              trial.suggest_float("posterior_alpha", 0.03, 1.0, log=True))
 
-    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+    def suggest_tree(self, trial: optuna.Trial) -> Tree:
         baseline = trial.user_attrs.get("baseline_tree")
-        typical = self.typical_params(trial)
         if baseline:
-            tree = load_tree(baseline)
+            return load_tree(baseline)
+        k, topk = self.stats.num_heads, self.stats.topk
+        params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.cfg.budget), self.cfg.budget,
+                                             log=True),
+                  "depth": trial.suggest_int("depth", 1, k)}
+        for d in range(k):  # suggested for every depth so the space is fixed; used up to 'depth'
+            params[f"rank_cap_{d}"] = trial.suggest_int(f"rank_cap_{d}", 1, topk)
+        return self.tree_for(params)
+
+    def suggest_configuration(self, trial: optuna.Trial) -> tuple[Tree | None, int, float]:
+        """(tree or None, lookup tokens, gate): heads or none, then the tree, the lookup chain and the gate."""
+        heads = bool(trial.user_attrs.get("baseline_tree")) or trial.suggest_categorical("heads", [False, True])
+        lookup = trial.suggest_int("lookup", 0, self.cfg.max_lookup)
+        if not heads:
+            return None, lookup, 0.0
+        tree = self.suggest_tree(trial)
+        gate = 0.0
+        if not trial.user_attrs.get("baseline_tree") and trial.suggest_categorical("gated", [False, True]):
+            gate = trial.suggest_float("gate", 0.02, 0.9, log=True)
+            if any((0,) * d not in set(tree.paths) for d in range(1, tree.depth + 1)):
+                raise optuna.TrialPruned("the gate reads the top-1 chain, which this tree does not hold")
+        return tree, lookup, gate
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        if self.configurations:
+            tree, lookup, gate = self.suggest_configuration(trial)
+            score = self.score(tree, lookup=lookup, gate=gate)
         else:
-            k, topk = self.stats.num_heads, self.stats.topk
-            params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.cfg.budget), self.cfg.budget,
-                                                 log=True),
-                      "depth": trial.suggest_int("depth", 1, k)}
-            for d in range(k):  # suggested for every depth so the space is fixed; used up to 'depth'
-                params[f"rank_cap_{d}"] = trial.suggest_int(f"rank_cap_{d}", 1, topk)
-            tree = self.tree_for(params)
-        score = self.score(tree, typical)
-        trial.set_user_attr("num_nodes", tree.num_nodes)
-        trial.set_user_attr("depth", tree.depth)
+            typical = self.typical_params(trial)
+            tree = self.suggest_tree(trial)
+            score = self.score(tree, typical)
+        trial.set_user_attr("num_nodes", score.num_nodes)
+        trial.set_user_attr("depth", tree.depth if tree is not None else 0)
         trial.set_user_attr("tau", score.tau)
         if score.speedup is not None:
             trial.set_user_attr("speedup", score.speedup)
         if score.regret is not None:
             trial.set_user_attr("regret", score.regret)
-        trial.set_user_attr("medusa_choices", tree.as_lists())
+        trial.set_user_attr("medusa_choices", tree.as_lists() if tree is not None else None)
+        trial.set_user_attr("lookup", score.lookup)
+        trial.set_user_attr("gate", score.gate)
         return self.values(score)
 
 
@@ -222,6 +294,17 @@ def _warm_start_params(k: int, topk: int, budget: int, accept: str) -> dict[str,
     return params
 
 
+def _configuration_seeds(warm: dict[str, float], cfg: SearchConfig) -> list[dict[str, Any]]:
+    """Trials every configuration search starts from: plain decoding, plain + lookup chains, the one-node
+    tree, a small and the full-budget optimum, each without and with a lookup chain."""
+    lookups = sorted({0, min(4, cfg.max_lookup), cfg.max_lookup})
+    seeds: list[dict[str, Any]] = [{"heads": False, "lookup": n} for n in lookups]
+    for nodes in sorted({1, min(4, cfg.budget), cfg.budget}):
+        for n in lookups[:2]:
+            seeds.append({**warm, "heads": True, "nodes": nodes, "lookup": n, "gated": False})
+    return seeds
+
+
 def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfile | None = None,
                show_progress: bool = True) -> SearchResult:
     objective = TreeObjective(stats, cfg, latency)
@@ -230,13 +313,18 @@ def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfil
         storage = make_storage(cfg.storage)
         study = optuna.create_study(study_name=cfg.study_name, storage=storage, directions=objective.directions,
                                     sampler=optuna.samplers.TPESampler(seed=cfg.seed), load_if_exists=True)
-        _check_study_matches(study, cfg, objective.objective, stats)
+        _check_study_matches(study, cfg, objective, stats)
         if not study.trials:  # first worker seeds the study: exact optimum, then the official baseline
             warm = _warm_start_params(stats.num_heads, stats.topk, cfg.budget, cfg.accept)
-            study.enqueue_trial(warm)
+            if objective.configurations:
+                for params in _configuration_seeds(warm, cfg):
+                    study.enqueue_trial(params)
+            else:
+                study.enqueue_trial(warm)
             if cfg.baseline:
                 typical = {k: v for k, v in warm.items() if k.startswith("posterior_")}
-                study.enqueue_trial(typical, user_attrs={"baseline_tree": cfg.baseline})
+                study.enqueue_trial({**typical, **({"lookup": 0} if objective.configurations else {})},
+                                    user_attrs={"baseline_tree": cfg.baseline})
     done = _complete(study)
     remaining = max(0, cfg.trials - done)
     if remaining:
@@ -251,17 +339,19 @@ def _complete(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
 
 
-def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: str, stats: AcceptanceStats) -> None:
-    """Refuse to mix runs of different objectives or statistics in one study."""
-    want = {"objective": objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
-            "accept": cfg.accept}
+def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective,
+                         stats: AcceptanceStats) -> None:
+    """Refuse to mix runs of different objectives, statistics or search spaces in one study."""
+    want = {"objective": objective.objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
+            "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees"}
     have = study.user_attrs
     if not have:
         for k, v in want.items():
             study.set_user_attr(k, v)
         return
     for k, v in want.items():
-        if have.get(k, "greedy" if k == "accept" else None) != v:  # studies from before 'accept' were greedy
+        # studies from before 'accept' were greedy, and searched trees only
+        if have.get(k, {"accept": "greedy", "space": "trees"}.get(k)) != v:
             raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
                              "use another --study name")
 
@@ -272,8 +362,9 @@ def _trial_typical(trial: optuna.trial.FrozenTrial) -> TypicalParams | None:
     return TypicalParams(trial.params["posterior_threshold"], trial.params["posterior_alpha"])
 
 
-def _trial_tree(trial: optuna.trial.FrozenTrial, name: str) -> Tree:
-    return make_tree(trial.user_attrs["medusa_choices"], name=name)
+def _trial_tree(trial: optuna.trial.FrozenTrial, name: str) -> Tree | None:
+    choices = trial.user_attrs["medusa_choices"]
+    return make_tree(choices, name=name) if choices else None
 
 
 def _pick_best(complete: list[optuna.trial.FrozenTrial], cfg: SearchConfig) -> optuna.trial.FrozenTrial:
@@ -290,7 +381,8 @@ def _pick_best(complete: list[optuna.trial.FrozenTrial], cfg: SearchConfig) -> o
 def _history_row(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
     row = {"number": t.number, "value": t.values[0], "num_nodes": t.user_attrs.get("num_nodes"),
            "depth": t.user_attrs.get("depth"), "tau": t.user_attrs.get("tau"), "speedup": t.user_attrs.get("speedup"),
-           "baseline": t.user_attrs.get("baseline_tree")}
+           "baseline": t.user_attrs.get("baseline_tree"), "lookup": t.user_attrs.get("lookup", 0),
+           "gate": t.user_attrs.get("gate", 0.0)}
     if "regret" in t.user_attrs:
         row.update(regret=t.user_attrs["regret"], **t.params)
     return row
@@ -301,7 +393,6 @@ def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) ->
     if not complete:
         raise StatsError(f"study {cfg.study_name!r} has no complete trial")
     best_trial = _pick_best(complete, cfg)
-    best_tree = _trial_tree(best_trial, f"{cfg.study_name}-best")
     opt_tree, _ = optimal_tree(objective.model, cfg.budget, name=f"optimal-{cfg.budget}")
     default = TypicalParams() if cfg.accept == "typical" else None  # optimum and baseline: the paper's thresholds
     baseline = objective.score(load_tree(cfg.baseline), default) if cfg.baseline else None
@@ -310,5 +401,83 @@ def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) ->
         front = sorted(study.best_trials, key=lambda t: t.values[0])
         pareto = [objective.score(_trial_tree(t, f"pareto-{t.number}"), _trial_typical(t)) for t in front]
     history = [_history_row(t) for t in sorted(complete, key=lambda t: t.number)]
-    return SearchResult(objective.score(best_tree, _trial_typical(best_trial)), objective.score(opt_tree, default),
-                        baseline, cfg.study_name, cfg.storage, objective.objective, len(complete), history, pareto)
+    best = _trial_score(objective, best_trial, f"{cfg.study_name}-best")
+    with_heads = best
+    if objective.configurations and best.tree is None:
+        headed = [t for t in complete if t.user_attrs.get("medusa_choices")]
+        with_heads = _trial_score(objective, _pick_best(headed, cfg), f"{cfg.study_name}-heads") if headed else None
+    return SearchResult(best, objective.score(opt_tree, default), baseline, cfg.study_name, cfg.storage,
+                        objective.objective, len(complete), history, pareto, with_heads,
+                        "configurations" if objective.configurations else "trees")
+
+
+def _trial_score(objective: TreeObjective, trial: optuna.trial.FrozenTrial, name: str) -> TreeScore:
+    """A complete trial scored again from what it recorded: tree, thresholds, lookup chain, gate."""
+    return objective.score(_trial_tree(trial, name), _trial_typical(trial), int(trial.user_attrs.get("lookup", 0)),
+                           float(trial.user_attrs.get("gate", 0.0)))
+
+
+# ---------------------------------------------------------------------------- the file a search writes
+
+
+def _decoding_json(score: TreeScore) -> dict[str, Any]:
+    return {"config": score.label, "uses_heads": score.uses_heads, "lookup": score.lookup, "gate": score.gate,
+            "medusa_choices": score.tree.as_lists() if score.tree is not None else None,
+            "tree_nodes": score.num_nodes - 1 if score.tree is not None else None,
+            "predicted_tau": round(score.tau, 6),
+            "predicted_speedup": round(score.speedup, 6) if score.speedup is not None else None}
+
+
+def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig, out: str | Path,
+                 acceptance_file: str | None = None, latency_file: str | None = None) -> Path:
+    """tree.json: the best tree with heads (what engines load) with its provenance and, for a configuration
+    search, ``recommended``: the fastest configuration overall, which may use no heads at all."""
+    best, headed = result.best, result.best_with_heads
+    tree_score = best if best.tree is not None else (headed if headed is not None else result.optimum)
+    joint = cfg.joint if cfg.joint is not None else stats.has_joint
+    provenance: dict[str, Any] = {
+        "model": stats.meta.get("model"), "heads": stats.meta.get("heads"),
+        "acceptance_file": acceptance_file, "acceptance_sha256": stats.sha256, "latency_file": latency_file,
+        "node_budget": cfg.budget, "predicted_tau": round(tree_score.tau, 6),
+        "predicted_speedup": round(tree_score.speedup, 6) if tree_score.speedup is not None else None,
+        "estimator": "joint replay" if joint else "independence",
+        "search": {"tool": "optuna", "study": cfg.study_name, "storage": cfg.storage, "objective": result.objective,
+                   "space": result.space,
+                   "trials_complete": result.trials_complete, "seed": cfg.seed},
+    }
+    if "selected" in stats.meta:  # a fold of a cross-fitted workload: which rollouts it was fitted on
+        provenance["fitted_on"] = stats.meta["selected"]
+    if tree_score.lookup or tree_score.gate:
+        provenance["decoding"] = {"lookup": tree_score.lookup, "gate": tree_score.gate}
+    if best.typical is not None:
+        provenance["acceptance"] = {"rule": "typical", "temperature": stats.typical.temperature,
+                                    "posterior_threshold": best.typical.posterior_threshold,
+                                    "posterior_alpha": best.typical.posterior_alpha,
+                                    "predicted_regret": round(best.regret, 6), "max_regret": cfg.max_regret,
+                                    "pareto": [{"medusa_choices": s.tree.as_lists(), "tau": round(s.tau, 6),
+                                                "speedup": s.speedup, "regret": round(s.regret, 6),
+                                                "posterior_threshold": s.typical.posterior_threshold,
+                                                "posterior_alpha": s.typical.posterior_alpha}
+                                               for s in result.pareto]}
+    if headed is not None or best.tree is None:
+        provenance["recommended"] = _decoding_json(best)
+        if best.tree is None:
+            provenance["recommended"]["note"] = (
+                "no heads: on this workload and machine the fastest configuration uses none; medusa_choices is the "
+                "fastest configuration with heads" + (f" ({headed.label}, predicted {headed.speedup:.3f}x)"
+                                                      if headed is not None and headed.speedup else ""))
+    return save_tree(tree_score.tree, out, **provenance)
+
+
+def load_recommendation(path: str | Path, with_heads: bool = False) -> Decoding:
+    """The configuration a search file recommends (``recommended``), or with ``with_heads`` its fastest
+    configuration with heads: the file's tree with its lookup chain and gate (``decoding``)."""
+    obj = read_json(path, StatsError, "search file")
+    if not isinstance(obj, dict):
+        raise StatsError(f"search file {path} is not a JSON object")
+    rec = obj.get("recommended")
+    if rec is None or with_heads:
+        decoding = obj.get("decoding") or {}
+        return Decoding(load_tree(str(path)), int(decoding.get("lookup", 0)), float(decoding.get("gate", 0.0)))
+    tree = make_tree(rec["medusa_choices"], name=Path(path).stem) if rec.get("medusa_choices") else None
+    return Decoding(tree, int(rec.get("lookup", 0)), float(rec.get("gate", 0.0)))

@@ -10,7 +10,12 @@ assumption:
 * ``marginal[j][r]``: P(rank of head j == r), a K x k matrix (rows sum to at most 1);
 * ``rollouts``: per calibration sequence, its rank vectors in order, encoded as one string of
   K characters per position (``0-9a-z`` for ranks 0..35, ``.`` for a miss);
-* ``split``: which rollouts are for fitting and which are held out.
+* ``split``: which rollouts are for fitting and which are held out;
+* ``texts`` (optional): per rollout its id (the question it answers), prompt and output token ids, and
+  the heads' top-1 probabilities along their top-1 chain at every position. With them a rollout
+  replays whole configurations, not only trees: the prompt-lookup chain (whose drafts depend on the
+  tokens alone), the confidence gate, and the context length of every step (``treesearch.replay``);
+  and the workload can be cross-fitted by question (``select``).
 
 From rollouts we get two estimators of tau (tokens per step): the *position average*
 1 + E_t[depth(t)], and the *step walk*, which replays the decoder itself along each sequence
@@ -20,7 +25,9 @@ runtime measures when it greedily decodes the same prompts.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import math
 import os
 from collections import Counter
@@ -54,6 +61,21 @@ def decode_ranks(code: str) -> list[int]:
     return [-1 if c == MISS else _DIGITS.index(c) for c in code]
 
 
+@dataclass(frozen=True, eq=False)
+class RolloutText:
+    """What one calibration rollout decoded, beside its rank vectors (P = len(output) - 1 positions)."""
+
+    id: str  # the prompt's id (a question id): folds of the workload are made of these
+    prompt: tuple[int, ...]  # prompt token ids, chat template applied
+    output: tuple[int, ...]  # the base model's greedy tokens y_1 .. y_M (EOS included when it stopped there)
+    gate: np.ndarray | None = None  # [P, K] float32: head j's top-1 probability when heads 0..j-1 read their
+    #                                  own top-1 guesses as parents (what the decoder's confidence gate reads)
+
+    @property
+    def positions(self) -> int:
+        return max(0, len(self.output) - 1)
+
+
 @dataclass(frozen=True)
 class AcceptanceStats:
     """What calibration measured; the input of every tau estimator and of the search."""
@@ -64,6 +86,8 @@ class AcceptanceStats:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # provenance
     sha256: str = ""  # hash of the file it came from
     typical: TypicalStats | None = field(default=None, compare=False, hash=False)  # for typical acceptance
+    texts: tuple[RolloutText, ...] = field(default=(), compare=False, hash=False)  # [rollouts], or () when absent
+    heldout_texts: tuple[RolloutText, ...] = field(default=(), compare=False, hash=False)  # [heldout]
 
     @property
     def num_heads(self) -> int:
@@ -80,6 +104,40 @@ class AcceptanceStats:
     @property
     def positions(self) -> int:
         return sum(len(s) for s in self.rollouts)
+
+    @property
+    def has_texts(self) -> bool:
+        """Token ids stored beside the rank vectors: whole configurations (lookup, gate, context) replay."""
+        return bool(self.texts) and len(self.texts) == len(self.rollouts)
+
+
+def select(stats: AcceptanceStats, keep_ids: Iterable[str] | None = None, drop_ids: Iterable[str] = ()
+           ) -> AcceptanceStats:
+    """The statistics of the rollouts (fitting and held-out together) whose ids are kept and not dropped,
+    as one fitting set: what a fold of a cross-fitted workload is predicted from. The marginal is
+    recomputed from the rollouts kept, so nothing of a dropped rollout is left in the result."""
+    if not stats.has_texts or (stats.heldout and len(stats.heldout_texts) != len(stats.heldout)):
+        raise StatsError("these statistics carry no rollout ids: calibrate again to cross-fit them")
+    keep = None if keep_ids is None else {str(i) for i in keep_ids}
+    drop = {str(i) for i in drop_ids}
+    texts_all = stats.texts + stats.heldout_texts
+    typical_all = (stats.typical.rollouts + stats.typical.heldout) if stats.typical is not None else ()
+    chosen = [i for i, t in enumerate(texts_all) if t.id not in drop and (keep is None or t.id in keep)]
+    if not chosen:
+        raise StatsError("no rollout is left to fit after removing the held-out questions")
+    ranks_all = stats.rollouts + stats.heldout
+    rollouts, texts = tuple(ranks_all[i] for i in chosen), tuple(texts_all[i] for i in chosen)
+    typical = None
+    if stats.typical is not None:
+        from .typical import TypicalStats
+
+        typical = TypicalStats(stats.typical.temperature, tuple(typical_all[i] for i in chosen))
+    selected = {"rollouts": len(rollouts), "dropped_ids": sorted(drop),
+                "kept_ids": None if keep is None else sorted(keep)}
+    # the selection's own hash: studies and caches keyed by it never mix two folds of one file
+    sha = hashlib.sha256(f"{stats.sha256}:{json.dumps(selected, sort_keys=True)}".encode()).hexdigest()
+    return AcceptanceStats(marginal_from_rollouts(rollouts, stats.num_heads, stats.topk), rollouts, (),
+                           {**stats.meta, "selected": selected, "source_sha256": stats.sha256}, sha, typical, texts, ())
 
 
 # ---------------------------------------------------------------------------- validation / I/O
@@ -127,7 +185,35 @@ def stats_to_json(stats: AcceptanceStats) -> dict[str, Any]:
            "heldout": ["".join(encode_ranks(r) for r in seq) for seq in stats.heldout]}
     if stats.typical is not None:
         out["typical"] = typical_to_json(stats.typical)
+    if stats.texts:
+        out["texts"] = {"rollouts": [text_to_json(t) for t in stats.texts],
+                        "heldout": [text_to_json(t) for t in stats.heldout_texts]}
     return out
+
+
+def text_to_json(text: RolloutText) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": text.id, "prompt": list(text.prompt), "output": list(text.output)}
+    if text.gate is not None:  # little-endian float32, base64: the gate compares against thresholds exactly
+        out["gate"] = base64.b64encode(np.asarray(text.gate, dtype="<f4").tobytes()).decode("ascii")
+    return out
+
+
+def text_from_json(obj: Any, num_heads: int) -> RolloutText:
+    if not isinstance(obj, dict) or not all(isinstance(obj.get(k), list) for k in ("prompt", "output")):
+        raise StatsError("each 'texts' entry must be an object with 'prompt' and 'output' token lists")
+    if not all(isinstance(t, int) and t >= 0 for t in obj["prompt"] + obj["output"]):
+        raise StatsError("'texts' token ids must be non-negative integers")
+    text = RolloutText(str(obj.get("id", "")), tuple(obj["prompt"]), tuple(obj["output"]))
+    if obj.get("gate") is None:
+        return text
+    try:
+        raw = base64.b64decode(obj["gate"], validate=True)
+    except (ValueError, TypeError):
+        raise StatsError("'texts' gate is not valid base64") from None
+    if len(raw) != 4 * text.positions * num_heads:
+        raise StatsError(f"'texts' gate holds {len(raw) // 4} values, expected {text.positions} x {num_heads}")
+    gate = np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(text.positions, num_heads)
+    return RolloutText(text.id, text.prompt, text.output, gate)
 
 
 def save_stats(stats: AcceptanceStats, path: str | os.PathLike[str]) -> Path:
@@ -168,9 +254,17 @@ def stats_from_json(obj: Any, sha: str = "") -> AcceptanceStats:
         if [s.logp.shape[0] for s in typical.rollouts] != [len(s) for s in rollouts] or \
                 [s.logp.shape[0] for s in typical.heldout] != [len(s) for s in heldout]:
             raise StatsError("'typical' rollouts do not match the rank rollouts position for position")
-    skip = ("schema", "marginal", "rollouts", "heldout", "num_heads", "topk", "positions", "typical")
+    texts: dict[str, tuple[RolloutText, ...]] = {"rollouts": (), "heldout": ()}
+    if obj.get("texts") is not None:
+        if not isinstance(obj["texts"], dict):
+            raise StatsError("'texts' must be an object with 'rollouts' and 'heldout' lists")
+        for key, ranks in (("rollouts", rollouts), ("heldout", heldout)):
+            texts[key] = tuple(text_from_json(t, k) for t in obj["texts"].get(key, []))
+            if [t.positions for t in texts[key]] != [len(s) for s in ranks]:
+                raise StatsError(f"'texts' {key} do not match the rank rollouts position for position")
+    skip = ("schema", "marginal", "rollouts", "heldout", "num_heads", "topk", "positions", "typical", "texts")
     meta = {key: v for key, v in obj.items() if key not in skip}
-    return AcceptanceStats(marginal, rollouts, heldout, meta, sha, typical)
+    return AcceptanceStats(marginal, rollouts, heldout, meta, sha, typical, texts["rollouts"], texts["heldout"])
 
 
 def load_stats(path: str | os.PathLike[str]) -> AcceptanceStats:
@@ -263,14 +357,22 @@ def step_walk_interval(tree: Tree, rollouts: Sequence[Sequence[Sequence[int]]], 
     """Percentile bootstrap interval of the step-walk tau over rollouts (resampled whole, as the prompts
     were drawn): how far another set of prompts, or another bf16 rollout of the same ones that takes a
     different greedy path, could move it. With 80 MT-Bench first turns its half-width is about 0.06-0.09."""
-    if not 0 < level < 1:
-        raise StatsError(f"level must lie in (0, 1), got {level}")
     walks = [tau_step_walk(tree, [seq]) for seq in rollouts if len(seq)]
     if not walks:
         raise StatsError("no rollouts to replay")
-    tokens = np.array([w.tokens for w in walks], dtype=np.float64)
-    steps = np.array([w.steps for w in walks], dtype=np.float64)
-    pick = np.random.default_rng(seed).integers(0, len(walks), size=(reps, len(walks)))  # [reps, n] resamples
-    taus = tokens[pick].sum(axis=1) / steps[pick].sum(axis=1)  # each resample's tokens per step
-    lo, hi = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
+    return bootstrap_ratio([w.tokens for w in walks], [w.steps for w in walks], level, reps, seed)
+
+
+def bootstrap_ratio(tokens: Sequence[float], steps: Sequence[float], level: float = 0.95, reps: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of sum(tokens) / sum(steps) over units resampled whole (rollouts,
+    questions): the interval of a tokens-per-step or a time ratio."""
+    if not 0 < level < 1:
+        raise StatsError(f"level must lie in (0, 1), got {level}")
+    num, den = np.asarray(tokens, dtype=np.float64), np.asarray(steps, dtype=np.float64)
+    if num.shape != den.shape or num.size == 0:
+        raise StatsError("bootstrap needs one numerator and one denominator per unit")
+    pick = np.random.default_rng(seed).integers(0, num.size, size=(reps, num.size))  # [reps, n] resamples
+    ratios = num[pick].sum(axis=1) / den[pick].sum(axis=1)  # each resample's ratio
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)

@@ -1,0 +1,151 @@
+"""Predicted against measured, per configuration, and ``report.json`` (schema ``medusa-report/1``).
+
+Measured, from the replay's records: tokens/s (total tokens over total time), tau (committed tokens per
+step, from the runtime's accept lengths), the speed-up over the runtime's own plain decoding on the same
+questions with a paired 95 % bootstrap interval (questions resampled whole, both configurations' times
+from the same draw), and the share of greedy outputs identical to plain decoding's. Predicted, from the
+cross-fitted replay of calibration rollouts (``bench.workload``): tau and speed-up over plain.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from treesearch.stats import bootstrap_ratio
+from treesearch.tree import load_tree, write_json_atomic
+
+from .analyze import greedy_equality
+from .runner import MethodConfig
+from .workload import ConfigPrediction, decoding_of
+
+REPORT_SCHEMA = "medusa-report/1"
+TAU_TOLERANCE, SPEEDUP_TOLERANCE = 0.03, 0.05  # what "the prediction holds" means in the report
+
+
+def _per_question(df: pd.DataFrame) -> pd.DataFrame:
+    """[question] tokens, seconds, accepted tokens and steps of one configuration (turns summed)."""
+    acc = df["accept_lengths"].map(lambda a: sum(a) if isinstance(a, list) else 0)
+    return df.assign(accepted=acc).groupby("question_id")[["new_tokens", "wall_time", "accepted", "steps"]].sum()
+
+
+def paired_speedup(df: pd.DataFrame, config: str, reference: str = "plain", seed: int = 0
+                   ) -> tuple[float, tuple[float, float]]:
+    """Speed-up of ``config`` over ``reference`` on the questions both ran: (point, 95 % paired interval).
+
+    speed-up = (tokens_c / time_c) / (tokens_r / time_r) = (tokens_c * time_r) / (tokens_r * time_c); a
+    bootstrap draw resamples questions and sums both configurations' numbers over the same draw."""
+    mine, ref = _per_question(df[df["config"] == config]), _per_question(df[df["config"] == reference])
+    common = mine.index.intersection(ref.index)
+    if common.empty:
+        return float("nan"), (float("nan"), float("nan"))
+    a, b = mine.loc[common], ref.loc[common]
+    rng = np.random.default_rng(seed)
+    tc, sc = a["new_tokens"].to_numpy(float), a["wall_time"].to_numpy(float)
+    tr, sr = b["new_tokens"].to_numpy(float), b["wall_time"].to_numpy(float)
+    point = (tc.sum() / sc.sum()) / (tr.sum() / sr.sum())
+    pick = rng.integers(0, len(common), size=(2000, len(common)))
+    draws = (tc[pick].sum(1) / sc[pick].sum(1)) / (tr[pick].sum(1) / sr[pick].sum(1))
+    lo, hi = np.quantile(draws, [0.025, 0.975])
+    return float(point), (float(lo), float(hi))
+
+
+def measured_tau(df: pd.DataFrame, config: str) -> tuple[float | None, tuple[float, float] | None]:
+    """Committed tokens per step (the runtime's accept lengths) with a bootstrap interval over questions."""
+    sub = df[df["config"] == config]
+    if sub["method"].iloc[0] not in ("plain", "medusa"):
+        return (1.0, (1.0, 1.0)) if sub["method"].iloc[0] == "generate" else (None, None)
+    q = _per_question(sub)
+    if q["steps"].sum() == 0:
+        return None, None
+    return float(q["accepted"].sum() / q["steps"].sum()), bootstrap_ratio(q["accepted"], q["steps"])
+
+
+def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: dict[str, ConfigPrediction],
+              searched: str = "searched") -> pd.DataFrame:
+    """One row per configuration name: what it is, measured, predicted, errors."""
+    same = greedy_equality(df, "plain").set_index("config")["identical_share"]
+    rows = []
+    for name in dict.fromkeys(c.name for c in configs):  # names in order, once (a pick runs per fold)
+        if name not in set(df["config"]):
+            continue
+        cfg = next(c for c in configs if c.name == name)
+        dec = decoding_of(cfg)
+        sub = df[df["config"] == name]
+        tau, tau_ci = measured_tau(df, name)
+        speedup, ci = paired_speedup(df, name)
+        trees = {c.tree for c in configs if c.name == name and c.tree}
+        nodes = sorted({load_tree(t).num_nodes - 1 for t in trees})
+        pred = predictions.get(name)
+        row = {"config": name, "method": cfg.method, "uses_heads": cfg.method == "medusa",
+               "lookup": int(cfg.lookup_tokens) if cfg.method in ("plain", "medusa") else 0,
+               "tree_nodes": (nodes[0] if len(nodes) == 1 else nodes) if nodes else None,
+               "gate": cfg.gate, "accept": cfg.accept if cfg.method == "medusa" else "greedy",
+               "temperature": float(sub["temperature"].max()),
+               "questions": int(sub["question_id"].nunique()), "tokens": int(sub["new_tokens"].sum()),
+               "tokens_per_s": float(sub["new_tokens"].sum() / sub["wall_time"].sum()),
+               "tau": tau, "tau_ci": tau_ci, "speedup_vs_plain": speedup, "speedup_vs_plain_ci": ci,
+               "predicted_tau": pred.tau if pred else None,
+               "predicted_tau_ci": pred.tau_interval if pred else None,
+               "predicted_speedup_vs_plain": pred.speedup if pred else None,
+               "fit_positions": pred.positions if pred else None,
+               "predicted_on": None if pred is None else ("every question" if pred.complete else "a subset"),
+               "searched": name == searched, "predictable": dec is not None,
+               "identical_to_plain": float(same.get(name, float("nan")))}
+        if pred and tau:
+            row["tau_error"] = pred.tau / tau - 1
+            row["speedup_error"] = pred.speedup / speedup - 1
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
+    """Was the pick the fastest? Did every prediction hold within the stated tolerances?"""
+    fastest = card.loc[card["tokens_per_s"].idxmax()]
+    pick = card[card["config"] == searched]
+    # predictions checked: those measured on every question of their folds (a subset carries its own sampling
+    # noise, which cross-fitting does not cancel)
+    predicted = card[card["predicted_tau"].notna() & (card["predicted_on"] == "every question")]
+    out = {"fastest": fastest["config"], "fastest_tokens_per_s": float(fastest["tokens_per_s"]),
+           "tau_tolerance": TAU_TOLERANCE, "speedup_tolerance": SPEEDUP_TOLERANCE,
+           "predictions": int(len(predicted)),
+           "tau_within_tolerance": bool((predicted["tau_error"].abs() <= TAU_TOLERANCE).all()),
+           "speedup_within_tolerance": bool((predicted["speedup_error"].abs() <= SPEEDUP_TOLERANCE).all()),
+           "worst_tau_error": float(predicted["tau_error"].abs().max()) if len(predicted) else None,
+           "worst_speedup_error": float(predicted["speedup_error"].abs().max()) if len(predicted) else None}
+    if not pick.empty:
+        ratio = float(pick["tokens_per_s"].iloc[0] / fastest["tokens_per_s"])
+        out.update(searched=searched, searched_is_fastest=bool(fastest["config"] == searched),
+                   searched_vs_fastest=ratio)
+    return out
+
+
+def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Path:
+    """report.json: machine-readable, names kept stable for other tools (see DESIGN.md, 'Contracts')."""
+    keep = ["config", "uses_heads", "lookup", "tree_nodes", "gate", "accept", "temperature", "questions", "tokens",
+            "tokens_per_s", "tau", "tau_ci", "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_tau",
+            "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on", "fit_positions", "searched",
+            "identical_to_plain"]
+
+    def clean(v):
+        if isinstance(v, tuple):
+            return [clean(x) for x in v]
+        if isinstance(v, (float, np.floating)):
+            return None if np.isnan(v) else round(float(v), 6)
+        if isinstance(v, np.integer):
+            return int(v)
+        if isinstance(v, np.bool_):
+            return bool(v)
+        return v
+
+    configs = [{**{k: clean(r.get(k)) for k in keep}, "quality": None} for r in card.to_dict("records")]
+    obj = {"schema": REPORT_SCHEMA, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "machine": meta.get("machine") or {"platform": platform.platform(), "node": platform.node()},
+           "versions": meta.get("versions", {}), "questions": meta.get("questions", {}),
+           "verdict": {k: clean(v) for k, v in summary.items()}, "configs": configs}
+    return write_json_atomic(out, obj)
