@@ -131,22 +131,42 @@ def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def pack_amx(lib, weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] repacked into the tile layout of the C library's AMX path (zero padded)."""
+    weight = weight.detach().contiguous()
+    packed = torch.empty(lib.lean_amx_packed_size(*weight.shape), dtype=torch.bfloat16)
+    lib.lean_pack_amx(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+    return packed
+
+
 class _KernelLinear:
-    """``y = x W^T`` [M, out] bf16 for a fixed bf16 weight W [out, in], by the C library's GEMV."""
+    """``y = x W^T`` [M, out] for a fixed bf16 weight W [out, in], by the C library (AVX-512 GEMV, or AMX
+    tiles on a packed copy of W): bf16 output, or float32 unrounded (``out_kind`` OUT_F32, the logits)."""
 
-    __slots__ = ("weight", "lib")
+    __slots__ = ("weight", "lib", "packed", "kind", "_xv")
 
-    def __init__(self, weight: torch.Tensor, lib):
+    def __init__(self, weight: torch.Tensor, lib, amx: bool = False, out_kind: int = kernels.OUT_BF16):
         self.weight, self.lib = weight.detach().contiguous(), lib
+        self.packed = pack_amx(lib, self.weight) if amx else None
+        self.kind, self._xv = out_kind, torch.empty(0, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         rows, (out, width) = x.shape[0], self.weight.shape
         if x.dim() != 2 or x.shape[1] != width or x.dtype != self.weight.dtype or x.device.type != "cpu":
             raise EngineError(f"expected a CPU {self.weight.dtype} input [M, {width}], got {x.dtype} {list(x.shape)}")
-        y = torch.empty(rows, out, dtype=self.weight.dtype)
-        self.lib.lean_linear(self.weight.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
-                             kernels.OUT_BF16, torch.get_num_threads())
+        y = torch.empty(rows, out, dtype=torch.float32 if self.kind == kernels.OUT_F32 else self.weight.dtype)
+        threads = torch.get_num_threads()
+        if self.packed is None:
+            self.lib.lean_linear(self.weight.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
+                                 self.kind, threads)
+            return y
+        need = self.lib.lean_amx_scratch_size(rows, width)
+        if self._xv.numel() < need:
+            self._xv = torch.empty(need, dtype=torch.bfloat16)
+        if self.lib.lean_linear_amx(self.packed.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
+                                    self.kind, self._xv.data_ptr(), threads):
+            raise EngineError("the AMX tile unit is unavailable in this process")
         return y
 
 
@@ -206,6 +226,20 @@ def _fuse(layer, pack: bool) -> _Layer:
 # fused weights per model, shared by all its engines (a profile builds one decoder per tree size);
 # keyed by the parameters' version counters too, so a model trained in place gets fresh copies
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AMX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same weights in the AMX tile layout
+
+
+def _amx_weights(model, layers, lm_head: torch.Tensor, lib):
+    """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection) in the tile layout."""
+    stamp = sum(p._version for p in model.parameters())
+    hit = _AMX.get(model)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    with torch.no_grad():
+        packed = (tuple(tuple(pack_amx(lib, lin.weight) for lin in (w.qkv, w.o, w.gate_up, w.down)) for w in layers),
+                  _KernelLinear(lm_head, lib, amx=True, out_kind=kernels.OUT_F32))
+    _AMX[model] = (stamp, packed)
+    return packed
 
 
 def _fused_weights(model, pack: bool):
@@ -247,13 +281,20 @@ class LeanEngine:
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.lib = self._kernel_library(use_kernels)
-        if self.lib is not None:  # the layers' weight addresses, once; the tensors live in _FUSED
+        self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
+        if self.lib is not None:  # the layers' weight addresses, once; the tensors live in _FUSED / _AMX
+            if self.amx:
+                packed, self._logits_kernel = _amx_weights(model, self.layers, self.lm_head, self.lib)
+                mats = [tuple(t.data_ptr() for t in p) for p in packed]
+            else:
+                self._logits_kernel = _KernelLinear(self.lm_head, self.lib, out_kind=kernels.OUT_F32)
+                mats = [(w.qkv.weight.data_ptr(), w.o.weight.data_ptr(), w.gate_up.weight.data_ptr(),
+                         w.down.weight.data_ptr()) for w in self.layers]
             self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
-                kernels.LeanLayer(w.ln1.data_ptr(), w.qkv.weight.data_ptr(), w.o.weight.data_ptr(),
-                                  w.ln2.data_ptr(), w.gate_up.weight.data_ptr(), w.down.weight.data_ptr())
-                for w in self.layers])
+                kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)
+                for w, (qkv, o, gate_up, down) in zip(self.layers, mats)])
             self.intermediate = self.layers[0].down.weight.shape[1]
-            self._work = self._scratch = torch.empty(0)
+            self._work = self._scratch = self._xv = torch.empty(0)
 
     def _kernel_library(self, wanted: bool | None):
         if wanted is None:  # where it pays
@@ -352,26 +393,30 @@ class LeanEngine:
             raise EngineError(f"positions must be {n} values in [0, {self._rope_len})")
         if tree is not None and tuple(tree.shape) != (n, n):
             raise EngineError(f"the tree mask must be [{n}, {n}], got {list(tree.shape)}")
-        need = n * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
+        rows = -(-n // 16) * 16 if self.amx else n  # the tile path reads activations in blocks of 16 rows
+        need = rows * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
-        if self._scratch.numel() < threads * cache.capacity:  # attention scores, per thread
-            self._scratch = torch.empty(threads * cache.capacity, dtype=torch.float32)
+        # attention: a softmax row per thread, and with the tile path every query's scores q . k
+        need_sc = (threads + (n * h if self.amx else 0)) * cache.capacity
+        if self._scratch.numel() < need_sc:
+            self._scratch = torch.empty(need_sc, dtype=torch.float32)
         mask = None if tree is None else tree.to(torch.bool).contiguous()  # [n, n] bytes
+        if self.amx and self._xv.numel() < (need_xv := self.lib.lean_amx_scratch_size(n, max(hsz, inter, h * d))):
+            self._xv = torch.empty(need_xv, dtype=torch.bfloat16)  # the rows in the tile layout, per linear
         hidden = torch.empty(n, hsz, dtype=self.dtype)
         rc = self.lib.lean_forward(
             self._layer_table, len(self.layers), hsz, h, kv, d, inter, self.eps, self.norm.data_ptr(),
             x.data_ptr(), n, pos.data_ptr(), start, cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity,
             None if mask is None else mask.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
-            self._work.data_ptr(), self._scratch.data_ptr(), hidden.data_ptr(), threads)
+            self._work.data_ptr(), self._scratch.data_ptr(), hidden.data_ptr(), threads, int(self.amx),
+            self._xv.data_ptr() if self.amx else None)
         if rc != 0:
-            raise EngineError(f"the C forward cannot run head_dim {d} (at most 256)")
+            raise EngineError(f"the C forward cannot run head_dim {d} (at most 256)" if rc == -1 else
+                              "the AMX tile unit is unavailable in this process")
         if last_only:
             hidden = hidden[-1:]
-        logits = torch.empty(hidden.shape[0], self.lm_head.shape[0], dtype=torch.float32)  # unrounded
-        self.lib.lean_linear(self._logits.weight.data_ptr(), hidden.data_ptr(), hidden.shape[0], self.lm_head.shape[0], hsz,
-                             logits.data_ptr(), None, kernels.OUT_F32, threads)
-        return logits, hidden
+        return self._logits_kernel(hidden), hidden  # logits [n, V] float32, unrounded
 
     def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
         n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
@@ -404,10 +449,10 @@ class LeanEngine:
         return self.lm_head
 
     def projector(self, weight: torch.Tensor) -> _Linear | _KernelLinear:
-        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in]: the C GEMV where the C forward
-        runs, else prepacked like the model's own."""
+        """``x [M, in] -> x W^T [M, out]`` for a fixed weight [out, in]: the C library where the C forward
+        runs (on AMX tiles where it runs there), else prepacked like the model's own."""
         if self.lib is not None:
-            return _KernelLinear(weight, self.lib)
+            return _KernelLinear(weight, self.lib, amx=self.amx)
         return self._logits if weight is self.lm_head else _Linear(weight, self.packed)
 
 
@@ -431,7 +476,9 @@ def c_forward_status(loaded: LoadedModel) -> str:
     if why:
         return f"no (transformers' engine: {why})"
     why = _c_forward_blocker(loaded.device, loaded.dtype)
-    return f"no ({why})" if why else "yes (AVX-512 BF16)"
+    if why:
+        return f"no ({why})"
+    return "yes (AMX-BF16 tiles)" if kernels.amx_path() else "yes (AVX-512 BF16)"
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from medusa_runtime import kernels
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine
+from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx
 from medusa_runtime.heads import resolve_heads
 from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.tree_buffers import build_tree_buffers
@@ -27,29 +27,47 @@ def lib() -> ctypes.CDLL:
     return lib
 
 
-def _linear(lib, w, x, kind, residual=None):
+PATHS = ["avx512", "amx"]  # the C library's two ways to run a linear layer
+
+
+def _need(path: str) -> None:
+    if path == "amx" and not kernels.amx_path():
+        pytest.skip("this CPU (or its kernel) offers no AMX-BF16 tile unit")  # the AVX-512 path is tested alike
+
+
+def _linear(lib, w, x, kind, residual=None, path="avx512"):
     n, out = x.shape[0], w.shape[0]
     y = torch.empty(n, out, dtype=torch.float32 if kind == kernels.OUT_F32 else torch.bfloat16)
-    lib.lean_linear(w.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(),
-                    None if residual is None else residual.data_ptr(), kind, torch.get_num_threads())
+    r = None if residual is None else residual.data_ptr()
+    if path == "amx":
+        packed = pack_amx(lib, w)
+        xa = torch.empty(lib.lean_amx_scratch_size(n, w.shape[1]), dtype=torch.bfloat16)
+        assert lib.lean_linear_amx(packed.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind,
+                                   xa.data_ptr(), torch.get_num_threads()) == 0
+        return y
+    lib.lean_linear(w.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind, torch.get_num_threads())
     return y
 
 
-@pytest.mark.parametrize("out,width", [(1, 32), (7, 40), (67, 576), (960, 576), (576, 1536)])
-def test_linear_matches_float32_products_and_rows_are_independent(lib, out, width):
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("out,width", [(1, 32), (7, 40), (67, 576), (960, 576), (576, 1536), (100, 100)])
+def test_linear_matches_float32_products_and_rows_are_independent(lib, out, width, path):
+    _need(path)
     gen = torch.Generator().manual_seed(out * 1000 + width)
     w = torch.randn(out, width, generator=gen).to(torch.bfloat16)
-    x = torch.randn(9, width, generator=gen).to(torch.bfloat16)  # 9 rows: blocks of 4, 4 and 1
-    got = _linear(lib, w, x, kernels.OUT_F32)
+    x = torch.randn(19, width, generator=gen).to(torch.bfloat16)  # 19 rows: blocks of 4 (AVX-512), 16 (AMX) + rest
+    got = _linear(lib, w, x, kernels.OUT_F32, path=path)
     want = x.double() @ w.double().T  # the exact products of the bf16 inputs
     scale = x.double().abs() @ w.double().abs().T  # error bound scale of a float32 sum
     assert torch.all((got.double() - want).abs() <= 1e-6 * scale + 1e-30)
-    for n in (1, 2, 3, 5):  # any row, in any batch, is the same float as alone
-        assert torch.equal(_linear(lib, w, x[:n].contiguous(), kernels.OUT_F32), got[:n])
-    assert torch.equal(_linear(lib, w, x, kernels.OUT_BF16), got.to(torch.bfloat16))  # rounded once, to nearest even
-    r = torch.randn(9, out, generator=gen).to(torch.bfloat16)
+    for n in (1, 2, 3, 5, 16, 17):  # any row, in any batch, is the same float as alone
+        assert torch.equal(_linear(lib, w, x[:n].contiguous(), kernels.OUT_F32, path=path), got[:n])
+    assert torch.equal(_linear(lib, w, x[18:].contiguous(), kernels.OUT_F32, path=path), got[18:])
+    # rounded once, to nearest even
+    assert torch.equal(_linear(lib, w, x, kernels.OUT_BF16, path=path), got.to(torch.bfloat16))
+    r = torch.randn(19, out, generator=gen).to(torch.bfloat16)
     want_r = (r.float() + got.to(torch.bfloat16).float()).to(torch.bfloat16)  # PyTorch's x + linear(h) in bf16
-    assert torch.equal(_linear(lib, w, x, kernels.OUT_BF16_RESIDUAL, residual=r.clone()), want_r)
+    assert torch.equal(_linear(lib, w, x, kernels.OUT_BF16_RESIDUAL, residual=r.clone(), path=path), want_r)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,25 +103,30 @@ def test_c_forward_is_as_close_to_float32_as_the_torch_path(default_model, defau
     assert same >= 10  # greedy choices agree with float32's (bf16 may flip a near-tie)
 
 
-def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16):
-    """Every node of a 16-node tree, verified in one pass, gets exactly the logits and hidden state its
-    token gets in one-row steps along its path (after the same prompt): the property that makes bf16
-    Medusa decoding equal to bf16 plain decoding."""
-    tree = make_tree(load_tree("mc_sim_7b_63").paths[:15])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("nodes", [16, 40])
+def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, monkeypatch):
+    """Every node of a tree, verified in one pass, gets exactly the logits and hidden state its token gets
+    in one-row steps along its path (after the same prompt): the property that makes bf16 Medusa decoding
+    equal to bf16 plain decoding. On both paths; 40 nodes take the tile path three blocks of rows."""
+    _need(path)
+    monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
+    tree = make_tree(load_tree("mc_sim_7b_63").paths[: nodes - 1])
     buffers = build_tree_buffers(tree, 4, 10)
     engine = LeanEngine(default_bf16, max_nodes=buffers.num_nodes, use_kernels=True)
+    assert engine.amx == (path == "amx")
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, default_bf16.vocab_size, (40,), generator=gen)
     tokens = torch.randint(0, default_bf16.vocab_size, (buffers.num_nodes,), generator=gen)
     with torch.inference_mode():
-        cache = engine.new_cache(64)
+        cache = engine.new_cache(40 + buffers.num_nodes)
         engine.forward(prompt, 0, cache, last_only=True)
         logits, hidden = engine.forward(tokens, 40, cache, tree=buffers.attn_mask,
                                         positions=40 + buffers.position_offsets)
         mask = buffers.attn_mask
         for node in range(buffers.num_nodes):
             path = [a for a in range(buffers.num_nodes) if mask[node, a]]  # its ancestors and itself, in order
-            seq = engine.new_cache(64)
+            seq = engine.new_cache(40 + buffers.num_nodes)
             engine.forward(prompt, 0, seq, last_only=True)
             for i, a in enumerate(path):
                 step_logits, step_hidden = engine.forward(tokens[a: a + 1], 40 + i, seq)

@@ -3,7 +3,9 @@ compiler, cached in the project's cache folder, loaded with ctypes.
 
 ``load()`` returns the library, or ``None`` with the reason in ``unavailable_reason()`` (no C
 compiler, a failed build, ``MEDUSA_LEAN_KERNELS=0``). The engine then keeps its PyTorch path, so the
-kernels are a speed-up only, never a requirement. The build is keyed by the source, the compiler's
+kernels are a speed-up only, never a requirement. ``amx_path()`` says whether the linear layers run on
+the AMX tile unit (a CPU with AMX-BF16 whose kernel grants the tile state; ``MEDUSA_LEAN_AMX=0`` turns
+it off), else on AVX-512 BF16 dot products. The build is keyed by the source, the compiler's
 version and the CPU's flags (``-march=native``), written to a temporary name and renamed into place.
 """
 
@@ -24,6 +26,7 @@ from ..fsutil import atomic_file
 SOURCE = Path(__file__).with_name("lean_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 ENV_SWITCH = "MEDUSA_LEAN_KERNELS"
+AMX_SWITCH = "MEDUSA_LEAN_AMX"
 
 # output kinds of lean_linear (enum in lean_cpu.c)
 OUT_BF16, OUT_BF16_RESIDUAL, OUT_F32 = 0, 1, 2
@@ -69,12 +72,21 @@ def _build(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    p, i, f, z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.lean_has_avx512bf16.restype = i
+    lib.lean_amx_available.restype = i
     lib.lean_linear.argtypes = [p, p, i, i, i, p, p, i, i]
     lib.lean_linear.restype = None
+    lib.lean_linear_amx.argtypes = [p, p, i, i, i, p, p, i, p, i]
+    lib.lean_linear_amx.restype = i
+    lib.lean_pack_amx.argtypes = [p, i, i, p]
+    lib.lean_pack_amx.restype = None
+    lib.lean_amx_packed_size.argtypes = [i, i]
+    lib.lean_amx_packed_size.restype = z
+    lib.lean_amx_scratch_size.argtypes = [i, i]
+    lib.lean_amx_scratch_size.restype = z
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
-                                 p, p, p, i]
+                                 p, p, p, i, i, p]
     lib.lean_forward.restype = i
     return lib
 
@@ -105,6 +117,12 @@ def load() -> ctypes.CDLL | None:
 def unavailable_reason() -> str | None:
     load()
     return _state["why"]  # type: ignore[return-value]
+
+
+def amx_path() -> bool:
+    """True when the library runs its linear layers on AMX tiles here (CPU, kernel permission, not switched off)."""
+    lib = load()
+    return bool(lib is not None and os.environ.get(AMX_SWITCH, "1") != "0" and lib.lean_amx_available())
 
 
 def fast_path() -> bool:

@@ -18,6 +18,15 @@
  * Layouts (all row-major, contiguous): weights W [out, in]; activations [n, width]; the KV cache
  * [layers, kv_heads, capacity, head_dim]; cos/sin tables [capacity, head_dim] with rotate_half's
  * sign folded into sin (sin[j] negated for j < D/2), as engine.py builds them.
+ *
+ * AMX. On CPUs with AMX-BF16 (and a kernel that grants the tile state), the linear layers run on the
+ * tile unit instead: weights repacked once into 16 x 32 tiles ([out/16][in/32][16][32], zero padded),
+ * up to 16 activation rows per tile product, float32 accumulation in the tile, one tile product per
+ * 16 x 32 weight block whatever the number of rows. So a verify of up to 16 rows streams the weights
+ * once at about the cost of one row, and (every output element still computed by the same sequence
+ * of tile products, whatever the rows beside it) a tree row stays bit-for-bit its one-row step.
+ * Both paths round and add residuals identically; they differ from each other in the low bits of the
+ * float32 sums, so one process uses one of them for all its decode steps.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +37,16 @@
 #define LEAN_AVX512BF16 1
 #else
 #define LEAN_AVX512BF16 0
+#endif
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LEAN_AMX_BUILD 1
+#define AMX_FN __attribute__((target("amx-tile,amx-bf16")))
+#else
+#define LEAN_AMX_BUILD 0
 #endif
 
 typedef uint16_t bf16;
@@ -136,6 +155,16 @@ static inline __m512 exp16(__m512 x) {
 static inline __m512 load16_bf16(const bf16 *p) {  /* 16 bf16 -> 16 float32 (exact) */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+static inline __m512 widen16(__m256i h) {  /* 16 bf16 in a register -> 16 float32 (exact) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 float32 -> 16 bf16, round to nearest even (what f2bf does for every finite value this forward meets) */
+static inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* v rounded to bf16 and back to float32: bf2f(f2bf(v)) for 16 lanes */
+static inline __m512 round16(__m512 v) { return widen16(narrow16(v)); }
 #endif
 
 /* exp over an array in place; -inf (a masked score) gives exactly 0 */
@@ -202,6 +231,213 @@ static void linear_rows(const bf16 *w, const bf16 *x, int n, int out, int in, vo
     }
 }
 
+
+/* ------------------------------------------------------------------ AMX linear layers */
+
+#define TILE_K 32  /* bf16 per tile row (64 bytes) */
+#define TILE_M 16  /* rows per tile */
+#ifndef AMX_GROUP
+#define AMX_GROUP 2 /* output blocks of 16 sharing one activation tile, packed side by side (2 or 4) */
+#endif
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 8 /* prefetch distance in kb steps of a group (2 KB of weights each), into L2 */
+#endif
+
+static inline int pad_to(int v, int m) { return (v + m - 1) / m * m; }
+
+/* Elements of a packed weight: [ceil(out/64)][ceil(in/32)][4 blocks][16 k-pairs][16 outputs][2], zero padded. */
+size_t lean_amx_packed_size(int out, int in) {
+    return (size_t)pad_to(out, TILE_M * AMX_GROUP) * (size_t)pad_to(in, TILE_K);
+}
+
+/* W [out, in] -> packed tiles, once per weight. Tile (group, kb, j) is the B operand of the tile product for
+ * outputs (4 group + j) * 16 .. + 15 and inputs kb * 32 .. + 31, in the pair-interleaved layout the tile
+ * product reads: B[kk][m][p] = W[o0 + m][k0 + 2 kk + p]. For a group, the 4 tiles of one kb lie side by
+ * side and the kb follow each other: the weights stream in one contiguous pass. */
+void lean_pack_amx(const bf16 *w, int out, int in, bf16 *packed) {
+    int kb_n = pad_to(in, TILE_K) / TILE_K, groups = pad_to(out, TILE_M * AMX_GROUP) / (TILE_M * AMX_GROUP);
+#pragma omp parallel for schedule(static)
+    for (int gi = 0; gi < groups; ++gi)
+        for (int kb = 0; kb < kb_n; ++kb)
+            for (int j = 0; j < AMX_GROUP; ++j) {
+                bf16 *tile = packed + (((size_t)gi * kb_n + kb) * AMX_GROUP + j) * TILE_M * TILE_K;
+                for (int kk = 0; kk < 16; ++kk)
+                    for (int m = 0; m < 16; ++m)
+                        for (int p = 0; p < 2; ++p) {
+                            int o = (gi * AMX_GROUP + j) * TILE_M + m, c = kb * TILE_K + 2 * kk + p;
+                            tile[(kk * 16 + m) * 2 + p] = (o < out && c < in) ? w[(size_t)o * in + c] : 0;
+                        }
+            }
+}
+
+#if LEAN_AMX_BUILD
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_state = -1; /* -1 unknown, 0 unavailable, 1 granted */
+
+/* 1 when the CPU has AMX-BF16 and the kernel grants this process the tile data state (Linux asks for it
+ * once per process: arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) */
+int lean_amx_available(void) {
+    if (amx_state >= 0) return amx_state;
+    unsigned a, b, c, d;
+    amx_state = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        __cpuid_count(7, 0, a, b, c, d);
+        int tile = (d >> 24) & 1, bf = (d >> 22) & 1;
+        if (tile && bf && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0)
+            amx_state = 1;
+    }
+    return amx_state;
+}
+
+/* tiles 0-3: C (16 activation rows x 16 outputs, float32), 4: A (16 activation rows x 32 inputs),
+ * 5-6: B (16 input pairs x 16 outputs x 2), alternating */
+AMX_FN static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 7; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* x [n, in] -> xa [chunks of 16 rows][in/32][16 rows][32]: the A operand, zero padded (rows past n, inputs
+ * past in), so that a tile load never reads outside the scratch */
+static void amx_pack_rows(const bf16 *x, int n, int in, bf16 *xa) {
+    int kb_n = pad_to(in, TILE_K) / TILE_K, chunks = (n + 15) / 16;
+#pragma omp for schedule(static)
+    for (int t = 0; t < chunks * 16; ++t) {  /* one activation row (real or padding) per task */
+        int ch = t / 16, r = t % 16, row = ch * 16 + r;
+        for (int kb = 0; kb < kb_n; ++kb) {
+            bf16 *dst = xa + (((size_t)ch * kb_n + kb) * 16 + r) * TILE_K;
+            int len = row < n ? (in - kb * TILE_K < TILE_K ? in - kb * TILE_K : TILE_K) : 0;
+            if (len > 0) memcpy(dst, x + (size_t)row * in + kb * TILE_K, (size_t)len * sizeof(bf16));
+            if (len < TILE_K) memset(dst + len, 0, (size_t)(TILE_K - len) * sizeof(bf16));
+        }
+    }
+}
+
+/* C_j [16 rows x 16 outputs] = sum over kb of A_kb B_{kb,j}, for the output blocks of one group */
+/* a: the A operand of kb = 0 (16 rows x 32 inputs), a_kb its distance to the next kb, a_stride its row stride
+ * in bytes: the packed rows (512, 64) or the activation rows themselves (32, 2 in) */
+AMX_FN static void amx_group(const bf16 *wg, int kb_n, const bf16 *a, size_t a_kb, int a_stride,
+                             float c[AMX_GROUP][256]) {
+    _tile_zero(0);
+    _tile_zero(1);
+#if AMX_GROUP == 4
+    _tile_zero(2);
+    _tile_zero(3);
+#endif
+    for (int kb = 0; kb < kb_n; ++kb) {
+        const bf16 *b = wg + (size_t)kb * AMX_GROUP * 512;
+        /* the weights AMX_PREFETCH kb steps ahead on their way into the caches meanwhile; past the end of this
+         * group it is the next group's, which this thread takes next (prefetches never fault) */
+        const char *ahead = (const char *)(b + (size_t)AMX_PREFETCH * AMX_GROUP * 512);
+        for (int line = 0; line < AMX_GROUP * 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+        _tile_loadd(4, a + (size_t)kb * a_kb, a_stride);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+#if AMX_GROUP == 4
+        _tile_loadd(5, b + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+#endif
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+#if AMX_GROUP == 4
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+#endif
+}
+
+/* 16 float32 sums -> y[0..len) as store_out does for each (bf16 by round to nearest even, plus a residual) */
+static inline void store16(void *y, const bf16 *r, int kind, size_t at, const float *v, int len) {
+#if LEAN_AVX512BF16
+    if (len == 16 && kind != OUT_F32) {
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v));  /* round to nearest even */
+        if (kind == OUT_BF16_RESIDUAL) {
+            __m512 sum = _mm512_add_ps(load16_bf16(r + at), _mm512_castsi512_ps(_mm512_slli_epi32(
+                                            _mm512_cvtepu16_epi32(h), 16)));
+            h = (__m256i)_mm512_cvtneps_pbh(sum);
+        }
+        _mm256_storeu_si256((__m256i *)((bf16 *)y + at), h);
+        return;
+    }
+    if (len == 16) {
+        _mm512_storeu_ps((float *)y + at, _mm512_loadu_ps(v));
+        return;
+    }
+#endif
+    for (int m = 0; m < len; ++m) store_out(y, r, kind, at + m, v[m]);
+}
+
+/* y = x W^T on the tile unit (wp: lean_pack_amx of W [out, in]). x_padded: x has rows up to a multiple of 16
+ * (their values unused: an output row depends on its own input row only) and in is a multiple of 32, so the
+ * tiles load the rows where they are; else they are first copied, zero padded, into xa (room for
+ * amx_pack_rows of x). Called inside a parallel region whose threads have loaded the tile configuration. */
+static void linear_rows_amx(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
+                            bf16 *xa, int x_padded) {
+    int kb_n = pad_to(in, TILE_K) / TILE_K, chunks = (n + 15) / 16;
+    int groups = pad_to(out, TILE_M * AMX_GROUP) / (TILE_M * AMX_GROUP);
+    int direct = x_padded && in % TILE_K == 0;
+    if (!direct) amx_pack_rows(x, n, in, xa); /* ends with the barrier of its omp for */
+#pragma omp for schedule(static)
+    for (int gi = 0; gi < groups; ++gi) {
+        float c[AMX_GROUP][256]; /* [block][activation row * 16 + output] */
+        const bf16 *wg = wp + (size_t)gi * kb_n * AMX_GROUP * 512;
+        for (int ch = 0; ch < chunks; ++ch) {
+            if (direct)
+                amx_group(wg, kb_n, x + (size_t)ch * 16 * in, TILE_K, 2 * in, c);
+            else
+                amx_group(wg, kb_n, xa + (size_t)ch * kb_n * 512, 512, 64, c);
+            int rows = n - ch * 16 < 16 ? n - ch * 16 : 16;
+            for (int j = 0; j < AMX_GROUP; ++j) {
+                int o0 = (gi * AMX_GROUP + j) * TILE_M, len = out - o0 < 16 ? out - o0 : 16;
+                if (len <= 0) break;
+                for (int rr = 0; rr < rows; ++rr)
+                    store16(y, r, kind, (size_t)(ch * 16 + rr) * out + o0, c[j] + rr * 16, len);
+            }
+        }
+    }
+}
+
+AMX_FN static void amx_release(void) { _tile_release(); }
+
+/* the tile version of lean_linear: wp packed by lean_pack_amx, xa scratch of lean_amx_scratch_size(n, in)
+ * bf16. Returns 0, or -2 where the tile unit is unavailable (nothing computed). */
+int lean_linear_amx(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
+                    bf16 *xa, int nthreads) {
+    if (!lean_amx_available()) return -2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        amx_configure();
+        linear_rows_amx(wp, x, n, out, in, y, r, kind, xa, 0);
+        amx_release();
+    }
+    return 0;
+}
+#else
+int lean_amx_available(void) { return 0; }
+int lean_linear_amx(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
+                    bf16 *xa, int nthreads) {
+    (void)wp; (void)x; (void)n; (void)out; (void)in; (void)y; (void)r; (void)kind; (void)xa; (void)nthreads;
+    return -2;
+}
+#endif
+
+/* bf16 elements of the row scratch the tile path needs for n rows of width `in` */
+size_t lean_amx_scratch_size(int n, int in) { return (size_t)((n + 15) / 16) * pad_to(in, TILE_K) * 16; }
+
 /* the same as a standalone call (the heads' projections, the logits) */
 void lean_linear(const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
                  int nthreads) {
@@ -216,10 +452,28 @@ static void rmsnorm_rows(const bf16 *x, const bf16 *w, int n, int h, float eps, 
 #pragma omp for schedule(static)
     for (int i = 0; i < n; ++i) {
         const bf16 *xi = x + (size_t)i * h;
+        bf16 *yi = y + (size_t)i * h;
+        int k = 0;
+#if LEAN_AVX512BF16
+        __m512 acc = _mm512_setzero_ps();
+        for (; k + 16 <= h; k += 16) {
+            __m512 v = load16_bf16(xi + k);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        float ss = _mm512_reduce_add_ps(acc);
+#else
         float ss = 0.f;
-        for (int k = 0; k < h; ++k) ss += bf2f(xi[k]) * bf2f(xi[k]);
+#endif
+        for (int t = k; t < h; ++t) ss += bf2f(xi[t]) * bf2f(xi[t]);
         float r = 1.0f / sqrtf(ss / (float)h + eps);
-        for (int k = 0; k < h; ++k) y[(size_t)i * h + k] = f2bf(bf2f(w[k]) * bf2f(f2bf(bf2f(xi[k]) * r)));
+        k = 0;
+#if LEAN_AVX512BF16
+        for (; k + 16 <= h; k += 16) {
+            __m512 v = round16(_mm512_mul_ps(load16_bf16(xi + k), _mm512_set1_ps(r)));
+            _mm256_storeu_si256((__m256i *)(yi + k), narrow16(_mm512_mul_ps(load16_bf16(w + k), v)));
+        }
+#endif
+        for (; k < h; ++k) yi[k] = f2bf(bf2f(w[k]) * bf2f(f2bf(bf2f(xi[k]) * r)));
     }
 }
 
@@ -242,6 +496,17 @@ static void rope_rows(const bf16 *qkv, int n, int nh, int nkv, int d, const int6
             continue;
         }
         const bf16 *c = cos_t + (size_t)pos[i] * d, *s = sin_t + (size_t)pos[i] * d;
+#if LEAN_AVX512BF16
+        if (half % 16 == 0) {
+            for (int j = 0; j < d; j += 16) {
+                int jp = (j + half) % d;  /* the rotated half: a 16-lane block never straddles it */
+                __m512 a = round16(_mm512_mul_ps(load16_bf16(x + j), load16_bf16(c + j)));
+                __m512 b = round16(_mm512_mul_ps(load16_bf16(x + jp), load16_bf16(s + j)));
+                _mm256_storeu_si256((__m256i *)(dst + j), narrow16(_mm512_add_ps(a, b)));
+            }
+            continue;
+        }
+#endif
         for (int j = 0; j < d; ++j) {
             float a = bf2f(f2bf(bf2f(x[j]) * bf2f(c[j])));
             float b = bf2f(f2bf(bf2f(x[(j + half) % d]) * bf2f(s[j])));
@@ -257,12 +522,22 @@ static void silu_mul_rows(const bf16 *gu, int n, int inter, bf16 *act) {
     for (int t = 0; t < tasks; ++t) {
         int i = t / chunks, j0 = (t % chunks) * 16, len = inter - j0 < 16 ? inter - j0 : 16;
         const bf16 *g = gu + (size_t)i * 2 * inter + j0, *u = g + inter;
+        bf16 *out = act + (size_t)i * inter + j0;
+#if LEAN_AVX512BF16
+        if (len == 16) {
+            __m512 gv = load16_bf16(g);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            __m512 sv = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_storeu_si256((__m256i *)out, narrow16(_mm512_mul_ps(sv, load16_bf16(u))));
+            continue;
+        }
+#endif
         float e[16];
         for (int c = 0; c < len; ++c) e[c] = -bf2f(g[c]);
         exp_inplace(e, len);
         for (int c = 0; c < len; ++c) {
             float s = bf2f(f2bf(bf2f(g[c]) / (1.0f + e[c])));
-            act[(size_t)i * inter + j0 + c] = f2bf(s * bf2f(u[c]));
+            out[c] = f2bf(s * bf2f(u[c]));
         }
     }
 }
@@ -275,7 +550,8 @@ static void silu_mul_rows(const bf16 *gu, int n, int inter, bf16 *act) {
  * result depends only on the keys it sees, not on where the other rows' keys are). scratch holds
  * `start + n` floats per thread. */
 static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n, int nh, int nkv, int d, int cap,
-                           int start, const uint8_t *tree, float scale, float *scratch, bf16 *out) {
+                           int start, const uint8_t *tree, float scale, float *scratch, const float *scores,
+                           bf16 *out) {
     int group = nh / nkv, tasks = n * nh, end = start + n;
     float *sc = scratch + (size_t)omp_get_thread_num() * end;
     float acc[256];
@@ -284,10 +560,11 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
         int i = t / nh, hd = t % nh;
         const bf16 *qi = q + ((size_t)i * nh + hd) * d;
         const bf16 *kh = kc + (size_t)(hd / group) * cap * d, *vh = vc + (size_t)(hd / group) * cap * d;
+        const float *given = scores ? scores + (size_t)t * end : NULL; /* q . k from the tile unit */
         float mx = -INFINITY;
         for (int j = 0; j < end; ++j) {
             int seen = j < start || (tree ? tree[(size_t)i * n + (j - start)] : j - start <= i);
-            sc[j] = seen ? dot_bf16(qi, kh + (size_t)j * d, d) * scale : -INFINITY;
+            sc[j] = seen ? (given ? given[j] : dot_bf16(qi, kh + (size_t)j * d, d)) * scale : -INFINITY;
             if (sc[j] > mx) mx = sc[j];
         }
         for (int j = 0; j < end; ++j) sc[j] -= mx;  /* -inf stays -inf */
@@ -314,6 +591,55 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
     }
 }
 
+#if LEAN_AMX_BUILD
+/* q . k for every query (row i, head hd) and key slot j < start + n, on the tile unit: scores[i * nh + hd][j].
+ * Per kv head and block of 16 of its queries (the group's heads, row after row): C [16 keys x 16 queries] =
+ * sum over the head dim in blocks of 32 of A (16 keys straight from the cache) times B (the queries' dims
+ * in pairs). Each score depends on its query and key alone, so a tree row's scores are its one-row step's.
+ * Needs d a multiple of 32 (the caller checks). */
+AMX_FN static void attention_scores_amx(const bf16 *q, const bf16 *kc, int n, int nh, int nkv, int d, int cap,
+                                        int start, float *scores) {
+    int group = nh / nkv, end = start + n, kb_n = d / 32, nq = n * group, qblocks = (nq + 15) / 16;
+    int kblocks = (end + 15) / 16;
+#pragma omp for schedule(static)
+    for (int t = 0; t < nkv * qblocks; ++t) {
+        int g = t / qblocks, q0 = (t % qblocks) * 16;
+        bf16 b[8][512]; /* [kb][16 dim pairs][16 queries][2] */
+        int qidx[16];   /* row * nh + head of each query in the block, -1 past the last */
+        for (int c = 0; c < 16; ++c) {
+            int qq = q0 + c;
+            qidx[c] = qq < nq ? (qq / group) * nh + g * group + qq % group : -1;
+        }
+        for (int kb = 0; kb < kb_n; ++kb)
+            for (int kk = 0; kk < 16; ++kk)
+                for (int c = 0; c < 16; ++c)
+                    for (int p = 0; p < 2; ++p)
+                        b[kb][(kk * 16 + c) * 2 + p] = qidx[c] < 0 ? 0 : q[(size_t)qidx[c] * d + kb * 32 + 2 * kk + p];
+        const bf16 *kh = kc + (size_t)g * cap * d;
+        bf16 tail[16 * 256]; /* the last key block, zero padded, when 16 slots would run past the cache */
+        float c[256];
+        for (int jb = 0; jb < kblocks; ++jb) {
+            int j0 = jb * 16, keys = end - j0 < 16 ? end - j0 : 16;
+            const bf16 *a = kh + (size_t)j0 * d;
+            if (j0 + 16 > cap) {
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, a, (size_t)keys * d * sizeof(bf16));
+                a = tail;
+            }
+            _tile_zero(0);
+            for (int kb = 0; kb < kb_n; ++kb) {
+                _tile_loadd(4, a + kb * 32, 2 * d);
+                _tile_loadd(5, b[kb], 64);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, c, 64);
+            for (int cq = 0; cq < 16 && qidx[cq] >= 0; ++cq)
+                for (int kk = 0; kk < keys; ++kk) scores[(size_t)qidx[cq] * end + j0 + kk] = c[kk * 16 + cq];
+        }
+    }
+}
+#endif
+
 /* ------------------------------------------------------------------ the forward */
 
 /* One layer's weights, as addresses (bf16 unless noted). */
@@ -321,35 +647,65 @@ typedef struct {
     const bf16 *ln1, *qkv, *o, *ln2, *gate_up, *down;
 } LeanLayer;
 
+/* one linear layer of the forward on the path chosen for the call (wp: packed when amx) */
+static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
+                              int kind, bf16 *xv) {
+#if LEAN_AMX_BUILD
+    if (amx) {
+        linear_rows_amx(w, x, n, out, in, y, r, kind, xv, 1);
+        return;
+    }
+#else
+    (void)amx; (void)xv;
+#endif
+    linear_rows(w, x, n, out, in, y, r, kind);
+}
+
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
- * final RMSNorm applied. work: bf16 scratch of n * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements;
- * scratch: float32, nthreads * (start + n). Returns 0, or -1 if a head_dim is over 256. */
+ * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
+ * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (nthreads + (amx ? n nh : 0)) *
+ * (start + n). amx: the layers' weights are packed (lean_pack_amx) and the linear layers (and q . k) run on
+ * the tile unit (xv: lean_amx_scratch_size(n, max(H, I, nh D)) bf16, used where a width is not a multiple of
+ * 32; otherwise the activations are read in place).
+ * Returns 0, or -1 if a head_dim is over 256. */
 int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter, float eps,
                  const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, int start, bf16 *kcache, bf16 *vcache,
                  int cap, const uint8_t *tree, const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch,
-                 bf16 *hidden, int nthreads) {
+                 bf16 *hidden, int nthreads, int amx, bf16 *xv) {
     if (d > 256) return -1;
-    int qkv_w = (nh + 2 * nkv) * d;
-    bf16 *h = work, *qkv = h + (size_t)n * hsz, *q = qkv + (size_t)n * qkv_w, *att = q + (size_t)n * nh * d,
-         *gu = att + (size_t)n * nh * d, *act = gu + (size_t)n * 2 * inter;
+    if (amx && !lean_amx_available()) return -2; /* no tile unit, or the kernel refused its state */
+    int qkv_w = (nh + 2 * nkv) * d, rows = amx ? (n + 15) / 16 * 16 : n; /* the tile path reads 16-row blocks */
+    bf16 *h = work, *qkv = h + (size_t)rows * hsz, *q = qkv + (size_t)rows * qkv_w, *att = q + (size_t)rows * nh * d,
+         *gu = att + (size_t)rows * nh * d, *act = gu + (size_t)rows * 2 * inter;
     float scale = 1.0f / sqrtf((float)d);
     size_t layer_kv = (size_t)nkv * cap * d;
+    /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
+    float *scores = amx && d % 32 == 0 ? scratch + (size_t)nthreads * (start + n) : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
+#if LEAN_AMX_BUILD
+        if (amx) amx_configure();
+#endif
         for (int l = 0; l < num_layers; ++l) {
             const LeanLayer *w = layers + l;
             bf16 *kc = kcache + l * layer_kv, *vc = vcache + l * layer_kv;
             rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
-            linear_rows(w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16);
+            linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv);
             rope_rows(qkv, n, nh, nkv, d, pos, cos_t, sin_t, q, kc, vc, cap, start);
-            attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, att);
-            linear_rows(w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL);
+#if LEAN_AMX_BUILD
+            if (scores) attention_scores_amx(q, kc, n, nh, nkv, d, cap, start, scores);
+#endif
+            attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, scores, att);
+            linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv);
             rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
-            linear_rows(w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16);
+            linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv);
             silu_mul_rows(gu, n, inter, act);
-            linear_rows(w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL);
+            linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv);
         }
         rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
+#if LEAN_AMX_BUILD
+        if (amx) amx_release();
+#endif
     }
     return 0;
 }
