@@ -236,9 +236,7 @@ static void linear_rows(const bf16 *w, const bf16 *x, int n, int out, int in, vo
 
 #define TILE_K 32  /* bf16 per tile row (64 bytes) */
 #define TILE_M 16  /* rows per tile */
-#ifndef AMX_GROUP
-#define AMX_GROUP 2 /* output blocks of 16 sharing one activation tile, packed side by side (2 or 4) */
-#endif
+#define AMX_GROUP 2 /* output blocks of 16 sharing one activation tile, packed side by side */
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 8 /* prefetch distance in kb steps of a group (2 KB of weights each), into L2 */
 #endif
@@ -294,13 +292,13 @@ int lean_amx_available(void) {
     return amx_state;
 }
 
-/* tiles 0-3: C (16 activation rows x 16 outputs, float32), 4: A (16 activation rows x 32 inputs),
- * 5-6: B (16 input pairs x 16 outputs x 2), alternating */
+/* tiles 0-3: C (16 activation rows x 16 outputs, float32), 4-5: A (16 activation rows x 32 inputs),
+ * 6-7: B (16 input pairs x 16 outputs x 2); the attention's q . k uses 0, 4 and 5 */
 AMX_FN static void amx_configure(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -323,41 +321,40 @@ static void amx_pack_rows(const bf16 *x, int n, int in, bf16 *xa) {
     }
 }
 
-/* C_j [16 rows x 16 outputs] = sum over kb of A_kb B_{kb,j}, for the output blocks of one group */
-/* a: the A operand of kb = 0 (16 rows x 32 inputs), a_kb its distance to the next kb, a_stride its row stride
- * in bytes: the packed rows (512, 64) or the activation rows themselves (32, 2 in) */
-AMX_FN static void amx_group(const bf16 *wg, int kb_n, const bf16 *a, size_t a_kb, int a_stride,
-                             float c[AMX_GROUP][256]) {
+/* The tile products of one group (2 output blocks of 16) for one or two 16-row chunks of activations:
+ * C[ch][j] [16 rows x 16 outputs] = sum over kb of A[ch]_kb B_{kb,j}. a0, a1: the A operands of kb = 0 for the
+ * two chunks (a1 NULL: one chunk), a_kb their distance to the next kb, a_stride their row stride in bytes (the
+ * packed rows: 512, 64; the activation rows in place: 32, 2 in). Every C element sees the same products in the
+ * same order however many chunks run beside it. Tiles: 0-3 C, 4-5 A, 6-7 B. */
+AMX_FN static void amx_group(const bf16 *wg, int kb_n, const bf16 *a0, const bf16 *a1, size_t a_kb, int a_stride,
+                             float c[2][AMX_GROUP][256]) {
     _tile_zero(0);
     _tile_zero(1);
-#if AMX_GROUP == 4
     _tile_zero(2);
     _tile_zero(3);
-#endif
     for (int kb = 0; kb < kb_n; ++kb) {
         const bf16 *b = wg + (size_t)kb * AMX_GROUP * 512;
         /* the weights AMX_PREFETCH kb steps ahead on their way into the caches meanwhile; past the end of this
          * group it is the next group's, which this thread takes next (prefetches never fault) */
         const char *ahead = (const char *)(b + (size_t)AMX_PREFETCH * AMX_GROUP * 512);
         for (int line = 0; line < AMX_GROUP * 1024; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-        _tile_loadd(4, a + (size_t)kb * a_kb, a_stride);
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b + 512, 64);
-        _tile_dpbf16ps(1, 4, 6);
-#if AMX_GROUP == 4
-        _tile_loadd(5, b + 1024, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, b + 1536, 64);
-        _tile_dpbf16ps(3, 4, 6);
-#endif
+        _tile_loadd(4, a0 + (size_t)kb * a_kb, a_stride);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (a1) {
+            _tile_loadd(5, a1 + (size_t)kb * a_kb, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-#if AMX_GROUP == 4
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
-#endif
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    if (a1) {
+        _tile_stored(2, c[1][0], 64);
+        _tile_stored(3, c[1][1], 64);
+    }
 }
 
 /* 16 float32 sums -> y[0..len) as store_out does for each (bf16 by round to nearest even, plus a residual) */
@@ -393,19 +390,24 @@ static void linear_rows_amx(const bf16 *wp, const bf16 *x, int n, int out, int i
     if (!direct) amx_pack_rows(x, n, in, xa); /* ends with the barrier of its omp for */
 #pragma omp for schedule(static)
     for (int gi = 0; gi < groups; ++gi) {
-        float c[AMX_GROUP][256]; /* [block][activation row * 16 + output] */
+        float c[2][AMX_GROUP][256]; /* [chunk][block][activation row * 16 + output] */
         const bf16 *wg = wp + (size_t)gi * kb_n * AMX_GROUP * 512;
-        for (int ch = 0; ch < chunks; ++ch) {
+        for (int ch = 0; ch < chunks; ch += 2) { /* two chunks of rows per pass over the group's weights */
+            int pair = ch + 1 < chunks;
             if (direct)
-                amx_group(wg, kb_n, x + (size_t)ch * 16 * in, TILE_K, 2 * in, c);
+                amx_group(wg, kb_n, x + (size_t)ch * 16 * in, pair ? x + (size_t)(ch + 1) * 16 * in : NULL, TILE_K,
+                          2 * in, c);
             else
-                amx_group(wg, kb_n, xa + (size_t)ch * kb_n * 512, 512, 64, c);
-            int rows = n - ch * 16 < 16 ? n - ch * 16 : 16;
-            for (int j = 0; j < AMX_GROUP; ++j) {
-                int o0 = (gi * AMX_GROUP + j) * TILE_M, len = out - o0 < 16 ? out - o0 : 16;
-                if (len <= 0) break;
-                for (int rr = 0; rr < rows; ++rr)
-                    store16(y, r, kind, (size_t)(ch * 16 + rr) * out + o0, c[j] + rr * 16, len);
+                amx_group(wg, kb_n, xa + (size_t)ch * kb_n * 512, pair ? xa + (size_t)(ch + 1) * kb_n * 512 : NULL,
+                          512, 64, c);
+            for (int u = 0; u <= pair; ++u) {
+                int c0 = ch + u, rows = n - c0 * 16 < 16 ? n - c0 * 16 : 16;
+                for (int j = 0; j < AMX_GROUP; ++j) {
+                    int o0 = (gi * AMX_GROUP + j) * TILE_M, len = out - o0 < 16 ? out - o0 : 16;
+                    if (len <= 0) break;
+                    for (int rr = 0; rr < rows; ++rr)
+                        store16(y, r, kind, (size_t)(c0 * 16 + rr) * out + o0, c[u][j] + rr * 16, len);
+                }
             }
         }
     }
@@ -548,12 +550,13 @@ static void silu_mul_rows(const bf16 *gu, int n, int inter, bf16 *act) {
  * tree[i, a] (tree: [n, n] bytes; NULL = causal, slots [0, start + i]). Out [n, nh * D] bf16.
  * Scores, softmax and the weighted sum in float32, every key's terms added in slot order (so a row's
  * result depends only on the keys it sees, not on where the other rows' keys are). scratch holds
- * `start + n` floats per thread. */
+ * 2 (start + n) floats per thread. */
 static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n, int nh, int nkv, int d, int cap,
                            int start, const uint8_t *tree, float scale, float *scratch, const float *scores,
                            bf16 *out) {
     int group = nh / nkv, tasks = n * nh, end = start + n;
-    float *sc = scratch + (size_t)omp_get_thread_num() * end;
+    float *sc = scratch + (size_t)omp_get_thread_num() * 2 * end; /* end scores, then end seen-key indices */
+    int *seen_idx = (int *)(sc + end);
     float acc[256];
 #pragma omp for schedule(static)
     for (int t = 0; t < tasks; ++t) {
@@ -562,16 +565,73 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
         const bf16 *kh = kc + (size_t)(hd / group) * cap * d, *vh = vc + (size_t)(hd / group) * cap * d;
         const float *given = scores ? scores + (size_t)t * end : NULL; /* q . k from the tile unit */
         float mx = -INFINITY;
-        for (int j = 0; j < end; ++j) {
+        int j = 0;
+#if LEAN_AVX512BF16
+        if (given) { /* the cached prefix is seen by every row: 16 scores at a time */
+            __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
+            for (; j + 16 <= start; j += 16) {
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(given + j), vs);
+                _mm512_storeu_ps(sc + j, v);
+                vmx = _mm512_max_ps(vmx, v);
+            }
+            mx = _mm512_reduce_max_ps(vmx);
+        }
+#endif
+        for (; j < end; ++j) {
             int seen = j < start || (tree ? tree[(size_t)i * n + (j - start)] : j - start <= i);
             sc[j] = seen ? (given ? given[j] : dot_bf16(qi, kh + (size_t)j * d, d)) * scale : -INFINITY;
             if (sc[j] > mx) mx = sc[j];
         }
-        for (int j = 0; j < end; ++j) sc[j] -= mx;  /* -inf stays -inf */
+        for (j = 0; j < end; ++j) sc[j] -= mx;  /* -inf stays -inf */
         exp_inplace(sc, end);
         float sum = 0.f;
+        int summed = 0;
         for (int k = 0; k < d; ++k) acc[k] = 0.f;
-        for (int j = 0; j < end; ++j) {
+#if LEAN_AVX512BF16
+        if (d == 64) {
+            /* the weighted sum in registers, two sets taking the seen keys in turn (the k-th seen key goes to
+             * set k % 2, whatever its slot, so a tree row and its one-row step add the same terms in the same
+             * order), then set 0 + set 1 */
+            int cnt = 0;
+            for (j = 0; j < end; ++j)
+                if (sc[j] != 0.f) seen_idx[cnt++] = j;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            float s0 = 0.f, s1 = 0.f;
+            int k = 0;
+            for (; k + 2 <= cnt; k += 2) {
+                const bf16 *v0 = vh + (size_t)seen_idx[k] * d, *v1 = vh + (size_t)seen_idx[k + 1] * d;
+                float p0 = sc[seen_idx[k]], p1 = sc[seen_idx[k + 1]];
+                __m512 q0 = _mm512_set1_ps(p0), q1 = _mm512_set1_ps(p1);
+                s0 += p0;
+                s1 += p1;
+                a0 = _mm512_fmadd_ps(q0, load16_bf16(v0), a0);
+                b0 = _mm512_fmadd_ps(q1, load16_bf16(v1), b0);
+                a1 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 16), a1);
+                b1 = _mm512_fmadd_ps(q1, load16_bf16(v1 + 16), b1);
+                a2 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 32), a2);
+                b2 = _mm512_fmadd_ps(q1, load16_bf16(v1 + 32), b2);
+                a3 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 48), a3);
+                b3 = _mm512_fmadd_ps(q1, load16_bf16(v1 + 48), b3);
+            }
+            if (k < cnt) { /* an odd last key: set 0's turn */
+                const bf16 *v0 = vh + (size_t)seen_idx[k] * d;
+                float p0 = sc[seen_idx[k]];
+                __m512 q0 = _mm512_set1_ps(p0);
+                s0 += p0;
+                a0 = _mm512_fmadd_ps(q0, load16_bf16(v0), a0);
+                a1 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 16), a1);
+                a2 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 32), a2);
+                a3 = _mm512_fmadd_ps(q0, load16_bf16(v0 + 48), a3);
+            }
+            sum = s0 + s1;
+            _mm512_storeu_ps(acc, _mm512_add_ps(a0, b0));
+            _mm512_storeu_ps(acc + 16, _mm512_add_ps(a1, b1));
+            _mm512_storeu_ps(acc + 32, _mm512_add_ps(a2, b2));
+            _mm512_storeu_ps(acc + 48, _mm512_add_ps(a3, b3));
+            summed = 1;
+        }
+#endif
+        for (j = 0; j < end && !summed; ++j) {
             float p = sc[j];
             if (p == 0.f) continue;
             sum += p;
@@ -663,7 +723,7 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
 
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
  * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
- * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (nthreads + (amx ? n nh : 0)) *
+ * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (2 nthreads + (amx ? n nh : 0)) *
  * (start + n). amx: the layers' weights are packed (lean_pack_amx) and the linear layers (and q . k) run on
  * the tile unit (xv: lean_amx_scratch_size(n, max(H, I, nh D)) bf16, used where a width is not a multiple of
  * 32; otherwise the activations are read in place).
@@ -680,7 +740,7 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
     float scale = 1.0f / sqrtf((float)d);
     size_t layer_kv = (size_t)nkv * cap * d;
     /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
-    float *scores = amx && d % 32 == 0 ? scratch + (size_t)nthreads * (start + n) : NULL;
+    float *scores = amx && d % 32 == 0 ? scratch + (size_t)2 * nthreads * (start + n) : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
 #if LEAN_AMX_BUILD
