@@ -33,7 +33,8 @@ from treesearch.tree import write_json_atomic
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
 # prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
 # 5: the lean engine's C forward for bf16 decode steps. 6: workload calibration, profile by context and shape.
-RUNTIME_REVISION = 6
+# 7: the C forward on AMX tiles.
+RUNTIME_REVISION = 7
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -53,8 +54,10 @@ class BenchProfile:
 
 
 PROFILES = {
-    "quick": BenchProfile(40, 5, 1, 96, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), 5, 64, 60, 16),
-    "full": BenchProfile(80, 5, 2, 256, (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), 7, 128, 120, 80),
+    # node counts: dense where trees are picked, both sides of the AMX path's 16-row chunks (16 | 17, 32 | 33)
+    "quick": BenchProfile(40, 5, 1, 96, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96), 7, 64, 60, 16),
+    "full": BenchProfile(80, 5, 2, 256, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
+                         7, 128, 120, 80),
 }
 
 

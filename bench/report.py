@@ -181,8 +181,8 @@ def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
     if "searched" in summary:
         lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
                      + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
-    lines.append(f"Predictions checked ({summary['predictions']} configurations measured on every question of "
-                 "their folds, cross-fitted; those run on a subset are shown, not checked): tau within "
+    lines.append(f"Predictions checked ({summary['predictions']} configurations measured on every replayed question, "
+                 "cross-fitted; those run on a subset are shown, not checked): tau within "
                  f"{100 * summary['tau_tolerance']:.0f} % for all: {'yes' if summary['tau_within_tolerance'] else 'no'} "
                  f"(worst {100 * (summary['worst_tau_error'] or 0):.1f} %); speed-up within "
                  f"{100 * summary['speedup_tolerance']:.0f} %: {'yes' if summary['speedup_within_tolerance'] else 'no'} "

@@ -108,8 +108,8 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
     """Was the pick the fastest? Did every prediction hold within the stated tolerances?"""
     fastest = card.loc[card["tokens_per_s"].idxmax()]
     pick = card[card["config"] == searched]
-    # predictions checked: those measured on every question of their folds (a subset carries its own sampling
-    # noise, which cross-fitting does not cancel)
+    # predictions checked: those measured on every replayed question (a subset carries its own sampling noise,
+    # which cross-fitting cancels only over all folds)
     predicted = card[card["predicted_tau"].notna() & (card["predicted_on"] == "every question")]
     out = {"fastest": fastest["config"], "fastest_tokens_per_s": float(fastest["tokens_per_s"]),
            "tau_tolerance": TAU_TOLERANCE, "speedup_tolerance": SPEEDUP_TOLERANCE,

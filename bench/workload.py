@@ -98,8 +98,8 @@ class ConfigPrediction:
     tau: float  # over folds, weighted by replayed questions
     speedup: float
     folds: tuple[FoldPrediction, ...]
-    complete: bool = True  # it ran on every question of the folds it is predicted for (else a subset of them,
-    #                        whose measurement carries that subset's sampling noise, which the folds do not cancel)
+    complete: bool = True  # it ran on every replayed question (else on a subset, whose measurement carries that
+    #                        subset's sampling noise: only over all folds does cross-fitting cancel it)
 
     @property
     def positions(self) -> int:
@@ -115,10 +115,12 @@ class ConfigPrediction:
 def predict_configs(configs: Sequence[MethodConfig], per_fold: Sequence[AcceptanceStats],
                     folds: Sequence[tuple[int, ...]], latency: LatencyProfile) -> dict[str, ConfigPrediction]:
     """Cross-fitted prediction of every configuration the replay can predict. A configuration restricted to
-    some questions (``question_ids``, the per-fold search pick) is predicted on the folds it runs on."""
+    some questions (``question_ids``: the per-fold search pick, the peers) is predicted on the folds it runs
+    on, weighted by its questions there."""
     plain = [replay(Decoding(), s, latency) for s in per_fold]
+    replayed = {i for fold in folds for i in fold}
     parts: dict[str, list[FoldPrediction]] = {}
-    complete: dict[str, bool] = {}
+    covered: dict[str, set[int]] = {}
     for cfg in configs:
         dec = decoding_of(cfg)
         if dec is None:
@@ -127,7 +129,7 @@ def predict_configs(configs: Sequence[MethodConfig], per_fold: Sequence[Acceptan
             mine = set(fold) if cfg.question_ids is None else set(fold) & set(cfg.question_ids)
             if not mine:
                 continue
-            complete[cfg.name] = complete.get(cfg.name, True) and mine == set(fold)
+            covered.setdefault(cfg.name, set()).update(mine)
             res = replay(dec, stats, latency)
             interval = res.tau_interval()
             parts.setdefault(cfg.name, []).append(FoldPrediction(f, len(mine), res.tau, plain[f].time_ms / res.time_ms,
@@ -136,5 +138,6 @@ def predict_configs(configs: Sequence[MethodConfig], per_fold: Sequence[Acceptan
     for name, fps in parts.items():
         w = sum(p.questions for p in fps)
         out[name] = ConfigPrediction(name, sum(p.questions * p.tau for p in fps) / w,
-                                     sum(p.questions * p.speedup for p in fps) / w, tuple(fps), complete[name])
+                                     sum(p.questions * p.speedup for p in fps) / w, tuple(fps),
+                                     covered[name] == replayed)
     return out

@@ -31,6 +31,7 @@ from treesearch.tree import Tree, load_tree, make_tree
 from .acceptance import AcceptConfig, accept, first_token
 from .engine import make_engine
 from .heads import MedusaHeads
+from .heads_native import NativeHeadLevels, native_support
 from .lookup import LookupConfig, NgramIndex, with_lookup_chain
 from .model import LoadedModel
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
@@ -55,6 +56,8 @@ class DecodeConfig:
     gate: float = 0.0
     # heads that carry a draft vocabulary (heads.draft_vocab) score only those tokens; False: the whole vocabulary
     draft_vocab: bool = True
+    # root/path-conditioned heads level by level in the C library where the C forward runs (False: PyTorch ops)
+    native_heads: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gate <= 1.0:
@@ -151,13 +154,16 @@ class MedusaDecoder:
         self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
         self.lm_head = self.engine.lm_head_weight()
-        self._project = self._draft_ids = None
+        self._project = self._draft_ids = self._native = None
         if self._levels is not None:  # the heads' vocabulary projection, built (and prepacked) once
             use_vocab = config.draft_vocab and heads.draft_vocab is not None
             self._draft_ids = heads.draft_vocab.to(self.device) if use_vocab else None
             weight = heads.projection(self.lm_head, self.tree.depth, use_draft_vocab=use_vocab)
             self._project = (self.engine.projector(weight) if weight.dim() == 2 else
                              lambda states: torch.einsum("kh,kvh->kv", states, weight))  # [depth, S]
+            if self._path_plan is not None and config.native_heads and native_support(heads, self.engine) is None:
+                # each tree level in one call of the C library (where the C forward runs)
+                self._native = NativeHeadLevels(heads, self.engine, weight, self.tree.depth, config.topk)
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
@@ -177,7 +183,10 @@ class MedusaDecoder:
 
     def _gated_depth(self, head_logits: torch.Tensor) -> int:
         """Deepest level whose top-1 chain probability (product of the heads' top-1 probabilities) passes the gate."""
-        top1 = torch.softmax(head_logits.float(), dim=-1).amax(dim=-1)  # [depth]
+        return self._gated_depth_of(torch.softmax(head_logits.float(), dim=-1).amax(dim=-1))
+
+    def _gated_depth_of(self, top1: torch.Tensor) -> int:
+        """The same from the heads' top-1 probabilities [depth] (float32)."""
         chain = torch.cumprod(top1, dim=0)
         return int((chain >= self.config.gate).sum())  # cumprod is non-increasing: a prefix passes
 
@@ -240,17 +249,22 @@ class MedusaDecoder:
         root_embedding = embed[root]  # [H]
         nodes = torch.empty(self.variants[0].num_nodes, dtype=torch.long, device=self.device)
         nodes[0] = root
-        chain = []  # each level's first parent's logits [S]: the top-1 chain the gate reads
+        chain = []  # each level's first parent's top-1 probability: the top-1 chain the gate reads
         for j, level in enumerate(self._path_plan):  # level j + 1 of the tree, scored by head j
             parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
-            states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
-            logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
-            top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
+            if self._native is not None:
+                top, top1 = self._native.level(j, hidden, root_embedding, parents)  # [P, topk], [P]
+                chain.append(top1[0])
+            else:
+                states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
+                logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
+                top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
+                if self.gated is not None:
+                    chain.append(torch.softmax(logits[0].float(), dim=-1).amax())
             if self._draft_ids is not None:
                 top = self._draft_ids[top]
             nodes[level.children] = top[level.child_parent, level.child_rank]
-            chain.append(logits[0])
-        buffers = self.step_buffers = (self.gated[self._gated_depth(torch.stack(chain))][len(draft)]
+        buffers = self.step_buffers = (self.gated[self._gated_depth_of(torch.stack(chain))][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
         if not draft:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 
 from treesearch.cost import LatencyProfile, head_rows
 from treesearch.optimal import IndependentModel, optimal_tree
-from treesearch.tree import chain
+from treesearch.tree import chain, load_tree
 
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
@@ -36,10 +37,10 @@ class ProfileConfig:
     repeats: int = 7  # timed repeats per point (median)
     warmup: int = 2  # untimed repeats first
     prefill: tuple[int, ...] = ()  # prompt lengths whose prefill is timed (empty: the contexts)
-    bookkeeping_max_nodes: int = 64  # bookkeeping is timed in real decode loops for tree sizes up to this
+    loop_nodes: tuple[int, ...] = (2, 4, 8, 16, 32, 64)  # tree sizes also run in real decode loops (heads, bookkeeping)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "contexts", "prefill"):
+        for name in ("nodes", "contexts", "prefill", "loop_nodes"):
             values = getattr(self, name)
             if any(v < 1 for v in values) or len(set(values)) != len(values):
                 raise ValueError(f"profile {name} must be distinct and >= 1, got {list(values)}")
@@ -80,28 +81,46 @@ def _median_ms(fn, sync, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _central(values: list[float]) -> float:
+    """The mean of the middle half (the interquartile mean): robust to a slow spell like the median, less
+    jumpy than it with few samples."""
+    v = sorted(values)
+    cut = len(v) // 4
+    return statistics.fmean(v[cut: len(v) - cut])
+
+
+def _rounds(count: int, repeats: int, seed: int = 0):
+    """Per round, the order in which to run ``count`` timed pieces: shuffled (seeded), so that no piece
+    always runs after the same neighbour (a heavy one before it leaves the caches and clocks its own way)."""
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        order = list(range(count))
+        rng.shuffle(order)
+        yield order
+
+
 def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[float]:
-    """Median ms of each of ``fns``, timed in rounds of one call each: drift on a shared machine then
-    hits every tree size alike, instead of whichever size was measured during a slow spell."""
+    """ms of each of ``fns`` (interquartile mean), timed in rounds of one call each in shuffled order: drift
+    on a shared machine then hits every tree size alike, instead of whichever size ran in a slow spell."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
+    for order in _rounds(len(fns), repeats):
+        for i in order:
             sync()
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             sync()
             times[i].append((time.perf_counter() - t0) * 1000)
         if bar is not None:
             bar.update(1)
-    return [statistics.median(t) for t in times]
+    return [_central(t) for t in times]
 
 
 @dataclass(frozen=True)
 class LoopTimes:
-    """Median ms per step of real generate calls, split as the decode loop times it."""
+    """ms per step of real generate calls (interquartile mean over rounds), split as the decode loop times it."""
 
     step: float  # the whole step (the loop's time after prefill, per step)
     heads: float  # drafting and the heads (propose)
@@ -115,9 +134,9 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
     time inside a real step, after a verify has streamed the weights through the caches, is what a decode
     pays, and a tight loop of heads alone (weights staying cached) underestimates it."""
     samples: list[list[tuple[float, float, float, float]]] = [[] for _ in decoders]
-    for r in range(cfg.warmup + max(3, cfg.repeats)):
-        for i, dec in enumerate(decoders):
-            st = dec.generate(prompt).stats
+    for r, order in enumerate(_rounds(len(decoders), cfg.warmup + max(3, cfg.repeats), seed=1)):
+        for i in order:
+            st = decoders[i].generate(prompt).stats
             if r < cfg.warmup or not st.steps:
                 continue
             loop = 1000 * (st.time_total - st.time_prefill) / st.steps
@@ -125,7 +144,7 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
             samples[i].append((loop, heads, verify, loop - heads - verify))
         if bar is not None:
             bar.update(1)
-    return [LoopTimes(*(statistics.median(col) for col in zip(*rows))) for rows in samples]
+    return [LoopTimes(*(_central(list(col)) for col in zip(*rows))) for rows in samples]
 
 
 @torch.inference_mode()
@@ -158,8 +177,9 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     tight = np.asarray(flat).reshape(len(cfg.contexts), len(cfg.nodes))  # [contexts, nodes]
 
     # 2. real decode loops, interleaved: plain decoding, the profile's shapes up to a size, and chains 1..K
-    loop_sizes = [n for n in sorted(trees) if n <= cfg.bookkeeping_max_nodes]
-    loop_trees = [trees[n] for n in loop_sizes] + [chain(d) for d in range(1, heads.num_heads + 1)]
+    loop_sizes = sorted(n for n in cfg.loop_nodes if n > 1)
+    loop_trees = [trees.get(n) or _shape_tree(n, heads.num_heads) for n in loop_sizes] + \
+        [chain(d) for d in range(1, heads.num_heads + 1)] + _wide_trees(heads)
     loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
         [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
     mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
@@ -180,15 +200,23 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     prefill = _prefill_ms(loaded, prefill_tokens, gen, sync, cfg)
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "medians in ms of rounds; verify: every (context, size) forward once per round, mask building "
-                    "included, scaled per size to the verify time of real decode loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
-                    "bookkeeping: real decode loops (shapes by size, chains 1..K) at the middle context, one generate "
-                    "per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares "
-                    "over levels and rows); prefill = a generate that stops after its first token; lookup = drafting "
-                    "and extending the n-gram index, per step"}
+            "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
+                    "once per round, mask building included, scaled per size to the verify time of real decode "
+                    "loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
+                    "bookkeeping: real decode loops (shapes by size, chains 1..K, mc_sim_7b_63) at the middle "
+                    "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
+                    "heads_fit: least squares over levels and rows); prefill = a generate that stops after its "
+                    "first token; lookup = drafting and extending the n-gram index, per step"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
                           tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
+
+
+def _wide_trees(heads: MedusaHeads) -> list:
+    """The official mc_sim_7b_63 tree where the heads can run it: wide as served trees are (many parents
+    per level), where the shapes by size are narrow; it anchors the heads' fit at the wide end."""
+    tree = load_tree("mc_sim_7b_63")
+    return [tree] if tree.depth <= heads.num_heads else []
 
 
 def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],

@@ -92,8 +92,8 @@ def test_replay_walk_predicts_runtime_accept_lengths(tree_name, kind):
 def test_profile_smoke():
     loaded = tiny_llama()
     heads = _heads_that_guess(loaded, k=4)
-    prof = profile_latency(loaded, heads, ProfileConfig(nodes=(1, 4, 16), contexts=(16, 32), repeats=2, warmup=1),
-                           progress=False)
+    prof = profile_latency(loaded, heads, ProfileConfig(nodes=(1, 4, 16), contexts=(16, 32), repeats=2, warmup=1,
+                                                        loop_nodes=(4, 16)), progress=False)
     assert len(prof.verify_ms) == 2 and all(len(r) == 3 for r in prof.verify_ms)
     assert all(x > 0 for r in prof.verify_ms for x in r) and len(prof.plain_ms) == 2
     assert prof.heads_ms > 0 and prof.meta["machine"]["cpu_count"]
@@ -102,3 +102,8 @@ def test_profile_smoke():
     assert prof.heads_ms == prof.heads_by_nodes_ms[1] == prof.heads(16)
     # the plain step is the 1-node forward of the same rounds plus the rest of a real plain step
     assert all(p > row[0] for p, row in zip(prof.plain_ms, prof.verify_ms))
+    # bookkeeping per verified size (the plain step's rest first), prefill per prompt length, lookup drafting, and
+    # the heads' fit over shapes (a 3-level chain scores 3 rows, as the shapes' fit predicts it)
+    assert prof.bookkeeping_nodes == (1, 4, 16) and all(x > 0 for x in prof.bookkeeping_by_nodes_ms)
+    assert prof.prefill_tokens == (16, 32) and all(x > 0 for x in prof.prefill_ms) and prof.lookup_ms > 0
+    assert len(prof.heads_fit) == 3 and prof.heads_time(load_tree("chain:3")) > 0

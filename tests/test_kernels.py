@@ -239,3 +239,37 @@ def test_portable_build_without_avx512_bf16(default_bf16, tmp_path, monkeypatch)
         for i in range(3):
             _, h = slow.forward(tokens[i: i + 1], 24 + i, seq)
             assert torch.equal(h[0], outs[1][1][i])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_native_head_levels_match_the_pytorch_heads(default_bf16, path, monkeypatch):
+    """The C library's tree level of the shipped (path-conditioned) heads against the same level through
+    PyTorch's ops (conditioned_state, the projection, topk): the same candidates up to near-ties of bf16
+    logits, the same top-1 probability up to rounding; and decoding with it stays plain decoding."""
+    _need(path)
+    monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
+    from medusa_runtime.heads_native import NativeHeadLevels
+
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
+    engine = LeanEngine(default_bf16, use_kernels=True)
+    weight = heads.projection(engine.lm_head_weight(), heads.num_heads)
+    native = NativeHeadLevels(heads, engine, weight, heads.num_heads, 10)
+    embed = default_bf16.model.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(7)
+    agree = total = 0
+    with torch.inference_mode():
+        for _ in range(6):
+            prompt = torch.randint(0, default_bf16.vocab_size, (24,), generator=gen)
+            cache = engine.new_cache(32)
+            _, hidden = engine.forward(prompt, 0, cache, last_only=True)
+            root = embed[int(torch.randint(0, default_bf16.vocab_size, (1,), generator=gen))]
+            for j in range(heads.num_heads):
+                parents = None if j == 0 else embed[torch.randint(0, default_bf16.vocab_size, (3,), generator=gen)]
+                top, top1 = native.level(j, hidden[0], root, parents)
+                states = heads.conditioned_state(j, hidden[0], root, parents).reshape(-1, heads.config.hidden_size)
+                logits = (states @ weight.T).float()  # [rows, S]
+                want = torch.topk(logits, 10, dim=-1).indices
+                agree += sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top, want))
+                total += want.numel()
+                torch.testing.assert_close(top1, torch.softmax(logits, -1).amax(-1), rtol=0.05, atol=1e-3)
+    assert agree / total >= 0.9, agree / total

@@ -209,7 +209,8 @@ def test_cross_fitting_never_reads_a_folds_own_rollouts():
     # a configuration restricted to one fold's questions is predicted on that fold only
     only = MethodConfig("searched", "medusa", tree="chain:1", question_ids=folds[2])
     pred = predict_configs([only], per_clean, folds, prof)["searched"]
-    assert [f.fold for f in pred.folds] == [2]
+    assert [f.fold for f in pred.folds] == [2] and not pred.complete  # one fold: shown, not checked
+    assert a["medusa chain:2"].complete  # every replayed question: checked
 
 
 def test_calibration_overlapping_the_replayed_questions_is_refused():

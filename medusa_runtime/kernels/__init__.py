@@ -29,13 +29,21 @@ ENV_SWITCH = "MEDUSA_LEAN_KERNELS"
 AMX_SWITCH = "MEDUSA_LEAN_AMX"
 
 # output kinds of lean_linear (enum in lean_cpu.c)
-OUT_BF16, OUT_BF16_RESIDUAL, OUT_F32 = 0, 1, 2
+OUT_BF16, OUT_BF16_RESIDUAL, OUT_F32, OUT_BF16_BIAS = 0, 1, 2, 3
+HEAD_MAX_BLOCKS = 8  # residual blocks a head may have in lean_heads_level
 
 
 class LeanLayer(ctypes.Structure):
     """Addresses of one layer's weights, as ``LeanLayer`` in lean_cpu.c."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "o", "ln2", "gate_up", "down")]
+
+
+class LeanHead(ctypes.Structure):
+    """Addresses of one root-conditioned head's weights, as ``LeanHead`` in lean_cpu.c."""
+
+    _fields_ = [("root_w", ctypes.c_void_p), ("parent_w", ctypes.c_void_p),
+                ("w", ctypes.c_void_p * HEAD_MAX_BLOCKS), ("b", ctypes.c_void_p * HEAD_MAX_BLOCKS)]
 
 
 _state: dict[str, object] = {}
@@ -88,6 +96,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
+    lib.lean_heads_level.argtypes = [ctypes.POINTER(LeanHead), i, i, i, p, p, p, p, i, i, p, p, p, i, i]
+    lib.lean_heads_level.restype = i
+    lib.lean_heads_work_size.argtypes = [i, i, i]
+    lib.lean_heads_work_size.restype = z
     return lib
 
 

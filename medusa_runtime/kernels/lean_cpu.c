@@ -190,15 +190,19 @@ static void exp_inplace(float *v, int len) {
 /* ------------------------------------------------------------------ linear layers */
 
 /* y = x W^T for x [n, in], W [out, in]. Output kinds: bf16 (rounded), bf16 plus a residual
- * (y = bf16(r + bf16(x W^T)), y may alias r), or float32 (unrounded, for logits).
+ * (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
+ * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
  * Called from inside a parallel region: the output rows are shared out in blocks of 4. */
-enum { OUT_BF16 = 0, OUT_BF16_RESIDUAL = 1, OUT_F32 = 2 };
+enum { OUT_BF16 = 0, OUT_BF16_RESIDUAL = 1, OUT_F32 = 2, OUT_BF16_BIAS = 3 };
 
-static inline void store_out(void *y, const bf16 *r, int kind, size_t at, float v) {
+/* output element `at` (column `col`) of a linear layer from its float32 sum v */
+static inline void store_out(void *y, const bf16 *r, int kind, size_t at, int col, float v) {
     if (kind == OUT_F32)
         ((float *)y)[at] = v;
     else if (kind == OUT_BF16)
         ((bf16 *)y)[at] = f2bf(v);
+    else if (kind == OUT_BF16_BIAS)
+        ((bf16 *)y)[at] = f2bf(v + bf2f(r[col]));
     else
         ((bf16 *)y)[at] = f2bf(bf2f(r[at]) + bf2f(f2bf(v)));
 }
@@ -225,7 +229,7 @@ static void linear_rows(const bf16 *w, const bf16 *x, int n, int out, int in, vo
                 for (int rr = 0; rr < R; ++rr)
                     for (int c = 0; c < cnt; ++c) d[rr][c] = dot_bf16(wb + (size_t)c * in, x + (size_t)(i + rr) * in, in);
             for (int rr = 0; rr < R; ++rr)
-                for (int c = 0; c < cnt; ++c) store_out(y, r, kind, (size_t)(i + rr) * out + o0 + c, d[rr][c]);
+                for (int c = 0; c < cnt; ++c) store_out(y, r, kind, (size_t)(i + rr) * out + o0 + c, o0 + c, d[rr][c]);
             i += R;
         }
     }
@@ -358,14 +362,15 @@ AMX_FN static void amx_group(const bf16 *wg, int kb_n, const bf16 *a0, const bf1
 }
 
 /* 16 float32 sums -> y[0..len) as store_out does for each (bf16 by round to nearest even, plus a residual) */
-static inline void store16(void *y, const bf16 *r, int kind, size_t at, const float *v, int len) {
+static inline void store16(void *y, const bf16 *r, int kind, size_t at, int col, const float *v, int len) {
 #if LEAN_AVX512BF16
     if (len == 16 && kind != OUT_F32) {
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v));  /* round to nearest even */
+        __m512 sum = _mm512_loadu_ps(v);
+        if (kind == OUT_BF16_BIAS) sum = _mm512_add_ps(sum, load16_bf16(r + col));
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(sum);  /* round to nearest even */
         if (kind == OUT_BF16_RESIDUAL) {
-            __m512 sum = _mm512_add_ps(load16_bf16(r + at), _mm512_castsi512_ps(_mm512_slli_epi32(
-                                            _mm512_cvtepu16_epi32(h), 16)));
-            h = (__m256i)_mm512_cvtneps_pbh(sum);
+            __m512 res = _mm512_add_ps(load16_bf16(r + at), widen16(h));
+            h = (__m256i)_mm512_cvtneps_pbh(res);
         }
         _mm256_storeu_si256((__m256i *)((bf16 *)y + at), h);
         return;
@@ -375,7 +380,7 @@ static inline void store16(void *y, const bf16 *r, int kind, size_t at, const fl
         return;
     }
 #endif
-    for (int m = 0; m < len; ++m) store_out(y, r, kind, at + m, v[m]);
+    for (int m = 0; m < len; ++m) store_out(y, r, kind, at + m, col + m, v[m]);
 }
 
 /* y = x W^T on the tile unit (wp: lean_pack_amx of W [out, in]). x_padded: x has rows up to a multiple of 16
@@ -406,7 +411,7 @@ static void linear_rows_amx(const bf16 *wp, const bf16 *x, int n, int out, int i
                     int o0 = (gi * AMX_GROUP + j) * TILE_M, len = out - o0 < 16 ? out - o0 : 16;
                     if (len <= 0) break;
                     for (int rr = 0; rr < rows; ++rr)
-                        store16(y, r, kind, (size_t)(c0 * 16 + rr) * out + o0, c[u][j] + rr * 16, len);
+                        store16(y, r, kind, (size_t)(c0 * 16 + rr) * out + o0, o0, c[u][j] + rr * 16, len);
                 }
             }
         }
@@ -556,7 +561,9 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
                            bf16 *out) {
     int group = nh / nkv, tasks = n * nh, end = start + n;
     float *sc = scratch + (size_t)omp_get_thread_num() * 2 * end; /* end scores, then end seen-key indices */
+#if LEAN_AVX512BF16
     int *seen_idx = (int *)(sc + end);
+#endif
     float acc[256];
 #pragma omp for schedule(static)
     for (int t = 0; t < tasks; ++t) {
@@ -721,6 +728,20 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
     linear_rows(w, x, n, out, in, y, r, kind);
 }
 
+/* a linear layer on rows that are not padded to 16 (the heads' few rows): the tile path copies them first */
+static inline void linear_any_x(int amx, const bf16 *w, const bf16 *x, int n, int out, int in, void *y,
+                                const bf16 *r, int kind, bf16 *xa) {
+#if LEAN_AMX_BUILD
+    if (amx) {
+        linear_rows_amx(w, x, n, out, in, y, r, kind, xa, 0);
+        return;
+    }
+#else
+    (void)amx; (void)xa;
+#endif
+    linear_rows(w, x, n, out, in, y, r, kind);
+}
+
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
  * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
  * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (2 nthreads + (amx ? n nh : 0)) *
@@ -768,4 +789,117 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
 #endif
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------ Medusa heads, one tree level */
+
+#define HEAD_MAX_BLOCKS 8
+
+/* One root-conditioned head's weights (bf16, packed when the call runs on the tile unit). */
+typedef struct {
+    const bf16 *root_w;   /* U_j [H, H]: the root token's embedding into the first block */
+    const bf16 *parent_w; /* P_j [H, H] (path-conditioned heads j >= 1), else NULL */
+    const bf16 *w[HEAD_MAX_BLOCKS], *b[HEAD_MAX_BLOCKS]; /* residual blocks: W [H, H], b [H] */
+} LeanHead;
+
+/* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none) */
+static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int rows, int h, int x_shared) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < rows; ++i) {
+        const bf16 *xi = x_shared ? x : x + (size_t)i * h;  /* a shared input row (the step's hidden state) */
+        bf16 *out = x_shared ? x + (size_t)(i + 1) * h : x + (size_t)i * h;
+        const bf16 *zi = x_shared ? z : z + (size_t)i * h, *ei = extra ? extra + (size_t)i * h : NULL;
+        for (int k = 0; k < h; ++k) {
+            float zz = bf2f(zi[k]);
+            if (ei) zz = bf2f(f2bf(zz + bf2f(ei[k])));
+            float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
+            out[k] = f2bf(bf2f(xi[k]) + sv);
+        }
+    }
+}
+
+/* The k best of v [len] (largest first; equal values: the lower index first) and the largest softmax
+ * probability 1 / sum exp(v - max), both of the bf16 logits as float32. */
+static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
+    float best[64];
+    int n = 0;
+    for (int i = 0; i < len; ++i) {
+        float x = bf2f(v[i]);
+        if (n == k && !(x > best[k - 1])) continue;  /* ties keep the earlier index */
+        int p = n < k ? n++ : k - 1;
+        while (p > 0 && x > best[p - 1]) {
+            best[p] = best[p - 1];
+            idx[p] = idx[p - 1];
+            --p;
+        }
+        best[p] = x;
+        idx[p] = i;
+    }
+    float mx = best[0], sum = 0.f;
+    int i = 0;
+#if LEAN_AVX512BF16
+    __m512 acc = _mm512_setzero_ps(), vm = _mm512_set1_ps(mx);
+    for (; i + 16 <= len; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(load16_bf16(v + i), vm)));
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < len; ++i) sum += expf(bf2f(v[i]) - mx);
+    *top1 = 1.0f / sum;
+}
+
+/* One tree level of root-conditioned (optionally path-conditioned) shared-format heads, as the decoder's
+ * PyTorch path computes it in bf16 (each op rounded to bf16 where PyTorch rounds):
+ *   e_p = bf16(bf16(root U^T) + bf16(parent_p P^T))          (e = bf16(root U^T) without parents)
+ *   x_p = bf16(h + bf16(silu(bf16(bf16(h W_0^T + b_0) + e_p))))   then for blocks l >= 1:
+ *   x_p = bf16(x_p + bf16(silu(bf16(x_p W_l^T + b_l))))
+ *   logits_p = bf16(x_p proj^T) over the draft vocabulary [S];  top-k indices and top-1 probability.
+ * rows = max(1, parents). work: bf16, (4 rows + 1) * H + rows * S + lean_amx_scratch_size(rows, H)
+ * elements. amx: weights and proj packed by lean_pack_amx. Returns 0, -2 without the tile unit, -3 for
+ * k or the block count out of range. */
+int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const bf16 *proj, const bf16 *hidden,
+                     const bf16 *root_e, const bf16 *parent_e, int parents, int k, int32_t *top, float *top1,
+                     bf16 *work, int amx, int nthreads) {
+    if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
+    if (amx && !lean_amx_available()) return -2;
+    int rows = parents > 0 ? parents : 1;
+    bf16 *er = work, *ep = er + hsz, *z = ep + (size_t)rows * hsz, *x = z + (size_t)rows * hsz,
+         *logits = x + (size_t)(rows + 1) * hsz, *xa = logits + (size_t)rows * vocab;
+#pragma omp parallel num_threads(nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (amx) amx_configure();
+#endif
+        /* e: the root's term, plus each parent's */
+        linear_any_x(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa);
+        if (parents > 0 && head->parent_w) {
+            linear_any_x(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa);
+#pragma omp for schedule(static)
+            for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
+        } else {
+#pragma omp for schedule(static)
+            for (int i = 0; i < rows * hsz; ++i) ep[i] = er[i % hsz];
+        }
+        /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
+#pragma omp single
+        memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
+        linear_any_x(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
+        silu_residual_rows(x, z, ep, rows, hsz, 1);
+        bf16 *xs = x + hsz; /* [rows, H] */
+        for (int l = 1; l < blocks; ++l) {
+            linear_any_x(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
+            silu_residual_rows(xs, z, NULL, rows, hsz, 0);
+        }
+        linear_any_x(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa);
+#pragma omp for schedule(static)
+        for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
+#if LEAN_AMX_BUILD
+        if (amx) amx_release();
+#endif
+    }
+    return 0;
+}
+
+/* bf16 elements of lean_heads_level's work for `parents` parents (0: the root level) */
+size_t lean_heads_work_size(int hsz, int vocab, int parents) {
+    int rows = parents > 0 ? parents : 1;
+    return (size_t)(3 * rows + 2) * hsz + (size_t)rows * vocab + lean_amx_scratch_size(rows, hsz);
 }
