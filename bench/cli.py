@@ -456,7 +456,23 @@ def select_questions(args: argparse.Namespace):
     return spread_over_categories(questions, args.limit) if args.limit else questions
 
 
+def step_breakdown(df):
+    """Per runtime configuration: ms per step in heads (and drafting), verify and bookkeeping, and the whole
+    step, from the records' own split; prefill ms per generate."""
+    rt = df[df["method"].isin(["plain", "medusa"])]
+    if "time_verify" not in rt:
+        return rt.head(0)
+    g = rt.groupby("config", sort=False)
+    steps = g["steps"].sum()
+    out = (g[["time_heads", "time_verify", "time_bookkeeping"]].sum().div(steps, axis=0) * 1000).rename(
+        columns={"time_heads": "heads", "time_verify": "verify", "time_bookkeeping": "bookkeeping"})
+    out["step"] = out.sum(axis=1)
+    out["prefill"] = g["prefill_time"].mean() * 1000
+    return out.reset_index()
+
+
 def cmd_speed(args: argparse.Namespace) -> int:
+    from bench.analyze import to_markdown
     from bench.bandwidth import bandwidth_floor
     from medusa_runtime.engine import c_forward_status
 
@@ -470,6 +486,8 @@ def cmd_speed(args: argparse.Namespace) -> int:
         configs = [c for c in configs if c.name in (*args.only, "generate", "plain")]
     loaded, df = _run_replay(args, configs, turns=1)
     print(f"\nthe runtime's decode steps on the C forward: {c_forward_status(loaded)}")
+    print("\nwhere a step's time goes (ms per step; prefill ms per generate):\n")
+    print(to_markdown(step_breakdown(df)))
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
     # a decode step: the plain runs' time after the prompt forward, per forward

@@ -33,8 +33,9 @@ from treesearch.tree import write_json_atomic
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
 # prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
 # 5: the lean engine's C forward for bf16 decode steps. 6: workload calibration, profile by context and shape.
-# 7: the C forward on AMX tiles.
-RUNTIME_REVISION = 7
+# 7: the C forward on AMX tiles. 8: heads level by level in the C library. 9: profile: monotone verify rows,
+# prefill as paid inside decode runs.
+RUNTIME_REVISION = 9
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 

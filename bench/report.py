@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -143,6 +144,9 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
                     xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes (0.6, 1.0, 1.5), no powers of ten
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
+        axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
     ax.set_xlabel("predicted speed-up over plain (cross-fitted replay + latency profile)")
     ax.set_ylabel("measured speed-up over plain (95 % interval)")
     ax.set_title("the search's predictions against the replay")
@@ -172,12 +176,21 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
 
 
 def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
-    cols = ["config", "questions", "lookup", "tree_nodes", "gate", "tokens_per_s", "tau", "predicted_tau", "tau_error",
+    from bench.workload import MIN_POSITIONS
+
+    cols = ["config", "questions", "lookup", "tree_nodes", "gate", "tokens_per_s", "tau", "predicted_tau",
+            "predicted_tau_ci", "tau_error",
             "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_speedup_vs_plain", "speedup_error",
             "identical_to_plain"]
     shown = card[[c for c in cols if c in card.columns]].copy()
-    shown["speedup_vs_plain_ci"] = shown["speedup_vs_plain_ci"].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}")
+    for col in ("speedup_vs_plain_ci", "predicted_tau_ci"):  # intervals as lo-hi
+        shown[col] = shown[col].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if isinstance(c, tuple) else "-")
     lines = [f"Fastest measured: {summary['fastest']} ({summary['fastest_tokens_per_s']:.2f} tokens/s)."]
+    thin = card[card["fit_positions"].notna() & (card["fit_positions"] < MIN_POSITIONS)]
+    for _, r in thin.iterrows():  # too few positions: the prediction's interval says how little it knows
+        lo, hi = r["predicted_tau_ci"]
+        lines.append(f"Few calibration positions behind {r['config']} ({int(r['fit_positions'])} < {MIN_POSITIONS}): "
+                     f"predicted tau {r['predicted_tau']:.3f}, 95 % interval {lo:.3f}-{hi:.3f}.")
     if "searched" in summary:
         lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
                      + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))

@@ -82,6 +82,7 @@ class RunOutput:
     steps: int  # forward passes after prefill (generate: one per token)
     accept_lengths: list[int] = field(default_factory=list)
     prefill_time: float | None = None  # seconds of the prompt forward (the runtime's methods only)
+    split: dict[str, float] = field(default_factory=dict)  # the runtime's methods: seconds in heads, verify, bookkeeping
 
 
 Runner = Callable[[list[int], int, float], RunOutput]  # (prompt ids, new tokens, temperature)
@@ -131,8 +132,10 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
                                           DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
                                                        lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate))
         res = decoders[key].generate(prompt)
-        return RunOutput(res.token_ids, res.stats.time_total, res.stats.steps, res.stats.accept_lengths,
-                         res.stats.time_prefill)
+        st = res.stats
+        return RunOutput(res.token_ids, st.time_total, st.steps, st.accept_lengths, st.time_prefill,
+                         {"time_heads": st.time_heads, "time_verify": st.time_verify,
+                          "time_bookkeeping": st.time_bookkeeping})
 
     return run_runtime
 
@@ -205,7 +208,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                    "question_id": q.question_id, "category": q.category,
                    "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
-                   "prefill_time": out.prefill_time,
+                   "prefill_time": out.prefill_time, **out.split,
                    "token_ids": out.token_ids,
                    "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta}
             fh.write(json.dumps(rec) + "\n")

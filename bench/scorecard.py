@@ -66,6 +66,11 @@ def measured_tau(df: pd.DataFrame, config: str) -> tuple[float | None, tuple[flo
     return float(q["accepted"].sum() / q["steps"].sum()), bootstrap_ratio(q["accepted"], q["steps"])
 
 
+def _one_or_all(values: list):
+    """A configuration's setting: the value, or the sorted list of values where its folds differ."""
+    return values[0] if len(values) == 1 else values
+
+
 def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: dict[str, ConfigPrediction],
               searched: str = "searched") -> pd.DataFrame:
     """One row per configuration name: what it is, measured, predicted, errors."""
@@ -79,13 +84,14 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         sub = df[df["config"] == name]
         tau, tau_ci = measured_tau(df, name)
         speedup, ci = paired_speedup(df, name)
-        trees = {c.tree for c in configs if c.name == name and c.tree}
-        nodes = sorted({load_tree(t).num_nodes - 1 for t in trees})
+        mine = [c for c in configs if c.name == name]  # one per fold for the search's pick
+        nodes = sorted({load_tree(c.tree).num_nodes - 1 for c in mine if c.tree})
+        lookups = sorted({int(c.lookup_tokens) for c in mine}) if cfg.method in ("plain", "medusa") else [0]
+        gates = sorted({float(c.gate) for c in mine})
         pred = predictions.get(name)
         row = {"config": name, "method": cfg.method, "uses_heads": cfg.method == "medusa",
-               "lookup": int(cfg.lookup_tokens) if cfg.method in ("plain", "medusa") else 0,
-               "tree_nodes": (nodes[0] if len(nodes) == 1 else nodes) if nodes else None,
-               "gate": cfg.gate, "accept": cfg.accept if cfg.method == "medusa" else "greedy",
+               "lookup": _one_or_all(lookups), "tree_nodes": _one_or_all(nodes) if nodes else None,
+               "gate": _one_or_all(gates), "accept": cfg.accept if cfg.method == "medusa" else "greedy",
                "temperature": float(sub["temperature"].max()),
                "questions": int(sub["question_id"].nunique()), "tokens": int(sub["new_tokens"].sum()),
                "tokens_per_s": float(sub["new_tokens"].sum() / sub["wall_time"].sum()),

@@ -14,6 +14,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,8 +49,20 @@ class ProfileConfig:
             raise ValueError("a profile needs node counts, contexts and repeats >= 1")
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo), None elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def describe_machine(loaded: LoadedModel) -> dict[str, object]:
     info: dict[str, object] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                               "cpu_model": _cpu_model(),
                                "cpu_count": os.cpu_count(), "torch": torch.__version__,
                                "torch_threads": torch.get_num_threads(), "device": str(loaded.device),
                                "lean_c_forward": c_forward_status(loaded)}
@@ -126,6 +139,7 @@ class LoopTimes:
     heads: float  # drafting and the heads (propose)
     verify: float  # the forward of the verified nodes
     rest: float  # acceptance, compaction, the loop: everything else
+    prefill: float  # the generate's prefill (new cache, prompt forward, first token), ms per generate
 
 
 def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None
@@ -133,7 +147,7 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
     """Real decode loops, one generate per decoder per round (drift hits every decoder alike): the heads'
     time inside a real step, after a verify has streamed the weights through the caches, is what a decode
     pays, and a tight loop of heads alone (weights staying cached) underestimates it."""
-    samples: list[list[tuple[float, float, float, float]]] = [[] for _ in decoders]
+    samples: list[list[tuple[float, float, float, float, float]]] = [[] for _ in decoders]
     for r, order in enumerate(_rounds(len(decoders), cfg.warmup + max(3, cfg.repeats), seed=1)):
         for i in order:
             st = decoders[i].generate(prompt).stats
@@ -141,7 +155,7 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
                 continue
             loop = 1000 * (st.time_total - st.time_prefill) / st.steps
             heads, verify = 1000 * st.time_heads / st.steps, 1000 * st.time_verify / st.steps
-            samples[i].append((loop, heads, verify, loop - heads - verify))
+            samples[i].append((loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill))
         if bar is not None:
             bar.update(1)
     return [LoopTimes(*(_central(list(col)) for col in zip(*rows))) for rows in samples]
@@ -197,7 +211,12 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     book = [plain_rest] + [t.rest for t in shaped]
     book_ms = book[book_sizes.index(min(book_sizes, key=lambda n: abs(n - 16)))]
     prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
-    prefill = _prefill_ms(loaded, prefill_tokens, gen, sync, cfg)
+    tight_prefill = _prefill_ms(loaded, prefill_tokens, gen, sync, cfg)
+    # back-to-back prefills find the prompt forward's weights in the caches; inside a decode run they come
+    # after steps that streamed the decode weights: scale by the loops' own prefills (at their prompt length)
+    in_loop = statistics.median(t.prefill for t in times)
+    at_mid = float(np.interp(mid, prefill_tokens, tight_prefill))
+    prefill = [p * in_loop / at_mid for p in tight_prefill]
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
             "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
@@ -205,8 +224,9 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
                     "bookkeeping: real decode loops (shapes by size, chains 1..K, mc_sim_7b_63) at the middle "
                     "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
-                    "heads_fit: least squares over levels and rows); prefill = a generate that stops after its "
-                    "first token; lookup = drafting and extending the n-gram index, per step"}
+                    "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
+                    "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
+                    "lookup = drafting and extending the n-gram index, per step"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
                           tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
@@ -222,10 +242,10 @@ def _wide_trees(heads: MedusaHeads) -> list:
 def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],
                     loop_verify: list[float]) -> list[tuple[float, ...]]:
     """The verify table [contexts][nodes] as a decode pays it: a verify inside a real loop (after the heads
-    and the bookkeeping of the step, with whatever they left in the caches) costs more, relative to a
+    and the bookkeeping of the step, with whatever they left in the caches) costs otherwise, relative to a
     one-row verify, than the same forward repeated in a tight loop. The tight rounds give the shape over
     contexts; each size is scaled by in-loop / tight at the loops' context (sizes without a loop take the
-    factor of the nearest size that has one)."""
+    factor of the nearest size that has one); each context's row is then made non-decreasing in nodes."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
     measured: dict[int, list[float]] = {}
     for n, v in zip(loop_nodes, loop_verify):  # a size may run in more than one loop (a shape and a chain)
@@ -235,7 +255,20 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
         return [tuple(row) for row in tight]
     sizes = sorted(measured)
     factor = [statistics.median(measured[min(sizes, key=lambda m: abs(m - n))]) for n in cfg.nodes]
-    return [tuple(float(x) for x in row * np.asarray(factor)) for row in tight]
+    return [tuple(float(x) for x in _non_decreasing(row * np.asarray(factor))) for row in tight]
+
+
+def _non_decreasing(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a verify of more nodes
+    never costs less, so a size measured low next to a size measured high is noise both ways."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
 def _loop_cfg(topk: int = 10) -> DecodeConfig:

@@ -107,3 +107,17 @@ def test_profile_smoke():
     assert prof.bookkeeping_nodes == (1, 4, 16) and all(x > 0 for x in prof.bookkeeping_by_nodes_ms)
     assert prof.prefill_tokens == (16, 32) and all(x > 0 for x in prof.prefill_ms) and prof.lookup_ms > 0
     assert len(prof.heads_fit) == 3 and prof.heads_time(load_tree("chain:3")) > 0
+
+
+def test_verify_rows_are_made_non_decreasing_as_isotonic_regression_does():
+    """The profile's monotone fit of each verify row against scipy's isotonic regression (least squares)."""
+    import numpy as np
+    from scipy.optimize import isotonic_regression
+
+    from medusa_runtime.profile import _non_decreasing
+
+    assert _non_decreasing(np.array([1.0, 3.0, 2.0, 4.0])).tolist() == [1.0, 2.5, 2.5, 4.0]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        row = np.sort(rng.uniform(10, 60, 12)) + rng.normal(0, 3, 12)  # a rising curve with noise
+        np.testing.assert_allclose(_non_decreasing(row), isotonic_regression(row).x, rtol=1e-12)

@@ -84,14 +84,21 @@ def test_bench_compact(benchmark, bf16_default):
     benchmark(engine.compact, cache, 512, path)  # timing: the same gather again
 
 
-@pytest.mark.parametrize("engine", ["lean", "lean-torch"])
-@pytest.mark.parametrize("nodes", [1, 4, 16])
-def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine):
-    """One lean verify forward of the default model in bf16 at context 256 (C forward vs PyTorch path)."""
+ENGINES = {"lean": ("lean", "1"), "lean-avx512": ("lean", "0"), "lean-torch": ("lean-torch", "1")}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])
+def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine, monkeypatch):
+    """One lean verify forward of the default model in bf16 at context 256: the C forward (on AMX tiles where
+    the CPU has them), the C forward held to its AVX-512 path, and the PyTorch path."""
+    name, amx = ENGINES[engine]
+    monkeypatch.setenv(kernels.AMX_SWITCH, amx)
     heads = fresh_heads(5, 1, bf16_default.hidden_size, bf16_default.vocab_size)
     tree = make_tree(load_tree("mc_sim_7b_63").paths[: nodes - 1]) if nodes > 1 else None
-    dec = MedusaDecoder(bf16_default, heads if tree else None, tree, config=DecodeConfig(topk=10, engine=engine))
-    assert dec.engine.name == "lean" and dec.engine.uses_kernels is (engine == "lean" and kernels.fast_path())
+    dec = MedusaDecoder(bf16_default, heads if tree else None, tree, config=DecodeConfig(topk=10, engine=name))
+    assert dec.engine.name == "lean" and dec.engine.uses_kernels is (name == "lean" and kernels.fast_path())
+    assert dec.engine.lib is None or dec.engine.amx == (amx == "1" and kernels.amx_path())
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, bf16_default.vocab_size, (256,), generator=gen)
     cache = dec.new_cache(256 + nodes)
@@ -100,3 +107,24 @@ def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine):
     logits, hidden = benchmark(dec.verify, tokens, 256, cache)
     assert logits.shape == (nodes, bf16_default.vocab_size) and hidden.shape == (nodes, bf16_default.hidden_size)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("tree", ["chain:1", "chain:2", "mc_sim_7b_63"])
+def test_bench_propose_shipped_heads(benchmark, bf16_default, tree):
+    """The shipped (path-conditioned) heads proposing a tree's tokens, level by level: in the C library where the
+    C forward runs, else PyTorch's ops; checked against the PyTorch path's proposal on the same state."""
+    from medusa_runtime.heads import resolve_heads
+
+    heads = resolve_heads("default", bf16_default.hidden_size, bf16_default.vocab_size)
+    native = MedusaDecoder(bf16_default, heads, tree)
+    torch_path = MedusaDecoder(bf16_default, heads, tree, config=DecodeConfig(native_heads=False))
+    prompt = torch.randint(0, bf16_default.vocab_size, (32,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():  # a real last hidden state, as the decoder gives the heads
+        hidden = native.prefill(prompt, native.new_cache(40))[1][-1]
+    tokens = benchmark(native.propose, hidden, 1234)
+    want = torch_path.propose(hidden, 1234)
+    assert tokens.shape == want.shape and int(tokens[0]) == 1234
+    # level 1 (head 0 on the root): the same candidates up to near-ties of bf16 logits (deeper levels read their
+    # parents, so one near-tie above moves a whole subtree)
+    first = torch.tensor([i + 1 for i, p in enumerate(native.tree.paths) if len(p) == 1])
+    assert len(set(tokens[first].tolist()) & set(want[first].tolist())) >= 0.8 * len(first)

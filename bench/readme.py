@@ -1,0 +1,102 @@
+"""Refresh the README's results table and the figures under ``docs/`` from a bench run.
+
+    python -m bench.readme [--results results/bench] [--readme README.md] [--docs docs]
+
+The table between the README's ``bench-results`` markers is rendered from ``report.json`` (never typed
+by hand), and the figures it points to are copied from the run's ``plots/``, so both always describe the
+same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
+FIGURES = ("predicted_vs_measured.png", "pareto_typical.png")
+
+
+def _num(v, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _setting(v) -> str:
+    """A configuration's setting for the table: '-' for none, 'a-b' where the folds' picks differ."""
+    if v is None or v == 0:
+        return "-"
+    return f"{min(v)}-{max(v)}" if isinstance(v, list) else str(v)
+
+
+def render(report: dict) -> str:
+    """Markdown: one row per configuration, measured beside predicted, then the verdict in two sentences."""
+    q = report.get("questions", {})
+    m = report.get("machine", {})
+    v = report.get("verdict", {})
+    lines = [f"`nox -s bench` on {m.get('cpu_model') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores; decode steps on the C "
+             f"forward: {m.get('lean_c_forward', '?')}), {report.get('created', '?')[:10]}: "
+             f"{q.get('questions', '?')}, {len(q.get('replayed', []))} questions replayed in {len(q.get('folds', []))} "
+             f"folds ({q.get('max_new_tokens', '?')} new tokens, greedy, bf16), calibrated on {q.get('calibration', '?')}.",
+             "",
+             "| configuration | tree nodes | lookup | questions | tokens/s | tau | predicted tau | "
+             "speed-up vs plain (95 %) | predicted | outputs = plain |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in report["configs"]:
+        ci = c.get("speedup_vs_plain_ci") or [None, None]
+        name = f"**{c['config']}**" if c.get("searched") else c["config"]
+        same = c.get("identical_to_plain")
+        lines.append(f"| {name} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
+                     f"{c.get('questions', '-')} | {_num(c.get('tokens_per_s'), '.1f')} | "
+                     f"{_num(c.get('tau'))} | {_num(c.get('predicted_tau'))} | {_num(c.get('speedup_vs_plain'))}x "
+                     f"({_num(ci[0])}-{_num(ci[1])}) | {_num(c.get('predicted_speedup_vs_plain'))} | "
+                     f"{'-' if same is None else f'{same:.0%}'} |")
+    lines.append("")
+    if "searched" in v:
+        lines.append(f"The search's pick (**searched**, chosen per fold without that fold's questions) ran at "
+                     f"{v['searched_vs_fastest']:.3f}x the fastest configuration measured ({v['fastest']}).")
+    if v.get("predictions"):
+        lines.append(f"Predicted against measured, for the {v['predictions']} configurations run on every replayed "
+                     f"question: worst tau error {100 * v['worst_tau_error']:.1f} % (tolerance "
+                     f"{100 * v['tau_tolerance']:.0f} %), worst speed-up error {100 * v['worst_speedup_error']:.1f} % "
+                     f"(tolerance {100 * v['speedup_tolerance']:.0f} %).")
+    return "\n".join(lines)
+
+
+def refresh(results: Path, readme: Path, docs: Path) -> list[Path]:
+    report_file = results / "report.json"
+    if not report_file.is_file():
+        raise FileNotFoundError(f"{report_file} not found: run nox -s bench first")
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{render(json.loads(report_file.read_text()))}\n{END}{tail}")
+    written = [readme]
+    for name in FIGURES:
+        src = results / "plots" / name
+        if src.is_file():
+            shutil.copyfile(src, docs / name)
+            written.append(docs / name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.readme", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="results/bench")
+    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--docs", default="docs")
+    args = parser.parse_args(argv)
+    try:
+        for path in refresh(Path(args.results), Path(args.readme), Path(args.docs)):
+            print(f"written: {path}")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"bench.readme: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
