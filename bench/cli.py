@@ -7,6 +7,7 @@ calls it, and prints what comes back. Known bad input ends with one line on stde
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -17,9 +18,19 @@ from pathlib import Path
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 
 
+def _result(args: argparse.Namespace, obj: dict, text: str | None = None) -> None:
+    """A command's result on stdout: one JSON object with --json, else the human text (files written and
+    plots are in the object; progress and logs go to stderr either way)."""
+    if getattr(args, "json", False):
+        print(json.dumps(obj, default=str))
+    elif text is not None:
+        print(text)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M-Instruct), a folder or a hub id")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
 
 
@@ -45,6 +56,7 @@ def _model_and_heads(args: argparse.Namespace):
     from medusa_runtime.model import load_model
 
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    args.dtype = str(loaded.dtype).removeprefix("torch.")  # 'auto' resolved: records and keys name the real one
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
 
 
@@ -58,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.topk, seed=args.seed,
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.candidates, seed=args.seed,
                           engine=args.engine, lookup=LookupConfig(args.lookup))
     tree = load_tree(args.tree) if args.heads not in (None, "none") else None  # validate before loading a model
     loaded, heads = _model_and_heads(args)
@@ -94,18 +106,20 @@ def cmd_search(args: argparse.Namespace) -> int:
                        max_regret=args.max_regret, configurations=not args.trees_only, max_lookup=args.max_lookup)
     result = run_search(stats, cfg, latency, show_progress=not args.quiet)
     path = write_search(result, stats, cfg, args.out, str(args.acceptance), str(args.latency) if args.latency else None)
-    print(format_search_table(result))
+    lines = [format_search_table(result)]
     if result.space == "configurations":
         best = result.best
         verdict = "use no heads" if not best.uses_heads else "use the heads"
-        print(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x plain "
-              "decoding)")
-    print(f"\nwritten: {path}")
+        lines.append(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x "
+                     "plain decoding)")
+    lines.append(f"\nwritten: {path}")
+    plots = []
     if args.plots:
         from bench.plots import plot_search
 
-        for written in plot_search(result, stats, latency, args.plots):
-            print(f"plot: {written}")
+        plots = [str(p) for p in plot_search(result, stats, latency, args.plots)]
+        lines += [f"plot: {p}" for p in plots]
+    _result(args, {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines))
     return 0
 
 
@@ -166,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.init is not None and args.method != "medusa1":
         raise SystemExit("--init (go on training heads trained before) is for --method medusa1")
     n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
-    cfg = TrainConfig(method=args.method, num_heads=args.heads, num_layers=args.layers,
+    cfg = TrainConfig(method=args.method, num_heads=args.num_heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"],
                       lr=args.lr if args.lr is not None else prof["lr"],
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
@@ -188,16 +202,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log, **extra)
     from bench.plots import plot_training
 
-    plots = plot_training(args.out)
-    print(f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s")
-    if result.validation:
-        last = result.validation[-1]["topk"]
-        for j, row in enumerate(last):
-            print(f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row))
+    plots = [str(p) for p in plot_training(args.out)]
+    lines = [f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s"]
+    last = result.validation[-1]["topk"] if result.validation else []
+    lines += [f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row) for j, row in enumerate(last)]
     official = "" if cfg.root_conditioned else f"{args.out}/heads-official, "  # no official layout for those
-    print(f"written: {args.out}/heads (shared lm_head), {official}{args.out}/training.json")
-    for p in plots:
-        print(f"plot: {p}")
+    lines.append(f"written: {args.out}/heads (shared lm_head), {official}{args.out}/training.json")
+    lines += [f"plot: {p}" for p in plots]
+    _result(args, {"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps,
+                   "seconds": result.seconds, "validation_topk": last, "out": str(args.out), "plots": plots},
+            "\n".join(lines))
     return 0
 
 
@@ -227,11 +241,11 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
            "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
            "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
     write_json_atomic(args.out, obj)
-    print(f"{res.prompts} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:")
-    print(f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers {res.identical:.2f})")
-    print(f"  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, trained "
-          f"{res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)")
-    print(f"written: {args.out}")
+    _result(args, {**obj, "file": str(args.out)},
+            f"{res.prompts} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:\n"
+            f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers "
+            f"{res.identical:.2f})\n  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, "
+            f"trained {res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)\nwritten: {args.out}")
     return 0
 
 
@@ -240,26 +254,30 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from medusa_runtime.prompts import load_prompt_source
     from treesearch.stats import save_stats
 
-    cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.topk,
+    cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.candidates,
                             heldout_fraction=args.heldout, batch_size=args.batch_size, limit=args.limit,
-                            seed=args.seed, typical_temperature=args.typical_temperature)
+                            seed=args.seed, typical_temperature=args.typical_temperature, rollouts=args.rollouts)
     prompts = builtin_split(load_prompt_source(args.data), args.data, "calibration")
     loaded, heads = _model_and_heads(args)
     if heads is None:
         raise ValueError("calibration needs heads (--heads DIR or fresh:K)")
     stats = calibrate(loaded, heads, prompts, cfg, provenance={"heads": args.heads, "data": args.data}, log=_log)
     path = save_stats(stats, args.out)
-    print(f"{stats.positions} positions from {len(stats.rollouts)} rollouts "
-          f"(+{len(stats.heldout)} held out); written: {path}")
-    for j, row in enumerate(stats.marginal):
-        print(f"  head {j}: top-1..5 " + " ".join(f"{row[:r].sum():.3f}" for r in range(1, 6))
-              + f"  top-{stats.topk} {row.sum():.3f}")
-    print(format_replay_table(stats))
+    topk = [[float(row[:r].sum()) for r in (1, 2, 3, 4, 5, stats.topk)] for row in stats.marginal]
+    rows = replay_rows(stats)
+    plots = []
     if args.plots:
         from bench.plots import plot_acceptance_heatmap
 
-        for p in plot_acceptance_heatmap(stats, args.plots):
-            print(f"plot: {p}")
+        plots = [str(p) for p in plot_acceptance_heatmap(stats, args.plots)]
+    lines = [f"{stats.positions} positions from {len(stats.rollouts)} rollouts (+{len(stats.heldout)} held out); "
+             f"written: {path}"]
+    lines += [f"  head {j}: top-1..5 " + " ".join(f"{v:.3f}" for v in row[:5]) + f"  top-{stats.topk} {row[5]:.3f}"
+              for j, row in enumerate(topk)]
+    lines += [format_replay_rows(rows)] + [f"plot: {p}" for p in plots]
+    _result(args, {"acceptance": str(path), "positions": stats.positions, "rollouts": len(stats.rollouts),
+                   "heldout": len(stats.heldout), "topk_accuracy": topk, "trees": rows, "plots": plots},
+            "\n".join(lines))
     return 0
 
 
@@ -295,9 +313,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         typical = TypicalParams(args.posterior_threshold, args.posterior_alpha)
         accept = AcceptConfig("typical", stats.typical.temperature, posterior_threshold=typical.posterior_threshold,
                               posterior_alpha=typical.posterior_alpha)
-        print(f"typical acceptance at temperature {stats.typical.temperature}: epsilon "
-              f"{typical.posterior_threshold}, delta {typical.posterior_alpha} (sampled: seed {args.seed})")
+        _log(f"typical acceptance at temperature {stats.typical.temperature}: epsilon "
+             f"{typical.posterior_threshold}, delta {typical.posterior_alpha} (sampled: seed {args.seed})")
     rows = ["| tree | nodes | predicted tau (replay) | measured tau (runtime) | error |", "|---|---:|---:|---:|---:|"]
+    results = []
     for spec in args.trees:
         tree = load_tree(spec)
         dec = MedusaDecoder(loaded, heads, tree, accept,
@@ -310,14 +329,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
             predicted = typical_walk(tree, stats.typical.heldout, typical).tau
         rows.append(f"| {tree.name} | {tree.num_nodes - 1} | {predicted:.4f} | {measured:.4f} | "
                     f"{100 * (predicted - measured) / measured:+.2f} % |")
-    print(f"{len(held)} held-out prompts, {n} new tokens each")
-    print("\n".join(rows))
+        results.append({"tree": tree.name, "nodes": tree.num_nodes - 1, "predicted_tau": predicted,
+                        "measured_tau": measured})
+    _result(args, {"prompts": len(held), "max_new_tokens": n, "trees": results},
+            f"{len(held)} held-out prompts, {n} new tokens each\n" + "\n".join(rows))
     return 0
 
 
-def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
+def replay_rows(stats, budgets=(16, 32, 64)) -> list[dict]:
     """tau of a few trees replayed on these rollouts (step walk, with a bootstrap interval over the
-    rollouts), and under independence."""
+    rollouts), on the held-out ones, and under independence."""
     from treesearch.optimal import model_for, optimal_tree
     from treesearch.stats import step_walk_interval, tau_independent, tau_step_walk
     from treesearch.tree import chain, load_tree
@@ -326,19 +347,30 @@ def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
     trees += [optimal_tree(model_for(stats), b, name=f"optimal-{b}")[0] for b in budgets]
     if stats.num_heads >= 4 and stats.topk >= 10:
         trees.append(load_tree("mc_sim_7b_63"))
+    return [{"tree": t.name, "nodes": t.num_nodes - 1, "tau": tau_step_walk(t, stats.rollouts).tau,
+             "tau_interval": step_walk_interval(t, stats.rollouts),
+             "tau_heldout": tau_step_walk(t, stats.heldout).tau if stats.heldout else None,
+             "tau_independent": tau_independent(t, stats.marginal)} for t in trees]
+
+
+def format_replay_rows(rows: list[dict]) -> str:
     lines = ["| tree | nodes | tau replay (fit) | 95 % interval over rollouts | tau replay (held-out) | "
              "tau independence |", "|---|---:|---:|---:|---:|---:|"]
-    for t in trees:
-        held = f"{tau_step_walk(t, stats.heldout).tau:.3f}" if stats.heldout else "-"
-        lo, hi = step_walk_interval(t, stats.rollouts)
-        lines.append(f"| {t.name} | {t.num_nodes - 1} | {tau_step_walk(t, stats.rollouts).tau:.3f} | "
-                     f"{lo:.3f}-{hi:.3f} | {held} | {tau_independent(t, stats.marginal):.3f} |")
+    for r in rows:
+        held = "-" if r["tau_heldout"] is None else f"{r['tau_heldout']:.3f}"
+        lo, hi = r["tau_interval"]
+        lines.append(f"| {r['tree']} | {r['nodes']} | {r['tau']:.3f} | {lo:.3f}-{hi:.3f} | {held} | "
+                     f"{r['tau_independent']:.3f} |")
     return "\n".join(lines)
+
+
+def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
+    return format_replay_rows(replay_rows(stats, budgets))
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from medusa_runtime.profile import ProfileConfig, profile_latency
-    from treesearch.cost import save_profile
+    from treesearch.cost import profile_to_json, save_profile
 
     loaded, heads = _model_and_heads(args)
     if heads is None:
@@ -347,27 +379,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
                         prefill=tuple(sorted(args.prefill)))
     prof = profile_latency(loaded, heads, cfg)
     path = save_profile(prof, args.out)
-    print(f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
-          f"bookkeeping {prof.bookkeeping_ms:.2f} ms, lookup drafting {prof.lookup_ms:.3f} ms per step")
+    lines = [f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
+             f"bookkeeping {prof.bookkeeping_ms:.2f} ms, lookup drafting {prof.lookup_ms:.3f} ms per step"]
     if prof.heads_nodes:
-        print("  heads by tree size: " + "  ".join(f"{n}:{v:.2f}" for n, v in zip(prof.heads_nodes, prof.heads_by_nodes_ms)))
+        lines.append("  heads by tree size: " + "  ".join(
+            f"{n}:{v:.2f}" for n, v in zip(prof.heads_nodes, prof.heads_by_nodes_ms)))
     if prof.heads_fit:
         a, b, c = prof.heads_fit
-        print(f"  heads by shape: {a:.2f} + {b:.2f} per level + {c:.2f} per row ms")
+        lines.append(f"  heads by shape: {a:.2f} + {b:.2f} per level + {c:.2f} per row ms")
     if prof.bookkeeping_nodes:
-        print("  bookkeeping by verified nodes: " + "  ".join(
+        lines.append("  bookkeeping by verified nodes: " + "  ".join(
             f"{n}:{v:.2f}" for n, v in zip(prof.bookkeeping_nodes, prof.bookkeeping_by_nodes_ms)))
     if prof.prefill_tokens:
-        print("  prefill by prompt length: " + "  ".join(
+        lines.append("  prefill by prompt length: " + "  ".join(
             f"{n}:{v:.1f}" for n, v in zip(prof.prefill_tokens, prof.prefill_ms)))
     for ctx, plain, row in zip(prof.contexts, prof.plain_ms, prof.verify_ms):
-        print(f"  context {ctx}: plain {plain:.2f}, verify " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
-    print(f"written: {path}")
+        lines.append(f"  context {ctx}: plain {plain:.2f}, verify " + "  ".join(
+            f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
+    lines.append(f"written: {path}")
+    plots = []
     if args.plots:
         from bench.plots import plot_latency
 
-        for p in plot_latency(prof, args.plots):
-            print(f"plot: {p}")
+        plots = [str(p) for p in plot_latency(prof, args.plots)]
+        lines += [f"plot: {p}" for p in plots]
+    _result(args, {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines))
     return 0
 
 
@@ -428,12 +464,12 @@ def _run_replay(args, configs, turns: int):
     table = summary(df, ["generate", "plain"])
     overall = table[table["category"] == "overall"][["config", "tokens", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
-    print(to_markdown(overall))
     per_cat = table.pivot(index="category", columns="config", values="speedup_vs_generate")
-    print("\nspeedup vs transformers generate, per category:\n")
-    print(to_markdown(per_cat.reset_index()))
-    print(f"\nwritten: {out_dir / 'records.jsonl'}, {paths['summary_csv']}, {paths['summary_md']}")
-    return loaded, df
+    files = [str(out_dir / "records.jsonl"), str(paths["summary_csv"]), str(paths["summary_md"])]
+    text = (to_markdown(overall) + "\n\nspeedup vs transformers generate, per category:\n\n"
+            + to_markdown(per_cat.reset_index()) + f"\n\nwritten: {', '.join(files)}")
+    obj = {"overall": overall.to_dict("records"), "by_category": table.to_dict("records"), "files": files}
+    return loaded, df, text, obj
 
 
 def select_questions(args: argparse.Namespace):
@@ -484,18 +520,22 @@ def cmd_speed(args: argparse.Namespace) -> int:
             raise ValueError(f"--only names no configuration: {', '.join(sorted(unknown))}; "
                              f"have {', '.join(c.name for c in configs)}")
         configs = [c for c in configs if c.name in (*args.only, "generate", "plain")]
-    loaded, df = _run_replay(args, configs, turns=1)
-    print(f"\nthe runtime's decode steps on the C forward: {c_forward_status(loaded)}")
-    print("\nwhere a step's time goes (ms per step; prefill ms per generate):\n")
-    print(to_markdown(step_breakdown(df)))
+    loaded, df, text, obj = _run_replay(args, configs, turns=1)
+    breakdown = step_breakdown(df)
     floor = bandwidth_floor(loaded)
     plain = df[df["config"] == "plain"]
     # a decode step: the plain runs' time after the prompt forward, per forward
     prefill = plain["prefill_time"].fillna(0) if "prefill_time" in plain else 0.0  # older records lack it
     step_ms = 1000 * (plain["wall_time"] - prefill).sum() / max(1, plain["steps"].sum())
-    print(f"\nbandwidth floor of one step: {floor.floor_ms:.1f} ms ({floor.weight_bytes / 1e6:.0f} MB of weights at "
-          f"{floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain decode step {step_ms:.1f} ms = "
-          f"{step_ms / floor.floor_ms:.2f}x the floor")
+    status = c_forward_status(loaded)
+    text += (f"\n\nthe runtime's decode steps on the C forward: {status}"
+             "\n\nwhere a step's time goes (ms per step; prefill ms per generate):\n\n" + to_markdown(breakdown)
+             + f"\n\nbandwidth floor of one step: {floor.floor_ms:.1f} ms ({floor.weight_bytes / 1e6:.0f} MB of weights "
+             f"at {floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain decode step {step_ms:.1f} ms = "
+             f"{step_ms / floor.floor_ms:.2f}x the floor")
+    obj.update(c_forward=status, step_breakdown=breakdown.to_dict("records"), bandwidth_floor_ms=floor.floor_ms,
+               bandwidth_gbs=floor.bandwidth_gbs, plain_step_ms=step_ms)
+    _result(args, obj, text)
     return 0
 
 
@@ -509,11 +549,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     configs = [MethodConfig(**c) for c in spec.get("configurations", [])]
     if not configs:
         raise ValueError(f"{args.config} lists no configurations")
-    _run_replay(args, configs, turns=int(spec.get("turns", 2)))
+    _, _, text, obj = _run_replay(args, configs, turns=int(spec.get("turns", 2)))
+    _result(args, obj, text)
     return 0
 
 
-_DEFAULTS = {"model": "default", "heads": "none", "dtype": "float32", "max_new_tokens": 128, "repeats": 1}
+_DEFAULTS = {"model": "default", "heads": "none", "dtype": "auto", "max_new_tokens": 128, "repeats": 1}
 
 
 def _read_config_file(path: str) -> dict:
@@ -524,7 +565,15 @@ def _read_config_file(path: str) -> dict:
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text) or {}
+        try:
+            spec = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ValueError(f"config file {path} is not valid YAML{where}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"config file {path} must hold a mapping with 'configurations'")
+        return spec
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -573,10 +622,11 @@ def cmd_judge(args: argparse.Namespace) -> int:
                      "log_likelihood": mean_log_likelihood(loaded, prompt, r["token_ids"])})
     proxies = pd.DataFrame(rows).groupby("config", sort=False)[["agreement", "log_likelihood"]].mean().reset_index()
     proxies.to_csv(out / "quality_proxies.csv", index=False)
-    print(f"quality proxies (no judge; agreement with {args.baseline!r}, mean log-likelihood under the base model):")
-    print(to_markdown(proxies))
+    text = (f"quality proxies (no judge; agreement with {args.baseline!r}, mean log-likelihood under the base "
+            f"model):\n{to_markdown(proxies)}")
+    obj = {"proxies": proxies.to_dict("records"), "baseline": args.baseline}
     if args.backend == "none":
-        print("\nno judge backend selected (--backend openai|local grades with an LLM judge)")
+        _result(args, obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)")
         return 0
     backend = OpenAIBackend(args.judge_model) if args.backend == "openai" else \
         LocalBackend(load_model(args.judge_local, args.dtype, args.device, log=_log))
@@ -589,8 +639,9 @@ def cmd_judge(args: argparse.Namespace) -> int:
             fh.write(json.dumps(g) + "\n")
     scores = aggregate(graded)
     write_json_atomic(out / "judge_scores.json", {"judge": backend.name, "scores": scores.to_dict("records")})
-    print(f"\njudge {backend.name} ({judge.hits} cached, {judge.misses} new):")
-    print(to_markdown(scores))
+    obj.update(judge=backend.name, scores=scores.to_dict("records"), cached=judge.hits, new=judge.misses)
+    _result(args, obj, text + f"\n\njudge {backend.name} ({judge.hits} cached, {judge.misses} new):\n"
+            + to_markdown(scores))
     return 0
 
 
@@ -620,15 +671,54 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help (those that have one: not None, not a switch left off)."""
+
+    @staticmethod
+    def _has_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._has_default(action):  # an option without a help text still shows it
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if self._has_default(action) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors are one line (no usage dump) and exit 2 like every other error."""
+    """argparse, but usage errors are one line (no usage dump) and exit 2 like every other error, and --help
+    shows every flag's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("medusa-bench")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+JSON_HELP = "print one JSON object with the result (logs and progress stay on stderr)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="medusa-bench", description="Medusa speculative decoding: run, tune, benchmark.")
+    parser = _Parser(prog="medusa-bench", description="Medusa speculative decoding: run, tune, benchmark. "
+                     "Set MEDUSA_BENCH_DEBUG=1 for a full traceback instead of the one-line error.")
+    parser.add_argument("--version", action="version", version=f"medusa-bench {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("model", help="prepare and describe a base model (the offline default by default)")
@@ -646,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="top-k filter of the target distribution (0: off)")
     p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon")
     p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta")
-    p.add_argument("--topk", type=int, default=10, help="candidates per head")
+    p.add_argument("--candidates", type=int, default=10, help="candidates read from each head's top-k (the tree's "
+                                                               "ranks must stay below it); --top-k filters sampling")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--engine", default="auto", choices=["auto", "lean", "lean-torch", "hf"],
@@ -663,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.set_defaults(dtype="bfloat16")
     p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
-    p.add_argument("--heads", type=int, default=4, help="number of heads K")
+    p.add_argument("--num-heads", type=int, default=4, help="number of heads K")
     p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
                                                      "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
@@ -696,12 +787,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--init", default=None, metavar="HEADS",
                    help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
-                        "train them on this data; they must have the shape --heads/--layers/--condition give; "
+                        "train them on this data; they must have the shape --num-heads/--layers/--condition give; "
                         "their draft vocabulary grows by this data's reply tokens")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
                         "about 1.2 MB per 1000 tokens for the default model)")
     p.add_argument("--out", default="results/heads")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("calibrate", help="measure head x rank acceptance on greedy rollouts -> acceptance.json")
@@ -710,14 +802,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="builtin", help="builtin (its calibration split) or a prompt file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--candidates", type=int, default=10, help="ranks recorded per head (at most 36)")
     p.add_argument("--heldout", type=float, default=0.2, help="share of prompts held out")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--typical-temperature", type=float, default=None,
                    help="also store what typical acceptance at this temperature needs (search --accept typical)")
+    p.add_argument("--rollouts", default="runtime", choices=["runtime", "generate"],
+                   help="greedy text to calibrate on: the runtime's own plain decoding (what its greedy configurations "
+                        "decode, token for token) or transformers' batched generate (faster)")
     p.add_argument("--out", default="results/acceptance.json")
     p.add_argument("--plots", default=None, help="folder for the heatmap")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
@@ -728,6 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out", default="results/fidelity.json")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_fidelity)
 
     p = sub.add_parser("validate", help="replay-predicted tau vs measured tau on held-out calibration prompts")
@@ -742,6 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon")
     p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (typical)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
@@ -754,6 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="results/latency.json")
     p.add_argument("--plots", default=None)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_profile)
 
     for name, helptext in (("speed", "tokens/s of generate, plain, prompt lookup and Medusa trees, interleaved"),
@@ -783,6 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=1)
         p.add_argument("--out", default=f"results/{name}")
+        p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)
 
     p = sub.add_parser("judge", help="grade replayed answers (FastChat single mode) and quality proxies")
@@ -795,6 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", default="gpt-4")
     p.add_argument("--judge-local", default="default", help="local judge model (folder or 'default')")
     p.add_argument("--out", default=None)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_judge)
 
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
@@ -825,6 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/tree.json")
     p.add_argument("--plots", default=None, help="folder for the search plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("export", help="print a tree for a server: official Python list, TensorRT-LLM, vLLM")
@@ -838,7 +940,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a reader that went away shows here, inside the handler below
+        return code
+    except BrokenPipeError:  # the reader went away (`medusa-bench export ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except USER_ERRORS as exc:
         if os.environ.get("MEDUSA_BENCH_DEBUG"):
             raise

@@ -125,6 +125,7 @@ class OpenAIBackend:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     return json.loads(resp.read())["choices"][0]["message"]["content"]
             except urllib.error.HTTPError as exc:
+                exc.close()  # the error carries the open response; its body is not read
                 if exc.code not in (408, 409, 429) and exc.code < 500:
                     raise RuntimeError(f"judge endpoint refused the request: HTTP {exc.code}") from None
                 last = exc

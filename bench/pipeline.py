@@ -34,8 +34,8 @@ from treesearch.tree import write_json_atomic
 # prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
 # 5: the lean engine's C forward for bf16 decode steps. 6: workload calibration, profile by context and shape.
 # 7: the C forward on AMX tiles. 8: heads level by level in the C library. 9: profile: monotone verify rows,
-# prefill as paid inside decode runs.
-RUNTIME_REVISION = 9
+# prefill as paid inside decode runs. 10: calibration rollouts by the runtime's own decoding, ratios within rounds.
+RUNTIME_REVISION = 10
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -137,35 +137,45 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
 
 
 def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path) -> dict:
-    """questions.jsonl (the set, MT-Bench schema) and workload.json: replayed questions, folds, calibration."""
+    """questions.jsonl (the set, MT-Bench schema), calibration.jsonl (the replayed questions) and workload.json:
+    replayed questions, folds, calibration. Each fold is fitted on the other folds' questions only: the mean of
+    the folds' predictions then speaks for the replayed set as a whole, while no prediction reads the rollout of
+    a question it is measured on (fitting on questions outside the replayed set would add their sampling
+    difference from it, 5 % and more for 40 questions)."""
     from bench.suites import load_suite
-    from bench.workload import check_disjoint, make_folds, spread_over_categories
+    from bench.workload import check_disjoint, make_folds, sample_over_categories, spread_over_categories
 
     questions = load_suite(opts.questions, log=_log)
-    qfile = out / "questions.jsonl"
-    lines = [json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)})
-             for q in questions]
-    if not qfile.is_file() or qfile.read_text() != "\n".join(lines) + "\n":
-        qfile.write_text("\n".join(lines) + "\n")
-    replayed = spread_over_categories(questions, prof.questions)
+    replayed = sample_over_categories(questions, prof.questions)
     folds = make_folds(replayed, prof.folds)
+    qfile = _write_questions(out / "questions.jsonl", questions)
+    _write_questions(out / "calibration.jsonl", replayed)
     if opts.calibration is not None:  # another prompt set: it must not hold what is replayed
         from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
 
         prompts = load_prompt_source(opts.calibration)
         prompts = builtin_split(prompts, "calibration") if opts.calibration in BUILTIN_NAMES else prompts
         check_disjoint([p.turns[0] for p in prompts], replayed, opts.allow_overlap)
-    if opts.calibration is None and len(questions) - max(len(f) for f in folds) < 16:
-        raise ValueError(f"{len(questions)} questions leave fewer than 16 to calibrate a fold on; replay fewer "
-                         "questions or use more folds")
+    elif len(replayed) - max(len(f) for f in folds) < 16:
+        raise ValueError(f"{len(replayed)} replayed questions in {len(folds)} folds leave fewer than 16 to fit a fold "
+                         "on; replay more questions or use more folds")
     workload = {"schema": WORKLOAD_SCHEMA, "questions": opts.questions, "questions_sha256": file_hash(qfile),
                 "total": len(questions), "replayed": [q.question_id for q in replayed],
                 "folds": [list(f) for f in folds],
                 "peers": [q.question_id for q in spread_over_categories(replayed, prof.peers)],
-                "calibration": opts.calibration or "the question set, cross-fitted by fold",
+                "calibration": opts.calibration or "the replayed questions, cross-fitted: each fold on the other folds",
                 "allow_overlap": opts.allow_overlap, "max_new_tokens": prof.max_new_tokens, "turns": prof.turns}
     write_json_atomic(out / "workload.json", workload)
     return workload
+
+
+def _write_questions(path: Path, questions) -> Path:
+    """Questions as JSONL in MT-Bench's schema, rewritten only when they changed (its hash keys the stages)."""
+    text = "".join(json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}) + "\n"
+                   for q in questions)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path,
@@ -174,8 +184,8 @@ def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: St
     from medusa_runtime.prompts import BUILTIN_REVISION
 
     acc = out / "acceptance.json"
-    data = opts.calibration or str(out / "questions.jsonl")
-    key = {"heads": folder_hash(heads), "data": data, "data_sha": workload["questions_sha256"],
+    data = opts.calibration or str(out / "calibration.jsonl")
+    key = {"heads": folder_hash(heads), "data": data, "data_sha": file_hash(Path(data)),
            "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype,
            "typical_t": TYPICAL_TEMPERATURE, "runtime": RUNTIME_REVISION}
     cache.run("calibrate", key, [acc],

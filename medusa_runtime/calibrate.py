@@ -1,6 +1,7 @@
 """Calibration: measure how often each head's rank-r guess is right on real greedy rollouts.
 
-For every calibration prompt the base model's greedy continuation y_1..y_M is generated (batched);
+For every calibration prompt the base model's greedy continuation y_1..y_M is generated (by the runtime's
+own plain decoding, the text its greedy configurations decode, or by transformers' batched generate);
 one forward over prompt + continuation gives the hidden state at every position, the heads give
 their top-k there, and position i (the hidden state of y_i, y_0 being the prompt's last token)
 records, for each head j, the rank of y_{i+j+2} in head j's top-k (or a miss). Positions
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 from treesearch.stats import AcceptanceStats, RolloutText, marginal_from_rollouts
 from treesearch.typical import TypicalSeq, TypicalStats
 
-from .decode import encode_prompt
+from .decode import DecodeConfig, MedusaDecoder, encode_prompt
 from .heads import MedusaHeads
 from .model import LoadedModel, software_versions
 from .prompts import Prompt
@@ -41,6 +42,10 @@ class CalibrationConfig:
     limit: int | None = None  # use only the first N prompts
     seed: int = 0  # split seed
     typical_temperature: float | None = None  # also store typical-acceptance arrays at this temperature
+    # whose greedy text the rollouts are: 'runtime' (the decoder's own plain decoding, the text Medusa decodes
+    # too: in bf16 it parts from transformers' generate at many positions, and a lookup chain's acceptance
+    # follows the text) or 'generate' (transformers, batched: faster)
+    rollouts: str = "runtime"
 
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= 36:
@@ -49,6 +54,8 @@ class CalibrationConfig:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.typical_temperature is not None and self.typical_temperature <= 0:
             raise ValueError(f"typical_temperature must be > 0, got {self.typical_temperature}")
+        if self.rollouts not in ("runtime", "generate"):
+            raise ValueError(f"rollouts must be runtime or generate, got {self.rollouts!r}")
 
 
 @torch.inference_mode()
@@ -80,6 +87,15 @@ def greedy_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_n
         bar.update(len(idx))
     bar.close()
     return out
+
+
+def runtime_rollouts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     progress: bool = True) -> list[list[int]]:
+    """Greedy continuations by the runtime's own plain decoding (each stops at EOS, kept): the text every
+    greedy configuration of the runtime decodes, token for token."""
+    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=max_new_tokens))
+    return [dec.generate(list(p)).token_ids for p in tqdm(prompts, desc="rollouts", disable=not progress,
+                                                          unit="prompt")]
 
 
 def _head_topk(loaded: LoadedModel, heads: MedusaHeads, hidden: torch.Tensor, topk: int,
@@ -212,7 +228,8 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
     heads = heads.to(device=loaded.device, dtype=loaded.dtype).eval()
     encoded = [encode_prompt(loaded, p.turns[0], chat=bool(getattr(loaded.tokenizer, "chat_template", None)))
                for p in prompts]
-    rollouts = greedy_rollouts(loaded, encoded, cfg.max_new_tokens, cfg.batch_size, progress)
+    rollouts = (runtime_rollouts(loaded, encoded, cfg.max_new_tokens, progress) if cfg.rollouts == "runtime" else
+                greedy_rollouts(loaded, encoded, cfg.max_new_tokens, cfg.batch_size, progress))
     fit_idx, held_idx = split_prompts(len(prompts), cfg.heldout_fraction, cfg.seed)
     measured = [rollout_statistics(loaded, heads, encoded[i], rollouts[i], cfg.topk, cfg.typical_temperature)
                 for i in tqdm(range(len(prompts)), desc="head ranks", disable=not progress, unit="prompt")]

@@ -201,13 +201,31 @@ def prepare_default_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str
     return out_dir
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype a decode runs fastest in here, and why: float16 on CUDA; bfloat16 on a CPU with AVX-512 BF16
+    (where the C forward runs); float32 elsewhere."""
+    if device.type == "cuda":
+        return torch.float16, "CUDA"
+    flags = ""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    if "avx512_bf16" in flags:
+        return torch.bfloat16, "a CPU with AVX-512 BF16"
+    return torch.float32, "a CPU without AVX-512 BF16"
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A dtype by name; ``auto`` (or None) picks by device (see :func:`auto_dtype`)."""
     if isinstance(name, torch.dtype):
         return name
+    if name in (None, "auto"):
+        return auto_dtype(device or resolve_device(None))[0]
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if name not in table:
-        raise ModelError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
+        raise ModelError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     return table[name]
 
 
@@ -223,8 +241,10 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if dtype in (None, "auto"):
+        log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {auto_dtype(dev)[1]})")
     path = prepare_default_model(log=log) if spec == DEFAULT_NAME else spec
     if spec != DEFAULT_NAME and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
         raise ModelError(f"model not found: {spec} (give 'default', a local folder, or a hub id org/name)")

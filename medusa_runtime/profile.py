@@ -112,23 +112,35 @@ def _rounds(count: int, repeats: int, seed: int = 0):
         yield order
 
 
-def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[float]:
-    """ms of each of ``fns`` (interquartile mean), timed in rounds of one call each in shuffled order: drift
-    on a shared machine then hits every tree size alike, instead of whichever size ran in a slow spell."""
+def _interleaved_samples(fns, sync, repeats: int, warmup: int, bar=None) -> np.ndarray:
+    """ms of each of ``fns`` per round [pieces, rounds], timed in rounds of one call each in shuffled order:
+    drift on a shared machine then hits every piece alike within a round, and ratios taken within rounds
+    cancel it (see :func:`_paired`)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for order in _rounds(len(fns), repeats):
+    times = np.zeros((len(fns), repeats))
+    for r, order in enumerate(_rounds(len(fns), repeats)):
         for i in order:
             sync()
             t0 = time.perf_counter()
             fns[i]()
             sync()
-            times[i].append((time.perf_counter() - t0) * 1000)
+            times[i, r] = (time.perf_counter() - t0) * 1000
         if bar is not None:
             bar.update(1)
-    return [_central(t) for t in times]
+    return times
+
+
+def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[float]:
+    """ms of each of ``fns`` (interquartile mean over rounds, see :func:`_interleaved_samples`)."""
+    return [_central(list(row)) for row in _interleaved_samples(fns, sync, repeats, warmup, bar)]
+
+
+def _paired(a: np.ndarray, b: np.ndarray) -> float:
+    """a / b from samples taken in the same rounds: the interquartile mean of the rounds' own ratios, so that a
+    slow spell, which slows both pieces of its round, cancels instead of landing on one of them."""
+    return _central(list(np.asarray(a, dtype=float) / np.asarray(b, dtype=float)))
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,7 @@ class LoopTimes:
     verify: float  # the forward of the verified nodes
     rest: float  # acceptance, compaction, the loop: everything else
     prefill: float  # the generate's prefill (new cache, prompt forward, first token), ms per generate
+    verify_rounds: tuple[float, ...] = ()  # the verify per step of each round (for ratios within rounds)
 
 
 def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None
@@ -151,14 +164,15 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
     for r, order in enumerate(_rounds(len(decoders), cfg.warmup + max(3, cfg.repeats), seed=1)):
         for i in order:
             st = decoders[i].generate(prompt).stats
-            if r < cfg.warmup or not st.steps:
+            if r < cfg.warmup:
                 continue
-            loop = 1000 * (st.time_total - st.time_prefill) / st.steps
-            heads, verify = 1000 * st.time_heads / st.steps, 1000 * st.time_verify / st.steps
+            steps = max(1, st.steps)
+            loop = 1000 * (st.time_total - st.time_prefill) / steps
+            heads, verify = 1000 * st.time_heads / steps, 1000 * st.time_verify / steps
             samples[i].append((loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill))
         if bar is not None:
             bar.update(1)
-    return [LoopTimes(*(_central(list(col)) for col in zip(*rows))) for rows in samples]
+    return [LoopTimes(*(_central(list(col)) for col in zip(*rows)), tuple(row[2] for row in rows)) for rows in samples]
 
 
 @torch.inference_mode()
@@ -187,8 +201,8 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                 dec.compact(cache, ctx, [])  # drop the tree again
 
             steps.append(step)
-    flat = _interleaved_ms(steps, sync, cfg.repeats, cfg.warmup, bar)
-    tight = np.asarray(flat).reshape(len(cfg.contexts), len(cfg.nodes))  # [contexts, nodes]
+    tight = _interleaved_samples(steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
+        len(cfg.contexts), len(cfg.nodes), cfg.repeats)  # [contexts, nodes, rounds] ms
 
     # 2. real decode loops, interleaved: plain decoding, the profile's shapes up to a size, and chains 1..K
     loop_sizes = sorted(n for n in cfg.loop_nodes if n > 1)
@@ -199,7 +213,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
     times = _loop_rounds(loops, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg, bar=bar)
     bar.close()
-    verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], [t.verify for t in times])
+    verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], times)
     plain_rest = times[0].rest
     # the plain step: its forward (the 1-node point of the verify table) plus the rest of a real plain step
     plain = [row[cfg.nodes.index(1)] + plain_rest if 1 in cfg.nodes else times[0].step for row in verify]
@@ -240,22 +254,32 @@ def _wide_trees(heads: MedusaHeads) -> list:
 
 
 def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],
-                    loop_verify: list[float]) -> list[tuple[float, ...]]:
-    """The verify table [contexts][nodes] as a decode pays it: a verify inside a real loop (after the heads
-    and the bookkeeping of the step, with whatever they left in the caches) costs otherwise, relative to a
-    one-row verify, than the same forward repeated in a tight loop. The tight rounds give the shape over
-    contexts; each size is scaled by in-loop / tight at the loops' context (sizes without a loop take the
-    factor of the nearest size that has one); each context's row is then made non-decreasing in nodes."""
+                    loops: list[LoopTimes]) -> list[tuple[float, ...]]:
+    """The verify table [contexts][nodes] as a decode pays it, from ratios taken within rounds.
+
+    Inside a real loop (after the heads and the bookkeeping of the step, with whatever they left in the
+    caches) a verify costs otherwise, relative to a one-row verify, than the same forward repeated in a
+    tight loop; so the level and the ratio of each looped size to one row come from the loops (``loops[0]``
+    is plain decoding), the ratio of a size to the nearest looped size and of a context to the loops'
+    context from the tight rounds (``tight`` [contexts, nodes, rounds]). Each context's row is then made
+    non-decreasing in nodes."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
-    measured: dict[int, list[float]] = {}
-    for n, v in zip(loop_nodes, loop_verify):  # a size may run in more than one loop (a shape and a chain)
+    plain = np.asarray(loops[0].verify_rounds)
+    level = _central(list(plain))  # one row inside a loop, at the loops' context
+    looped: dict[int, list[float]] = {}
+    for n, loop in zip(loop_nodes[1:], loops[1:]):  # a size may run in more than one loop (a shape and a chain)
         if n in cfg.nodes:
-            measured.setdefault(n, []).append(v / tight[at, cfg.nodes.index(n)])
-    if not measured:
-        return [tuple(row) for row in tight]
-    sizes = sorted(measured)
-    factor = [statistics.median(measured[min(sizes, key=lambda m: abs(m - n))]) for n in cfg.nodes]
-    return [tuple(float(x) for x in _non_decreasing(row * np.asarray(factor))) for row in tight]
+            looped.setdefault(n, []).append(_paired(np.asarray(loop.verify_rounds), plain))
+    looped[1] = [1.0]
+    sizes = sorted(looped)
+    row = []
+    for n in cfg.nodes:
+        near = min(sizes, key=lambda m: abs(m - n))
+        to_near = _paired(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)]) if near in cfg.nodes else 1.0
+        row.append(level * statistics.median(looped[near]) * to_near)
+    table = [[row[j] * _paired(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
+             for c in range(len(cfg.contexts))]
+    return [tuple(float(x) for x in _non_decreasing(np.asarray(r))) for r in table]
 
 
 def _non_decreasing(values: np.ndarray) -> np.ndarray:

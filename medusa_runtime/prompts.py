@@ -244,27 +244,36 @@ def _prompt_from_record(rec: dict, source: str) -> Prompt | None:
     return Prompt(turns, str(rec.get("category", "other")), source, str(rid)) if turns else None
 
 
+def _load_with_datasets(source: str, path: Path) -> list[dict]:
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise RuntimeError(f"reading {source} needs the datasets library: pip install 'medusa-bench[data]'") from None
+    if path.suffix == ".parquet":
+        return list(load_dataset("parquet", data_files=str(path), split="train"))
+    return list(load_dataset(source, split="train"))
+
+
 def load_prompt_source(source: str, limit: int | None = None) -> list[Prompt]:
-    """``builtin`` (default), a local JSON/JSONL file, or (online users) a hub dataset id via ``datasets``."""
+    """``builtin`` (default), a local JSON/JSONL file, or a parquet file or (online users) a hub dataset id via the
+    ``datasets`` library (the ``data`` extra)."""
     if source in BUILTIN_NAMES:
         prompts = {"builtin-open": open_prompts, "builtin-wide": wide_prompts,
                    "builtin-all": lambda: builtin_prompts() + open_prompts() + wide_prompts()
                    }.get(source, builtin_prompts)()
     else:
         path = Path(source)
-        if path.is_file():
+        if path.is_file() and path.suffix != ".parquet":
             text = path.read_text()
             try:
                 records = json.loads(text) if path.suffix == ".json" else [json.loads(x) for x in text.splitlines()
                                                                            if x.strip()]
             except json.JSONDecodeError as exc:
                 raise ValueError(f"prompt file {source} is not valid JSON/JSONL: {exc.msg} (line {exc.lineno})") from None
-        elif path.suffix in (".json", ".jsonl") or source.startswith((".", "/")):
+        elif not path.is_file() and (path.suffix in (".json", ".jsonl", ".parquet") or source.startswith((".", "/"))):
             raise FileNotFoundError(f"prompt file not found: {source}")
-        else:
-            from datasets import load_dataset  # online users only
-
-            records = list(load_dataset(source, split="train"))
+        else:  # a parquet file, or (online users) a hub dataset id: the datasets library reads them
+            records = _load_with_datasets(source, path)
         if isinstance(records, dict):
             records = [records]
         prompts = [p for r in records if isinstance(r, dict) and (p := _prompt_from_record(r, source))]

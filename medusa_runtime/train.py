@@ -510,7 +510,7 @@ def initial_heads(loaded: LoadedModel, cfg: TrainConfig, init: str | None = None
 
     if describe(heads.config) != describe(shape):
         raise ValueError(f"--init heads {init} are {describe(heads.config)}; this run asks for {describe(shape)} "
-                         f"(set --heads, --layers and --condition to match)")
+                         f"(set --num-heads, --layers and --condition to match)")
     log(f"starting from the heads in {init} ({describe(shape)})")
     return heads
 
@@ -678,7 +678,10 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     teacher = loaded.model
     student = copy.deepcopy(teacher).float()
     if cfg.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise RuntimeError("--lora-rank needs peft: pip install 'medusa-bench[medusa2]'") from None
 
         student = get_peft_model(student, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))

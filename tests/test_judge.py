@@ -113,6 +113,7 @@ def server():
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     httpd.shutdown()
+    httpd.server_close()
 
 
 def test_http_judge_retries_uses_references_and_caches(server, tmp_path):

@@ -109,14 +109,15 @@ def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine, monke
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("heads_path", ["native", "pytorch"])
 @pytest.mark.parametrize("tree", ["chain:1", "chain:2", "mc_sim_7b_63"])
-def test_bench_propose_shipped_heads(benchmark, bf16_default, tree):
+def test_bench_propose_shipped_heads(benchmark, bf16_default, tree, heads_path):
     """The shipped (path-conditioned) heads proposing a tree's tokens, level by level: in the C library where the
-    C forward runs, else PyTorch's ops; checked against the PyTorch path's proposal on the same state."""
+    C forward runs (native), or PyTorch's ops; checked against the PyTorch path's proposal on the same state."""
     from medusa_runtime.heads import resolve_heads
 
     heads = resolve_heads("default", bf16_default.hidden_size, bf16_default.vocab_size)
-    native = MedusaDecoder(bf16_default, heads, tree)
+    native = MedusaDecoder(bf16_default, heads, tree, config=DecodeConfig(native_heads=heads_path == "native"))
     torch_path = MedusaDecoder(bf16_default, heads, tree, config=DecodeConfig(native_heads=False))
     prompt = torch.randint(0, bf16_default.vocab_size, (32,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # a real last hidden state, as the decoder gives the heads

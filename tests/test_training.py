@@ -266,7 +266,7 @@ def test_training_goes_on_from_heads_trained_before(tiny_examples, tmp_path):
     moved = load_heads(tmp_path / "c" / "heads", loaded.hidden_size, loaded.vocab_size)
     assert not torch.equal(moved.blocks[0][0].linear.weight, before.blocks[0][0].linear.weight)
     for other in ({"num_layers": 2}, {"num_heads": 3}, {"condition": "root"}):
-        with pytest.raises(ValueError, match="set --heads, --layers and --condition to match"):
+        with pytest.raises(ValueError, match="set --num-heads, --layers and --condition to match"):
             train_medusa1(loaded, second, TrainConfig(**{**cfg.__dict__, **other}), tmp_path / "d",
                           progress=False, log=lambda m: None, init=str(tmp_path / "a" / "heads"))
 
@@ -344,7 +344,7 @@ def test_root_conditioned_loss_reads_the_next_token_embedding():
             expected += 0.8 ** (j + 1) * torch.stack(terms).mean()
     torch.testing.assert_close(loss.detach(), expected, rtol=3e-2, atol=3e-2)  # bf16 autocast in training
     shifted = [torch.roll(row, 1) for row in ids]  # other roots, same labels: another loss
-    assert abs(float(trainer.batch_loss(hiddens, labels, shifted)[0]) - float(loss)) > 0.05
+    assert abs(float(trainer.batch_loss(hiddens, labels, shifted)[0].detach()) - float(loss.detach())) > 0.05
 
 
 def test_path_conditioned_loss_reads_each_heads_parent():
@@ -383,7 +383,7 @@ def test_path_conditioned_loss_reads_each_heads_parent():
     root_heads.load_state_dict(heads.state_dict(), strict=False)  # the same heads without parent weights
     base = HeadTrainer(root_heads, w, TrainConfig(num_heads=k, condition="root"), embed=embed).batch_loss(
         hiddens, labels, ids)[0]
-    assert abs(float(base) - float(loss)) > 0.05  # the parents change the loss
+    assert abs(float(base.detach()) - float(loss.detach())) > 0.05  # the parents change the loss
     with torch.no_grad():
         heads.parent_weight.zero_()  # zero parent weights: the root-conditioned loss
     torch.testing.assert_close(trainer.batch_loss(hiddens, labels, ids)[0], base, rtol=0, atol=0)
@@ -398,10 +398,10 @@ def test_conditioned_medusa1_trains_and_decodes_exactly(tiny_examples, tmp_path,
     assert not (tmp_path / "run" / "heads-official").exists()  # no official layout for these heads
     assert [v["step"] for v in res.validation] == [s for s in range(7, res.steps, 7)] + [res.steps]
     heads = load_heads(tmp_path / "run" / "heads", loaded.hidden_size, loaded.vocab_size)
-    assert heads.root_conditioned and float(heads.root_weight.abs().max()) > 0
+    assert heads.root_conditioned and float(heads.root_weight.detach().abs().max()) > 0
     assert heads.path_conditioned == (condition == "path")
     if condition == "path":
-        assert float(heads.parent_weight.abs().max()) > 0
+        assert float(heads.parent_weight.detach().abs().max()) > 0
     prompt = list(examples[0].input_ids[: examples[0].reply_start])
     out = MedusaDecoder(loaded, heads, "chain:2", config=DecodeConfig(max_new_tokens=24)).generate(prompt)
     assert out.token_ids == hf_greedy(loaded, prompt, 24)

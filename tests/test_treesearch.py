@@ -52,7 +52,8 @@ from .conftest import DATA
 
 def vicuna_7b_marginal() -> np.ndarray:
     """Official Medusa Vicuna-7B head top-1..5 training accuracies -> per-rank probabilities."""
-    rows = list(csv.DictReader((DATA / "medusa" / "medusa_acc.csv").open()))
+    with (DATA / "medusa" / "medusa_acc.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
     row = next(r for r in rows if r["Name"] == "7b")
     acc = [[float(row[f"train/medusa{j}_top{k}"]) for k in range(1, 6)] for j in range(5)]
     return marginal_from_topk_accuracy(acc)
@@ -356,7 +357,7 @@ def test_killed_search_resumes(tmp_path):
                     break
     finally:  # never leave the worker running, whatever failed
         w.send_signal(signal.SIGKILL)
-        w.wait()
+        w.communicate()
     assert done >= 5
     before = len(optuna.load_study(study_name="resume", storage=f"sqlite:///{db}").trials)
     again = _worker(tmp_path, before + 10, study="resume")

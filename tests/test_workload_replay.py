@@ -295,3 +295,15 @@ def test_scorecard_measures_paired_speedups_and_writes_report_json(tmp_path):
     assert all(names <= set(c) for c in obj["configs"])
     plain = next(c for c in obj["configs"] if c["config"] == "plain")
     assert plain["predicted_tau"] is None and plain["speedup_vs_plain"] == 1.0 and plain["identical_to_plain"] == 1.0
+
+
+def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
+    from bench.workload import sample_over_categories
+
+    qs = [Question(i, "abc"[i % 3] if i < 60 else "d", (f"q{i}",)) for i in range(70)]  # d: 10 questions
+    picked = sample_over_categories(qs, 12)
+    assert picked == sample_over_categories(qs, 12)  # seeded
+    assert len({q.question_id for q in picked}) == 12 and all(q in qs for q in picked)
+    assert sorted(q.category for q in picked) == sorted("aaabbbcccddd")  # as even as the categories allow
+    assert [q.question_id for q in picked] != [q.question_id for q in qs[:12]]  # not the first questions
+    assert len(sample_over_categories(qs, 100)) == 70
