@@ -13,7 +13,7 @@ from medusa_runtime import acceptance, decode
 from medusa_runtime.acceptance import AcceptConfig, accept_greedy, accept_sample, accept_typical, warp
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import fresh_heads
-from medusa_runtime.lookup import LookupConfig
+from medusa_runtime.lookup import LookupConfig, with_lookup_chain
 from medusa_runtime.tree_buffers import build_tree_buffers
 from treesearch.tree import make_tree
 
@@ -42,6 +42,43 @@ def test_greedy_takes_longest_matching_path():
     logits[3, 0] = 9
     acc = accept_greedy(tokens, logits, buf)
     assert acc.path == [0, 1, 3] and acc.next_token == 0
+
+
+def _brute_force_greedy(tokens: list[int], pred: list[int], parent: list[int]) -> int:
+    """Length of the longest root-to-node path whose nodes all equal their parent's argmax (all paths tried)."""
+    best = 1
+    for node in range(len(tokens)):
+        path = [node]
+        while parent[path[-1]] >= 0:
+            path.append(parent[path[-1]])
+        if all(tokens[n] == pred[parent[n]] for n in path[:-1]):
+            best = max(best, len(path))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_walk_matches_brute_force_on_random_trees_with_lookup(seed):
+    """Random trees, a lookup chain beside them and a tiny vocabulary (so that the lookup draft often
+    repeats a head's candidate under the same parent): the accepted path is as long as the longest
+    matching path found by enumerating every node, every accepted node matches, and the next token is
+    the argmax after the path's last node."""
+    rng = np.random.default_rng(seed)
+    paths = {(int(rng.integers(0, 3)),)}
+    while len(paths) < int(rng.integers(2, 12)):
+        base = list(paths)[int(rng.integers(0, len(paths)))]
+        if len(base) < 4:
+            paths.add((*base, int(rng.integers(0, 3))))
+    heads_buf = build_tree_buffers(make_tree([list(p) for p in paths]), num_heads=4, topk=3)
+    buf = with_lookup_chain(heads_buf, int(rng.integers(0, 4)), heads_buf.depth)
+    vocab = 3
+    tokens = torch.as_tensor(rng.integers(0, vocab, buf.num_nodes))
+    logits = torch.as_tensor(rng.normal(size=(buf.num_nodes, vocab)))
+    acc = accept_greedy(tokens, logits, buf)
+    pred, parent = logits.argmax(-1).tolist(), buf.parent.tolist()
+    assert len(acc.path) == _brute_force_greedy(tokens.tolist(), pred, parent)
+    assert acc.path[0] == 0 and all(parent[b] == a for a, b in zip(acc.path, acc.path[1:]))
+    assert all(int(tokens[n]) == pred[parent[n]] for n in acc.path[1:])
+    assert acc.next_token == pred[acc.path[-1]]
 
 
 def test_typical_threshold_rule():
