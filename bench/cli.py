@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from treesearch.export import FORMATS as EXPORT_FORMATS
+from treesearch.export import TRTLLM_MAX_DRAFT_LEN
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 
 
@@ -154,7 +157,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     from treesearch.export import export_tree
     from treesearch.tree import load_tree
 
-    print(export_tree(load_tree(args.tree), args.format))
+    print(export_tree(load_tree(args.tree), args.format, num_heads=args.num_heads, max_draft_len=args.max_draft_len,
+                      model=args.model))
+    return 0
+
+
+def cmd_export_heads(args: argparse.Namespace) -> int:
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+    from medusa_runtime.serving import VLLM_SPEC_FILE, export_vllm
+
+    loaded = load_model(args.model, "float32", "cpu", log=_log)
+    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, args.model)
+    if heads is None:
+        raise ValueError("--heads none: there are no heads to export")
+    import torch
+
+    out = export_vllm(heads, loaded.model.get_output_embeddings().weight, args.out, args.num_speculative_tokens,
+                      getattr(torch, args.dtype))
+    spec = json.loads((out / VLLM_SPEC_FILE).read_text())
+    text = (f"written: {out} (vLLM Medusa model folder: config.json, model.safetensors)\n"
+            f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
+            f"not a tree:\n  vllm serve BASE_MODEL --speculative-config '{json.dumps(spec)}'")
+    _result(args, {"out": str(out), "speculative_config": spec}, text)
     return 0
 
 
@@ -931,8 +956,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="print a tree for a server: official Python list, TensorRT-LLM, vLLM")
     p.add_argument("tree", help="tree JSON file or preset name")
-    p.add_argument("--format", default="python", choices=["python", "trtllm", "vllm", "json"])
+    p.add_argument("--format", default="python", choices=list(EXPORT_FORMATS),
+                   help="trtllm: the --medusa_choices argument; trtllm-config: the LLM API / trtllm-serve "
+                        "speculative_config (JSON, also YAML); vllm: --speculative-config (its Medusa drafts a "
+                        "top-1 chain: a tree is exported as its chain, with a note)")
+    p.add_argument("--num-heads", type=int, default=None, help="the engine's Medusa heads (trtllm-config; "
+                   "default: the tree's depth); a deeper tree is refused")
+    p.add_argument("--max-draft-len", type=int, default=TRTLLM_MAX_DRAFT_LEN,
+                   help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
+    p.add_argument("--model", default=None, help="vllm: the heads folder written by export-heads")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM)")
+    p.add_argument("--format", default="vllm", choices=["vllm"])
+    p.add_argument("--model", default="default", help="the base model the heads belong to")
+    p.add_argument("--heads", default="default", help="heads folder (either format) or 'default'")
+    p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="the top-1 chain's length vLLM drafts (default: every head)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_export_heads)
     return parser
 
 
