@@ -26,7 +26,7 @@ level), so sibling subtrees get their own candidates. Keys ``{head}.parent.weigh
 
 Either format may carry a *draft vocabulary* (``draft_vocab.json``: sorted token ids): heads trained
 on a part of the vocabulary (``train --vocab replies``) propose only those tokens, so the projection
-costs S rows instead of V (8,938 of 49,152 for the shipped heads). Verification is unchanged, so
+costs S rows instead of V (12,101 of 49,152 for the shipped heads). Verification is unchanged, so
 outputs stay exact; only the candidates come from the smaller set.
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -283,6 +284,17 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise HeadsError(f"no head weights in {folder} (looked for {', '.join(WEIGHT_NAMES)})")
 
 
+def _heads_in_weights(sd: dict[str, torch.Tensor], configured: int, cfg_file: Path) -> int:
+    """The number of heads the weights hold (keys ``{head}.{...}``); published checkpoints exist whose
+    ``medusa_num_heads`` disagrees with their weights: the weights win, with a warning."""
+    found = {int(key.split(".", 1)[0]) for key in sd if key.split(".", 1)[0].isdigit()}
+    if not found or found != set(range(len(found))) or len(found) == configured:
+        return configured
+    warnings.warn(f"{cfg_file} says medusa_num_heads={configured} but the weights hold {len(found)} heads; "
+                  f"loading {len(found)}", stacklevel=3)
+    return len(found)
+
+
 def _conditioning_weights(sd: dict[str, torch.Tensor], path: Path, kind: str, heads: range,
                           hidden_size: int) -> torch.Tensor:
     """The ``{head}.{kind}.weight`` matrices of these heads stacked, [len(heads), H, H]; missing or
@@ -312,6 +324,7 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise HeadsError(f"{cfg_file} is not a Medusa config ({exc.__class__.__name__}: {exc})") from None
     sd = _read_weights(path)
+    k = _heads_in_weights(sd, k, cfg_file)
     shared = f"0.{num_layers}.weight" not in sd
     if num_layers > 0:
         w = sd.get("0.0.linear.weight")

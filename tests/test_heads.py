@@ -335,3 +335,24 @@ def test_path_conditioned_decoder_scores_each_node_under_its_parent(tree):
     for cfg in (DecodeConfig(max_new_tokens=30, topk=10, gate=0.2),
                 DecodeConfig(max_new_tokens=30, topk=10, gate=0.2, lookup=LookupConfig(num_tokens=3, min_ngram=1))):
         assert MedusaDecoder(loaded, heads, tree, config=cfg).generate(prompt).token_ids == want
+
+
+def test_official_heads_whose_config_miscounts_them_load_with_a_warning_and_decode_exactly(tmp_path):
+    """A published checkpoint whose medusa_num_heads disagrees with its weights: the weights' count is
+    loaded, a warning names both, and decoding with a tree that needs every loaded head equals generate."""
+    from .conftest import hf_greedy
+
+    loaded = tiny_llama()
+    heads = _randomise(MedusaHeads(HeadsConfig(3, 1, loaded.hidden_size, loaded.vocab_size, shared_lm_head=False)))
+    folder = save_heads(heads, tmp_path / "official", fmt="official")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["medusa_num_heads"] = 5
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="medusa_num_heads=5 but the weights hold 3 heads"):
+        again = load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+    assert again.num_heads == 3
+    h = torch.randn(4, loaded.hidden_size)
+    torch.testing.assert_close(again(h), heads(h), rtol=0, atol=0)
+    prompt = [5, 17, 2, 40, 9]
+    decoder = MedusaDecoder(loaded, again, "chain:3", config=DecodeConfig(max_new_tokens=24))
+    assert decoder.generate(prompt).token_ids == hf_greedy(loaded, prompt, 24)
