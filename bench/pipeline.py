@@ -71,7 +71,14 @@ class BenchOptions:
     allow_overlap: bool = False  # accept a calibration set that holds replayed questions
     retrain: bool = False  # train heads (quick profile) instead of the shipped ones
     out: str = "results/bench"
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # resolved (run() turns 'auto' into the device's dtype before any stage keys it)
+    model: str = "default"  # 'default' (the embedded SmolLM2), a transformers causal LM folder or (online) a hub id
+    heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
+    device: str = "cpu"  # cpu | cuda | cuda:N
+
+    def model_args(self) -> tuple[str, ...]:
+        """What every stage's command gets to load the same model the same way."""
+        return ("--model", self.model, "--dtype", self.dtype, "--device", self.device)
 
 
 def file_hash(path: Path) -> str:
@@ -126,14 +133,26 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     from medusa_runtime.heads import shipped_heads_dir
     from medusa_runtime.prompts import BUILTIN_REVISION
 
-    heads_dir = shipped_heads_dir()
+    if opts.heads not in ("default", "none") and not opts.retrain:
+        folder = Path(opts.heads)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"--heads {opts.heads}: not a heads folder (no config.json)")
+        return folder
+    if opts.heads == "none":
+        raise ValueError("--heads none: the bench's calibration and search need heads; replay plain decoding and "
+                         "prompt lookup with medusa-bench speed --heads none --lookup 4")
+    heads_dir = shipped_heads_dir() if opts.model == "default" else None
     if opts.retrain or heads_dir is None:
+        if opts.model != "default" and not opts.retrain:
+            raise ValueError(f"the shipped heads belong to the default model, not {opts.model}: pass --heads FOLDER "
+                             "(heads trained for it) or --retrain")
         heads_dir = out / "heads-trained" / "heads"
         from bench.cli import TRAIN_PROFILES
 
-        train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION}
+        train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION,
+                     "model": opts.model, "dtype": opts.dtype, "device": opts.device}
         cache.run("train", train_key, [heads_dir],
-                  lambda: _cli("train", "--profile", "quick", "--out", str(out / "heads-trained")))
+                  lambda: _cli("train", "--profile", "quick", *opts.model_args(), "--out", str(out / "heads-trained")))
     return heads_dir
 
 
@@ -187,10 +206,11 @@ def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: St
     acc = out / "acceptance.json"
     data = opts.calibration or str(out / "calibration.jsonl")
     key = {"heads": folder_hash(heads), "data": data, "data_sha": file_hash(Path(data)),
-           "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype,
+           "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype, "model": opts.model,
+           "device": opts.device,
            "typical_t": TYPICAL_TEMPERATURE, "runtime": RUNTIME_REVISION}
     cache.run("calibrate", key, [acc],
-              lambda: _cli("calibrate", "--heads", str(heads), "--dtype", opts.dtype, "--data", data,
+              lambda: _cli("calibrate", "--heads", str(heads), *opts.model_args(), "--data", data,
                            "--max-new-tokens", str(prof.max_new_tokens), "--heldout", "0", "--out", str(acc),
                            "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))
     return acc
@@ -216,9 +236,10 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     lat = out / "latency.json"
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
     key = {"heads": folder_hash(heads), "nodes": prof.latency_nodes, "ctx": contexts, "prefill": prefill,
-           "repeats": prof.latency_repeats, "dtype": opts.dtype, "runtime": RUNTIME_REVISION}
+           "repeats": prof.latency_repeats, "dtype": opts.dtype, "model": opts.model, "device": opts.device,
+           "runtime": RUNTIME_REVISION}
     cache.run("profile", key, [lat],
-              lambda: _cli("profile", "--heads", str(heads), "--dtype", opts.dtype, "--nodes",
+              lambda: _cli("profile", "--heads", str(heads), *opts.model_args(), "--nodes",
                            *map(str, prof.latency_nodes), "--contexts", *map(str, contexts), "--prefill",
                            *map(str, prefill), "--repeats", str(prof.latency_repeats), "--out", str(lat),
                            "--plots", str(out / "plots")))
@@ -290,7 +311,7 @@ def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
                  searches: list[Path], workload: dict) -> None:
     configs = replay_configurations(acc, searches, workload)
-    config = {"model": "default", "heads": str(heads), "dtype": opts.dtype, "max_new_tokens": prof.max_new_tokens,
+    config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
@@ -299,7 +320,7 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
-              lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), "--dtype", opts.dtype,
+              lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),
                            "--questions", str(out / "questions.jsonl"), "--ids", *ids,
                            "--max-new-tokens", str(prof.max_new_tokens), "--out", str(replay_dir)))
 
@@ -335,6 +356,14 @@ def isolate_records(folder: Path, key: str) -> None:
     marker.write_text(key + "\n")
 
 
+def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
+    """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same)."""
+    from medusa_runtime.model import resolve_device, resolve_dtype
+
+    dev = resolve_device(None if device == "auto" else device)
+    return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -352,15 +381,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="accept a --calibration set that holds replayed questions")
     parser.add_argument("--retrain", action="store_true", help="train heads (quick profile) instead of the shipped ones")
     parser.add_argument("--out", default="results/bench")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--model", default="default",
+                        help="'default' (the embedded SmolLM2-135M-Instruct), a transformers causal LM folder or a hub id")
+    parser.add_argument("--heads", default="default",
+                        help="'default' (the shipped heads, default model only) or a heads folder in either format; "
+                             "--retrain trains heads for --model instead")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
     args = parser.parse_args(argv)
-    opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
-                        args.dtype)
-    print(f"[bench] profile {args.profile}: {asdict(PROFILES[args.profile])}", flush=True)
     try:
+        opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
+                            **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads)
+        print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
+              f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}",
+              flush=True)
         run(opts)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"[bench] error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model that does not load
+        print(f"[bench] error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,0 +1,56 @@
+"""The main job's options: the user's model, heads, device and dtype reach every stage, bad ones are refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import pipeline
+from bench.pipeline import BenchOptions, StageCache
+
+
+def _capture(monkeypatch) -> list[tuple[str, ...]]:
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(pipeline, "_cli", lambda *argv: calls.append(argv))
+    return calls
+
+
+def test_retrain_trains_for_the_users_model_on_its_device_and_dtype(tmp_path, monkeypatch):
+    calls = _capture(monkeypatch)
+    opts = BenchOptions(retrain=True, model="some/model", device="cuda:1", dtype="float16", out=str(tmp_path))
+    heads = pipeline.stage_heads(opts, tmp_path, StageCache(tmp_path))
+    assert heads == tmp_path / "heads-trained" / "heads"
+    (argv,) = calls
+    assert argv[0] == "train"
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    assert flags["--model"] == "some/model" and flags["--device"] == "cuda:1" and flags["--dtype"] == "float16"
+    # another model is another training (the stage key holds the model)
+    pipeline.stage_heads(BenchOptions(retrain=True, model="other", device="cuda:1", dtype="float16"), tmp_path,
+                         StageCache(tmp_path))
+    assert len(calls) == 2
+
+
+def test_a_heads_folder_is_used_as_given(tmp_path, monkeypatch):
+    calls = _capture(monkeypatch)
+    folder = tmp_path / "h"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert pipeline.stage_heads(BenchOptions(model="m", heads=str(folder)), tmp_path, StageCache(tmp_path)) == folder
+    assert calls == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--heads", "/nonexistent"], "--heads /nonexistent: not a heads folder"),
+    (["--model", "/some/other/model"], "the shipped heads belong to the default model"),
+    (["--heads", "none"], "--heads none: the bench's calibration and search need heads"),
+    (["--dtype", "int8"], "invalid choice"),
+])
+def test_bad_main_job_options_give_one_line_and_exit_2(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.pipeline", *args, "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
