@@ -60,7 +60,8 @@ def render(report: dict) -> str:
         lines.append(f"Predicted against measured, for the {v['predictions']} configurations run on every replayed "
                      f"question: worst tau error {100 * v['worst_tau_error']:.1f} % (tolerance "
                      f"{100 * v['tau_tolerance']:.0f} %), worst speed-up error {100 * v['worst_speedup_error']:.1f} % "
-                     f"(tolerance {100 * v['speedup_tolerance']:.0f} %).")
+                     f"(tolerance {100 * v['speedup_tolerance']:.0f} %); predictions priced with "
+                     f"{q.get('predictions_priced_with', 'the latency profile measured before the replay')}.")
     return "\n".join(lines)
 
 

@@ -97,7 +97,7 @@ def report(out: Path) -> list[Path]:
     if scored is not None:
         card, verdict, questions = scored
         written += plot_predicted_vs_measured(card, plots)
-        section = scorecard_section(card, verdict)
+        section = scorecard_section(card, verdict) + f"\nPredicted speeds are priced with {questions['predictions_priced_with']}.\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions},
                                     out / "report.json"))
@@ -159,19 +159,24 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
     from bench.runner import MethodConfig
     from bench.scorecard import scorecard, verdict
     from bench.workload import fold_stats, predict_configs
-    from treesearch.cost import load_profile
+    from treesearch.cost import load_profile, mean_profile
     from treesearch.stats import load_stats
 
     files = [out / n for n in ("workload.json", "acceptance.json", "latency.json", "replay_config.json")]
     if not all(f.is_file() for f in files):
         return None
     workload, stats, latency = json.loads(files[0].read_text()), load_stats(files[1]), load_profile(files[2])
+    priced = "the latency profile measured before the replay"
+    if (out / "latency-after.json").is_file():  # the machine's speed over the replay: before and after, averaged
+        latency = mean_profile([latency, load_profile(out / "latency-after.json")])
+        priced = "the mean of the latency profiles measured before and after the replay"
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
     folds = [tuple(f) for f in workload["folds"]]
     predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
     card = scorecard(df, configs, predictions)
     questions = {k: workload[k] for k in ("questions", "total", "replayed", "folds", "calibration", "max_new_tokens",
                                           "turns", "peers")}
+    questions["predictions_priced_with"] = priced
     return card, verdict(card), questions
 
 

@@ -307,3 +307,26 @@ def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
     assert sorted(q.category for q in picked) == sorted("aaabbbcccddd")  # as even as the categories allow
     assert [q.question_id for q in picked] != [q.question_id for q in qs[:12]]  # not the first questions
     assert len(sample_over_categories(qs, 100)) == 70
+
+
+def test_mean_profile_is_the_elementwise_mean_and_refuses_other_grids():
+    """Profiles before and after a replay average field by field; every priced step is then the mean of the two
+    (the cost model is linear in the profile's times), and profiles on different grids are refused."""
+    from dataclasses import replace
+
+    from treesearch.cost import mean_profile
+    from treesearch.stats import StatsError
+
+    a = _profile()
+    b = replace(a, verify_ms=tuple(tuple(2 * x for x in r) for r in a.verify_ms), plain_ms=(20.0, 30.0),
+                bookkeeping_by_nodes_ms=(1.0, 1.0, 1.0), prefill_ms=(6.0, 20.0), lookup_ms=0.15)
+    m = mean_profile([a, b])
+    for n, c in ((1, 100), (4, 200), (16, 500)):
+        assert m.verify(n, c) == pytest.approx((a.verify(n, c) + b.verify(n, c)) / 2)
+    assert m.plain(200) == pytest.approx((a.plain(200) + b.plain(200)) / 2)
+    assert m.bookkeeping(9) == pytest.approx((a.bookkeeping(9) + b.bookkeeping(9)) / 2)
+    assert m.prefill(55) == pytest.approx((a.prefill(55) + b.prefill(55)) / 2)
+    assert m.lookup_ms == pytest.approx(0.1) and m.meta["averaged_profiles"] == 2 and m.meta["model"] == "tiny"
+    assert mean_profile([a]) == a
+    with pytest.raises(StatsError, match="different grids"):
+        mean_profile([a, _profile(contexts=(100, 400))])

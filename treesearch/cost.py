@@ -22,7 +22,7 @@ predicted (``treesearch.replay``), since measured tokens/s include it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,31 @@ def profile_from_json(obj: Any) -> LatencyProfile:
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
                           heads_fit, path_conditioned)
+
+
+def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
+    """The element-wise mean of profiles measured with the same grid (sizes, contexts, prompt lengths) at
+    different times, e.g. before and after a replay: the machine's speed over that window, its drift halved.
+    Profiles on other grids are refused (StatsError)."""
+    first = profiles[0]
+    grid = (first.nodes, first.contexts, first.heads_nodes, first.bookkeeping_nodes, first.prefill_tokens,
+            len(first.heads_fit), first.heads_path_conditioned)
+    for p in profiles[1:]:
+        if (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
+                p.heads_path_conditioned) != grid:
+            raise StatsError("latency profiles measured on different grids cannot be averaged")
+
+    def mean(values):  # values: one float, or nested tuples of floats, per profile
+        arr = np.mean(np.asarray(values, dtype=float), axis=0)
+        if arr.ndim == 0:
+            return float(arr)
+        return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
+
+    fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
+              "prefill_ms", "lookup_ms", "heads_fit")
+    averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
+    meta = {**first.meta, "averaged_profiles": len(profiles)}
+    return replace(first, meta=meta, **averaged)
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:
