@@ -158,7 +158,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from treesearch.tree import load_tree
 
     print(export_tree(load_tree(args.tree), args.format, num_heads=args.num_heads, max_draft_len=args.max_draft_len,
-                      model=args.model))
+                      model=args.draft_model))
     return 0
 
 
@@ -964,7 +964,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the tree's depth); a deeper tree is refused")
     p.add_argument("--max-draft-len", type=int, default=TRTLLM_MAX_DRAFT_LEN,
                    help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
-    p.add_argument("--model", default=None, help="vllm: the heads folder written by export-heads")
+    p.add_argument("--draft-model", default=None,
+                   help="vllm: the heads folder written by export-heads (the speculative config's 'model')")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM)")
