@@ -163,6 +163,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_export_heads(args: argparse.Namespace) -> int:
+    import torch
+
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
     from medusa_runtime.serving import VLLM_SPEC_FILE, export_vllm
@@ -171,8 +173,6 @@ def cmd_export_heads(args: argparse.Namespace) -> int:
     heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, args.model)
     if heads is None:
         raise ValueError("--heads none: there are no heads to export")
-    import torch
-
     out = export_vllm(heads, loaded.model.get_output_embeddings().weight, args.out, args.num_speculative_tokens,
                       getattr(torch, args.dtype))
     spec = json.loads((out / VLLM_SPEC_FILE).read_text())
@@ -387,10 +387,6 @@ def format_replay_rows(rows: list[dict]) -> str:
         lines.append(f"| {r['tree']} | {r['nodes']} | {r['tau']:.3f} | {lo:.3f}-{hi:.3f} | {held} | "
                      f"{r['tau_independent']:.3f} |")
     return "\n".join(lines)
-
-
-def format_replay_table(stats, budgets=(16, 32, 64)) -> str:
-    return format_replay_rows(replay_rows(stats, budgets))
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

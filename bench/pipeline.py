@@ -71,7 +71,7 @@ class BenchOptions:
     allow_overlap: bool = False  # accept a calibration set that holds replayed questions
     retrain: bool = False  # train heads (quick profile) instead of the shipped ones
     out: str = "results/bench"
-    dtype: str = "bfloat16"  # resolved (run() turns 'auto' into the device's dtype before any stage keys it)
+    dtype: str = "bfloat16"  # resolved: main() turns 'auto' into the device's dtype before any stage keys it
     model: str = "default"  # 'default' (the embedded SmolLM2), a transformers causal LM folder or (online) a hub id
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N

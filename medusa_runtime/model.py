@@ -204,14 +204,11 @@ def prepare_default_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """The dtype a decode runs fastest in here, and why: float16 on CUDA; bfloat16 on a CPU with AVX-512 BF16
     (where the C forward runs); float32 elsewhere."""
+    from .kernels import cpuinfo_line
+
     if device.type == "cuda":
         return torch.float16, "CUDA"
-    flags = ""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pass
-    if "avx512_bf16" in flags:
+    if "avx512_bf16" in (cpuinfo_line("flags") or ""):
         return torch.bfloat16, "a CPU with AVX-512 BF16"
     return torch.float32, "a CPU without AVX-512 BF16"
 
@@ -242,9 +239,11 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
     from transformers.utils import logging as hf_logging
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
     if dtype in (None, "auto"):
-        log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {auto_dtype(dev)[1]})")
+        torch_dtype, why = auto_dtype(dev)
+        log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {why})")
+    else:
+        torch_dtype = resolve_dtype(dtype, dev)
     path = prepare_default_model(log=log) if spec == DEFAULT_NAME else spec
     if spec != DEFAULT_NAME and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
         raise ModelError(f"model not found: {spec} (give 'default', a local folder, or a hub id org/name)")

@@ -14,7 +14,6 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from treesearch.tree import chain, load_tree
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
+from .kernels import cpuinfo_line
 from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
 
@@ -51,13 +51,8 @@ class ProfileConfig:
 
 def _cpu_model() -> str | None:
     """The CPU's model name (Linux's /proc/cpuinfo), None elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    line = cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line and ":" in line else None
 
 
 def describe_machine(loaded: LoadedModel) -> dict[str, object]:

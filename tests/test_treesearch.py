@@ -177,11 +177,11 @@ def test_step_walk_interval_is_a_bootstrap_over_whole_rollouts():
 
 
 def test_calibrate_table_prints_each_trees_interval():
-    from bench.cli import format_replay_table
+    from bench.cli import format_replay_rows, replay_rows
 
     rollouts = synthetic_rollouts(8)
     stats = AcceptanceStats(marginal_from_rollouts(rollouts, 3, 4), rollouts, rollouts[:5], {"model": "m"})
-    rows = [r.split("|")[1:-1] for r in format_replay_table(stats).splitlines()[2:]]
+    rows = [r.split("|")[1:-1] for r in format_replay_rows(replay_rows(stats)).splitlines()[2:]]
     assert [r[0].strip() for r in rows] == ["chain:3", "optimal-16", "optimal-32", "optimal-64"]
     for r in rows:
         tau = float(r[2])

@@ -49,14 +49,20 @@ class LeanHead(ctypes.Structure):
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> str:
+def cpuinfo_line(field: str) -> str | None:
+    """The first line of Linux's /proc/cpuinfo that starts with ``field`` (e.g. ``flags``, ``model name``),
+    None where there is no such file or line."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _cpu_flags() -> str:
+    return cpuinfo_line("flags") or platform.processor()
 
 
 def _compiler() -> str | None:

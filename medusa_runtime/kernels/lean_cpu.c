@@ -714,30 +714,18 @@ typedef struct {
     const bf16 *ln1, *qkv, *o, *ln2, *gate_up, *down;
 } LeanLayer;
 
-/* one linear layer of the forward on the path chosen for the call (wp: packed when amx) */
+/* one linear layer on the path chosen for the call (w: packed when amx). padded: x holds n rows rounded up
+ * to 16 and is read in place by the tile path (the forward's activations); else the tile path copies the n
+ * rows into xv first (the heads' few rows) */
 static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
-                              int kind, bf16 *xv) {
+                              int kind, bf16 *xv, int padded) {
 #if LEAN_AMX_BUILD
     if (amx) {
-        linear_rows_amx(w, x, n, out, in, y, r, kind, xv, 1);
+        linear_rows_amx(w, x, n, out, in, y, r, kind, xv, padded);
         return;
     }
 #else
-    (void)amx; (void)xv;
-#endif
-    linear_rows(w, x, n, out, in, y, r, kind);
-}
-
-/* a linear layer on rows that are not padded to 16 (the heads' few rows): the tile path copies them first */
-static inline void linear_any_x(int amx, const bf16 *w, const bf16 *x, int n, int out, int in, void *y,
-                                const bf16 *r, int kind, bf16 *xa) {
-#if LEAN_AMX_BUILD
-    if (amx) {
-        linear_rows_amx(w, x, n, out, in, y, r, kind, xa, 0);
-        return;
-    }
-#else
-    (void)amx; (void)xa;
+    (void)amx; (void)xv; (void)padded;
 #endif
     linear_rows(w, x, n, out, in, y, r, kind);
 }
@@ -771,17 +759,17 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
             const LeanLayer *w = layers + l;
             bf16 *kc = kcache + l * layer_kv, *vc = vcache + l * layer_kv;
             rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
-            linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv);
+            linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, 1);
             rope_rows(qkv, n, nh, nkv, d, pos, cos_t, sin_t, q, kc, vc, cap, start);
 #if LEAN_AMX_BUILD
             if (scores) attention_scores_amx(q, kc, n, nh, nkv, d, cap, start, scores);
 #endif
             attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, scores, att);
-            linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv);
+            linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, 1);
             rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
-            linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv);
+            linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, 1);
             silu_mul_rows(gu, n, inter, act);
-            linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv);
+            linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
         }
         rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
 #if LEAN_AMX_BUILD
@@ -869,9 +857,9 @@ int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const
         if (amx) amx_configure();
 #endif
         /* e: the root's term, plus each parent's */
-        linear_any_x(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa);
+        linear_any(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa, 0);
         if (parents > 0 && head->parent_w) {
-            linear_any_x(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa);
+            linear_any(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa, 0);
 #pragma omp for schedule(static)
             for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
         } else {
@@ -881,14 +869,14 @@ int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const
         /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
 #pragma omp single
         memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
-        linear_any_x(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
+        linear_any(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa, 0);
         silu_residual_rows(x, z, ep, rows, hsz, 1);
         bf16 *xs = x + hsz; /* [rows, H] */
         for (int l = 1; l < blocks; ++l) {
-            linear_any_x(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
+            linear_any(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa, 0);
             silu_residual_rows(xs, z, NULL, rows, hsz, 0);
         }
-        linear_any_x(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa);
+        linear_any(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa, 0);
 #pragma omp for schedule(static)
         for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
 #if LEAN_AMX_BUILD
