@@ -139,15 +139,30 @@ def pack_amx(lib, weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-class _KernelLinear:
-    """``y = x W^T`` [M, out] for a fixed bf16 weight W [out, in], by the C library (AVX-512 GEMV, or AMX
-    tiles on a packed copy of W): bf16 output, or float32 unrounded (``out_kind`` OUT_F32, the logits)."""
+def pack_rows4(lib, weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] repacked into the C library's AVX-512 layout: blocks of 4 output rows, their
+    values per 32 inputs side by side (zero padded), so that a block streams as one contiguous run."""
+    weight = weight.detach().contiguous()
+    packed = torch.empty(lib.lean_rows4_packed_size(*weight.shape), dtype=torch.bfloat16)
+    lib.lean_pack_rows4(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+    return packed
 
-    __slots__ = ("weight", "lib", "packed", "kind", "_xv")
+
+def pack_for(lib, weight: torch.Tensor, amx: bool) -> torch.Tensor:
+    """The weight in the layout of the C library's path that runs it (AMX tiles or AVX-512 blocks)."""
+    return pack_amx(lib, weight) if amx else pack_rows4(lib, weight)
+
+
+class _KernelLinear:
+    """``y = x W^T`` [M, out] for a fixed bf16 weight W [out, in], by the C library on a packed copy of W
+    (AVX-512 blocks of 4 rows, or AMX tiles): bf16 output, or float32 unrounded (``out_kind`` OUT_F32, the
+    logits)."""
+
+    __slots__ = ("weight", "lib", "amx", "packed", "kind", "_xv")
 
     def __init__(self, weight: torch.Tensor, lib, amx: bool = False, out_kind: int = kernels.OUT_BF16):
-        self.weight, self.lib = weight.detach().contiguous(), lib
-        self.packed = pack_amx(lib, self.weight) if amx else None
+        self.weight, self.lib, self.amx = weight.detach().contiguous(), lib, amx
+        self.packed = pack_for(lib, self.weight, amx)
         self.kind, self._xv = out_kind, torch.empty(0, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +172,8 @@ class _KernelLinear:
             raise EngineError(f"expected a CPU {self.weight.dtype} input [M, {width}], got {x.dtype} {list(x.shape)}")
         y = torch.empty(rows, out, dtype=torch.float32 if self.kind == kernels.OUT_F32 else self.weight.dtype)
         threads = torch.get_num_threads()
-        if self.packed is None:
-            self.lib.lean_linear(self.weight.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
+        if not self.amx:
+            self.lib.lean_linear(self.packed.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
                                  self.kind, threads)
             return y
         need = self.lib.lean_amx_scratch_size(rows, width)
@@ -226,19 +241,21 @@ def _fuse(layer, pack: bool) -> _Layer:
 # fused weights per model, shared by all its engines (a profile builds one decoder per tree size);
 # keyed by the parameters' version counters too, so a model trained in place gets fresh copies
 _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_AMX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same weights in the AMX tile layout
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same weights in the C library's layouts
 
 
-def _amx_weights(model, layers, lm_head: torch.Tensor, lib):
-    """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection) in the tile layout."""
+def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool):
+    """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection) in the layout of the C
+    library's path (AMX tiles or AVX-512 blocks of 4 rows), once per model and path."""
     stamp = sum(p._version for p in model.parameters())
-    hit = _AMX.get(model)
+    hit = _PACKED.get(model, {}).get(amx)
     if hit is not None and hit[0] == stamp:
         return hit[1]
     with torch.no_grad():
-        packed = (tuple(tuple(pack_amx(lib, lin.weight) for lin in (w.qkv, w.o, w.gate_up, w.down)) for w in layers),
-                  _KernelLinear(lm_head, lib, amx=True, out_kind=kernels.OUT_F32))
-    _AMX[model] = (stamp, packed)
+        packed = (tuple(tuple(pack_for(lib, lin.weight, amx) for lin in (w.qkv, w.o, w.gate_up, w.down))
+                        for w in layers),
+                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32))
+    _PACKED.setdefault(model, {})[amx] = (stamp, packed)
     return packed
 
 
@@ -282,14 +299,9 @@ class LeanEngine:
         self._cos = self._sin = torch.empty(0)
         self.lib = self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
-        if self.lib is not None:  # the layers' weight addresses, once; the tensors live in _FUSED / _AMX
-            if self.amx:
-                packed, self._logits_kernel = _amx_weights(model, self.layers, self.lm_head, self.lib)
-                mats = [tuple(t.data_ptr() for t in p) for p in packed]
-            else:
-                self._logits_kernel = _KernelLinear(self.lm_head, self.lib, out_kind=kernels.OUT_F32)
-                mats = [(w.qkv.weight.data_ptr(), w.o.weight.data_ptr(), w.gate_up.weight.data_ptr(),
-                         w.down.weight.data_ptr()) for w in self.layers]
+        if self.lib is not None:  # the layers' packed weight addresses, once; the tensors live in _PACKED
+            packed, self._logits_kernel = _kernel_weights(model, self.layers, self.lm_head, self.lib, self.amx)
+            mats = [tuple(t.data_ptr() for t in p) for p in packed]
             self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
                 kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)
                 for w, (qkv, o, gate_up, down) in zip(self.layers, mats)])

@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from . import kernels
-from .engine import pack_amx
+from .engine import pack_for
 from .heads import MedusaHeads
 
 MAX_BLOCKS = kernels.HEAD_MAX_BLOCKS
@@ -48,9 +48,8 @@ class NativeHeadLevels:
         self.lib, self.amx, self.topk = engine.lib, engine.amx, topk
         dtype = torch.bfloat16
 
-        def prep(w: torch.Tensor) -> torch.Tensor:  # the layout the C call reads: packed tiles with AMX
-            w = w.detach().to(dtype).contiguous()
-            return pack_amx(self.lib, w) if self.amx else w
+        def prep(w: torch.Tensor) -> torch.Tensor:  # the layout the C call reads (AMX tiles or AVX-512 blocks)
+            return pack_for(self.lib, w.detach().to(dtype).contiguous(), self.amx)
 
         self.hidden_size = heads.config.hidden_size
         self.projection = prep(projection)  # [S, H]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from medusa_runtime import kernels
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx
+from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx, pack_rows4
 from medusa_runtime.heads import resolve_heads
 from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.tree_buffers import build_tree_buffers
@@ -45,7 +45,8 @@ def _linear(lib, w, x, kind, residual=None, path="avx512"):
         assert lib.lean_linear_amx(packed.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind,
                                    xa.data_ptr(), torch.get_num_threads()) == 0
         return y
-    lib.lean_linear(w.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind, torch.get_num_threads())
+    packed = pack_rows4(lib, w)
+    lib.lean_linear(packed.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind, torch.get_num_threads())
     return y
 
 

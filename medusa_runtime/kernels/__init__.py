@@ -93,6 +93,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_linear.restype = None
     lib.lean_linear_amx.argtypes = [p, p, i, i, i, p, p, i, p, i]
     lib.lean_linear_amx.restype = i
+    lib.lean_pack_rows4.argtypes = [p, i, i, p]
+    lib.lean_pack_rows4.restype = None
+    lib.lean_rows4_packed_size.argtypes = [i, i]
+    lib.lean_rows4_packed_size.restype = z
     lib.lean_pack_amx.argtypes = [p, i, i, p]
     lib.lean_pack_amx.restype = None
     lib.lean_amx_packed_size.argtypes = [i, i]

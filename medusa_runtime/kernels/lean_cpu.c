@@ -15,7 +15,8 @@
  * each residual sum. Dot products accumulate in float32 (AVX-512 BF16 dot instructions where the
  * CPU has them, a scalar float32 loop otherwise).
  *
- * Layouts (all row-major, contiguous): weights W [out, in]; activations [n, width]; the KV cache
+ * Layouts: weights W [out, in] repacked once (lean_pack_rows4: blocks of 4 output rows streamed as one
+ * contiguous run; lean_pack_amx for the tile path); row-major, contiguous: activations [n, width]; the KV cache
  * [layers, kv_heads, capacity, head_dim]; cos/sin tables [capacity, head_dim] with rotate_half's
  * sign folded into sin (sin[j] negated for j < D/2), as engine.py builds them.
  *
@@ -91,7 +92,17 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 }
 
 #if LEAN_AVX512BF16
-#define PREFETCH_ROWS 8 /* prefetch distance in weight rows (may run past the end: prefetches never fault) */
+/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of more than 4 rows
+ * only. Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants interleaved in one
+ * process): up to 4 rows the hardware prefetcher alone streams best (1 row 8.5 ms against 8.7-9.3 with any
+ * software prefetch); from 8 rows on, where the dot products take longer than the weights' transfer, 8-32 KB
+ * ahead into L2 does (8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9 without). */
+#ifndef ROWS4_PREFETCH
+#define ROWS4_PREFETCH 16384
+#endif
+#ifndef ROWS4_HINT
+#define ROWS4_HINT _MM_HINT_T1
+#endif
 
 /* the sums of four accumulators [sum a0, sum a1, sum a2, sum a3], by one fixed pattern of adds */
 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -104,29 +115,33 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 /* four weight rows against R activation rows (R <= 4): out[r][c] = dot(x row r, w row c), each with its
- * own accumulator over k in the same order as dot_bf16, so results do not depend on R. Called with a
- * constant R, so the 4 x R accumulators stay in registers; each weight load serves R rows. */
-static inline __attribute__((always_inline)) void dot4xr_bf16(const bf16 *w, int in, const bf16 *x, int R,
-                                                             float out[4][4]) {
+ * own accumulator over k in the same order as dot_bf16, so results do not depend on R. wb: the block's
+ * packed weights (lean_pack_rows4: per 32 inputs, the 4 rows' 32 values side by side, zero padded), so the
+ * block streams as one contiguous run; the activations' last partial 32 are loaded masked (zeros, as the
+ * padding). Called with a constant R, so the 4 x R accumulators stay in registers; each weight load
+ * serves R rows. */
+static inline __attribute__((always_inline)) void dot4xr_bf16(const bf16 *wb, int in, const bf16 *x, int R,
+                                                             int prefetch, float out[4][4]) {
     __m512 acc[4][4];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 32 <= in; k += 32) {
+        const bf16 *b = wb + (size_t)k * 4;  /* [4][32] */
+        if (ROWS4_PREFETCH > 0 && prefetch)  /* may run past the end: prefetches never fault */
+            for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)b + ROWS4_PREFETCH + line, ROWS4_HINT);
         __m512bh wv[4];
-        for (int c = 0; c < 4; ++c) {  /* the block two ahead (rows 8..11) on its way into L1 meanwhile */
-            _mm_prefetch((const char *)(w + (size_t)(c + PREFETCH_ROWS) * in + k), _MM_HINT_T0);
-            wv[c] = (__m512bh)_mm512_loadu_si512(w + (size_t)c * in + k);
-        }
+        for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(b + 32 * c);
         for (int r = 0; r < R; ++r) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)r * in + k);
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
         }
     }
-    if (k < in) {
+    if (k < in) {  /* the last partial 32: padded weights, masked activations */
+        const bf16 *b = wb + (size_t)k * 4;
         __mmask32 m = (__mmask32)((1ull << (in - k)) - 1);
         __m512bh wv[4];
-        for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (size_t)c * in + k);
+        for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(b + 32 * c);
         for (int r = 0; r < R; ++r) {
             __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + (size_t)r * in + k);
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
@@ -189,11 +204,7 @@ static void exp_inplace(float *v, int len) {
 
 /* ------------------------------------------------------------------ linear layers */
 
-/* y = x W^T for x [n, in], W [out, in]. Output kinds: bf16 (rounded), bf16 plus a residual
- * (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
- * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
- * Called from inside a parallel region: the output rows are shared out in blocks of 4. */
-enum { OUT_BF16 = 0, OUT_BF16_RESIDUAL = 1, OUT_F32 = 2, OUT_BF16_BIAS = 3 };
+enum { OUT_BF16 = 0, OUT_BF16_RESIDUAL = 1, OUT_F32 = 2, OUT_BF16_BIAS = 3 }; /* output kinds, see linear_rows */
 
 /* output element `at` (column `col`) of a linear layer from its float32 sum v */
 static inline void store_out(void *y, const bf16 *r, int kind, size_t at, int col, float v) {
@@ -207,27 +218,57 @@ static inline void store_out(void *y, const bf16 *r, int kind, size_t at, int co
         ((bf16 *)y)[at] = f2bf(bf2f(r[at]) + bf2f(f2bf(v)));
 }
 
-static void linear_rows(const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
-    int blocks = (out + 3) / 4;
+static inline int pad_to(int v, int m) { return (v + m - 1) / m * m; }
+
+/* Elements of W [out, in] in the AVX-512 path's layout: [ceil(out/4)][ceil(in/32)][4][32], zero padded. */
+size_t lean_rows4_packed_size(int out, int in) { return (size_t)pad_to(out, 4) * (size_t)pad_to(in, 32); }
+
+/* W [out, in] -> packed, once per weight: block b (outputs 4b..4b+3), inputs k..k+31 at
+ * packed[(b * kb_n + k / 32) * 128 + 32 c + (i - k)] = W[4b + c][i]. Read in place, four rows side by side at
+ * the row stride, the weights streamed ~25 % below the machine's bandwidth, and more so with each row of
+ * activations added; packed, a block is one contiguous run that the hardware prefetcher follows. */
+void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
+    int kb_n = pad_to(in, 32) / 32, blocks = pad_to(out, 4) / 4;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; ++b)
+        for (int kb = 0; kb < kb_n; ++kb)
+            for (int c = 0; c < 4; ++c)
+                for (int t = 0; t < 32; ++t) {
+                    int o = 4 * b + c, i = 32 * kb + t;
+                    packed[((size_t)b * kb_n + kb) * 128 + 32 * c + t] = (o < out && i < in) ? w[(size_t)o * in + i] : 0;
+                }
+}
+
+/* y = x W^T for x [n, in] and W packed by lean_pack_rows4. Output kinds: bf16 (rounded), bf16 plus a
+ * residual (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
+ * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
+ * Called from inside a parallel region: the output rows are shared out in blocks of 4. */
+static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
+    int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32, prefetch = n > 4;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         int o0 = 4 * b, cnt = out - o0 < 4 ? out - o0 : 4;
-        const bf16 *wb = w + (size_t)o0 * in;
+        const bf16 *wb = wp + (size_t)b * kb_n * 128;
         for (int i = 0; i < n;) {
             float d[4][4];
             int R = n - i < 4 ? n - i : 4;
 #if LEAN_AVX512BF16
-            if (cnt == 4) {
-                switch (R) {  /* constant R per call: the compiler unrolls each case */
-                    case 4: dot4xr_bf16(wb, in, x + (size_t)i * in, 4, d); break;
-                    case 3: dot4xr_bf16(wb, in, x + (size_t)i * in, 3, d); break;
-                    case 2: dot4xr_bf16(wb, in, x + (size_t)i * in, 2, d); break;
-                    default: dot4xr_bf16(wb, in, x + (size_t)i * in, 1, d); break;
+            switch (R) {  /* constant R per call: the compiler unrolls each case */
+                case 4: dot4xr_bf16(wb, in, x + (size_t)i * in, 4, prefetch, d); break;
+                case 3: dot4xr_bf16(wb, in, x + (size_t)i * in, 3, prefetch, d); break;
+                case 2: dot4xr_bf16(wb, in, x + (size_t)i * in, 2, prefetch, d); break;
+                default: dot4xr_bf16(wb, in, x + (size_t)i * in, 1, prefetch, d); break;
+            }
+#else
+            (void)prefetch;
+            for (int rr = 0; rr < R; ++rr)  /* float32 sums in input order */
+                for (int c = 0; c < cnt; ++c) {
+                    const bf16 *xr = x + (size_t)(i + rr) * in;
+                    float acc = 0.f;
+                    for (int k = 0; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(xr[k]);
+                    d[rr][c] = acc;
                 }
-            } else
 #endif
-                for (int rr = 0; rr < R; ++rr)
-                    for (int c = 0; c < cnt; ++c) d[rr][c] = dot_bf16(wb + (size_t)c * in, x + (size_t)(i + rr) * in, in);
             for (int rr = 0; rr < R; ++rr)
                 for (int c = 0; c < cnt; ++c) store_out(y, r, kind, (size_t)(i + rr) * out + o0 + c, o0 + c, d[rr][c]);
             i += R;
@@ -244,8 +285,6 @@ static void linear_rows(const bf16 *w, const bf16 *x, int n, int out, int in, vo
 #ifndef AMX_PREFETCH
 #define AMX_PREFETCH 8 /* prefetch distance in kb steps of a group (2 KB of weights each), into L2 */
 #endif
-
-static inline int pad_to(int v, int m) { return (v + m - 1) / m * m; }
 
 /* Elements of a packed weight: [ceil(out/64)][ceil(in/32)][4 blocks][16 k-pairs][16 outputs][2], zero padded. */
 size_t lean_amx_packed_size(int out, int in) {
@@ -445,7 +484,7 @@ int lean_linear_amx(const bf16 *wp, const bf16 *x, int n, int out, int in, void 
 /* bf16 elements of the row scratch the tile path needs for n rows of width `in` */
 size_t lean_amx_scratch_size(int n, int in) { return (size_t)((n + 15) / 16) * pad_to(in, TILE_K) * 16; }
 
-/* the same as a standalone call (the heads' projections, the logits) */
+/* linear_rows as a standalone call (the heads' projections, the logits): w packed by lean_pack_rows4 */
 void lean_linear(const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
                  int nthreads) {
 #pragma omp parallel num_threads(nthreads)
