@@ -35,12 +35,29 @@ def summary(df: pd.DataFrame, baselines: Sequence[str]) -> pd.DataFrame:
 
 def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
     """Share of (question, turn) outputs identical to the reference configuration's, per configuration
-    (greedy runs only: sampled answers are not expected to match)."""
+    (greedy runs only: sampled answers are not expected to match). A configuration that decoded with another
+    base (heads with an adapter of their own: the record's ``model``) is compared with plain decoding of that
+    base, where the replay ran it (no lookup), else not at all."""
     if "temperature" in df.columns:
         df = df[df["temperature"].fillna(0.0) == 0.0]
-    ref = df[(df["config"] == reference) & (df["repeat"] == 0)].set_index(["question_id", "turn"])["token_ids"]
+    first = df[df["repeat"] == 0]
+    models = first.groupby("config", sort=False)["model"].first() if "model" in first else None
+
+    def outputs(name: str) -> pd.Series:
+        return first[first["config"] == name].set_index(["question_id", "turn"])["token_ids"]
+
+    def reference_for(name: str) -> str | None:
+        if models is None or reference not in models or models[name] == models[reference]:
+            return reference
+        plain = first[(first["method"] == "plain") & (first["model"] == models[name])]
+        if "lookup_tokens" in plain:
+            plain = plain[plain["lookup_tokens"].fillna(0) == 0]
+        return plain["config"].iloc[0] if len(plain) else None
+
     rows = []
-    for name, sub in df[df["repeat"] == 0].groupby("config", sort=False):
+    for name, sub in first.groupby("config", sort=False):
+        ref_name = reference_for(name)
+        ref = outputs(ref_name) if ref_name is not None else pd.Series(dtype=object)
         keyed = sub.set_index(["question_id", "turn"])["token_ids"]
         common = keyed.index.intersection(ref.index)
         same = sum(list(keyed[k]) == list(ref[k]) for k in common)

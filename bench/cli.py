@@ -42,8 +42,14 @@ def cmd_model(args: argparse.Namespace) -> int:
     from medusa_runtime.model import describe_model, load_model
 
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    base = loaded.name
+    if args.heads not in (None, "none"):  # the base as those heads decode with it (Medusa-2: their adapter merged)
+        loaded = _adapted(loaded, args.heads)
     info = describe_model(loaded)
     info["c_forward"] = c_forward_status(loaded)
+    if args.heads not in (None, "none"):
+        info["heads"] = args.heads
+        info["base_adapter"] = "merged (Medusa-2 heads)" if loaded.name != base else "none (the base as it is)"
     if args.json:
         print(json.dumps(info))
     else:
@@ -60,7 +66,24 @@ def _model_and_heads(args: argparse.Namespace):
 
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     args.dtype = str(loaded.dtype).removeprefix("torch.")  # 'auto' resolved: records and keys name the real one
+    loaded = _adapted(loaded, args.heads)
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+
+
+def _base_name(model: str) -> str:
+    """The model a recorded name was loaded from: ``<model>+adapter:<digest>`` names it with its heads' adapter
+    merged (``_adapted`` merges it again from the heads)."""
+    return model.split("+adapter:", 1)[0]
+
+
+def _adapted(loaded, heads_spec: str | None):
+    """The base with the adapter that the named heads were trained with merged in (Medusa-2 heads), else as
+    it is; its name then says so (``<model>+adapter:<digest>``), and so does every record made with it."""
+    from medusa_runtime.heads import heads_folder
+    from medusa_runtime.medusa2 import apply_heads_adapter
+
+    folder = heads_folder(heads_spec)
+    return loaded if folder is None else apply_heads_adapter(loaded, folder, log=_log)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -202,15 +225,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     from medusa_runtime.train import TrainConfig, train_medusa1, train_medusa2
 
     prof = TRAIN_PROFILES[args.profile]
-    if args.init is not None and args.method != "medusa1":
-        raise SystemExit("--init (go on training heads trained before) is for --method medusa1")
+    top = args.method == "medusa2" and args.train_layers > 0  # Medusa-2 on the top layers (medusa_runtime.medusa2)
+    if args.init is not None and args.method != "medusa1" and not top:
+        raise SystemExit("--init (go on training heads trained before) is for --method medusa1, or medusa2 with "
+                         "--train-layers")
     n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
+    # Medusa-2 on the top layers follows the paper's recipe: the next-token loss replaced by KL to the original
+    defaults = {"base_lr": 2e-4, "lm_weight": 0.0} if top else {"base_lr": 2e-5, "lm_weight": 1.0}
     cfg = TrainConfig(method=args.method, num_heads=args.num_heads, num_layers=args.layers,
                       epochs=args.epochs if args.epochs is not None else prof["epochs"],
                       lr=args.lr if args.lr is not None else prof["lr"],
+                      base_lr=args.base_lr if args.base_lr is not None else defaults["base_lr"],
+                      lm_weight=args.lm_weight if args.lm_weight is not None else defaults["lm_weight"],
+                      distill_weight=args.distill_weight, heads_warmup_ratio=args.heads_warmup,
                       batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
+                      train_layers=args.train_layers if args.method == "medusa2" else 0,
                       head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
-                      vocab=args.vocab or prof["vocab"], condition=args.condition or prof["condition"])
+                      vocab=args.vocab or prof["vocab"], draft_size=args.draft_size,
+                      condition=args.condition or prof["condition"])
     prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
@@ -222,8 +254,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
-    train = train_medusa1 if cfg.method == "medusa1" else train_medusa2
-    extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else {}
+    from medusa_runtime.medusa2 import train_medusa2_top
+
+    train = train_medusa1 if cfg.method == "medusa1" else train_medusa2_top if top else train_medusa2
+    extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else \
+        {"init": args.init} if top else {}
     result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log, **extra)
     from bench.plots import plot_training
 
@@ -231,8 +266,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     lines = [f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s"]
     last = result.validation[-1]["topk"] if result.validation else []
     lines += [f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row) for j, row in enumerate(last)]
-    official = "" if cfg.root_conditioned else f"{args.out}/heads-official, "  # no official layout for those
-    lines.append(f"written: {args.out}/heads (shared lm_head), {official}{args.out}/training.json")
+    official = "" if cfg.root_conditioned or top else f"{args.out}/heads-official, "  # no official layout for those
+    adapter = " with its base adapter (heads/adapter, merged at load)" if top else ""
+    lines.append(f"written: {args.out}/heads (shared lm_head){adapter}, {official}{args.out}/training.json")
     lines += [f"plot: {p}" for p in plots]
     _result(args, {"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps,
                    "seconds": result.seconds, "validation_topk": last, "out": str(args.out), "plots": plots},
@@ -326,8 +362,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     limit = meta.get("config", {}).get("limit")
     prompts = prompts[:limit] if limit else prompts
     held = [prompts[i] for i in meta["heldout_prompts"]]
-    loaded = load_model(args.model or meta.get("model", "default"), args.dtype or meta.get("dtype", "float32"),
+    loaded = load_model(args.model or _base_name(meta.get("model", "default")), args.dtype or meta.get("dtype", "float32"),
                         args.device, log=_log)
+    loaded = _adapted(loaded, args.heads or meta.get("heads"))
     heads = resolve_heads(args.heads or meta.get("heads"), loaded.hidden_size, loaded.vocab_size)
     n = int(meta.get("config", {}).get("max_new_tokens", 128))
     encoded = [encode_prompt(loaded, p.turns[0], chat=True) for p in held]
@@ -454,12 +491,15 @@ def _replay_inputs(args, configs) -> dict:
     """What records of a replay depend on besides their configuration's fields (which each record's hash
     carries): the runtime revision, model, heads' and tree files' contents, questions, lengths."""
     from bench.pipeline import RUNTIME_REVISION, file_hash, folder_hash
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads import heads_folder
 
-    heads = args.heads
-    folder = shipped_heads_dir() if heads == "default" else Path(heads)
+    def heads_key(spec):
+        folder = heads_folder(spec)
+        return folder_hash(folder) if folder is not None and folder.is_dir() else spec
+
     return {"runtime": RUNTIME_REVISION, "model": args.model, "dtype": args.dtype, "device": args.device,
-            "heads": folder_hash(folder) if folder is not None and folder.is_dir() else heads,
+            "heads": heads_key(args.heads),
+            "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
             "max_new_tokens": args.max_new_tokens,
@@ -471,15 +511,22 @@ def _run_replay(args, configs, turns: int):
     from bench.pipeline import StageCache, isolate_records
     from bench.runner import ReplayConfig, replay
 
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+
     questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
-    if heads is None and any(c.method == "medusa" for c in configs):
+    if heads is None and any(c.method == "medusa" and c.heads is None for c in configs):
         raise ValueError("Medusa configurations need --heads")
+    variants = {}  # heads that configurations name beside the replay's own: each with the base it decodes with
+    for spec in dict.fromkeys(c.heads for c in configs if c.heads is not None):
+        base = _adapted(load_model(args.model, args.dtype, args.device, log=_log), spec)
+        variants[spec] = (base, resolve_heads(spec, base.hidden_size, base.vocab_size, base_model=args.model))
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                     extra={"heads": args.heads})
+                     extra={"heads": args.heads}, variants=variants)
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
     paths = write_tables(df, ["generate", "plain"], out_dir)
     table = summary(df, ["generate", "plain"])
@@ -630,7 +677,8 @@ def cmd_judge(args: argparse.Namespace) -> int:
     for r in sorted(records, key=lambda r: r["turn"]):
         answers.setdefault((r["config"], r["question_id"]), []).append(r["answer"])
     # quality proxies (always): agreement with the baseline's tokens, log-likelihood under the base model
-    loaded = load_model(records[0].get("model", "default"), args.dtype, args.device, log=_log)
+    loaded = load_model(_base_name(records[0].get("model", "default")), args.dtype, args.device, log=_log)
+    loaded = _adapted(loaded, records[0].get("heads"))
     base = {(r["question_id"], r["turn"]): r for r in records if r["config"] == args.baseline}
     rows = []
     for r in records:
@@ -744,6 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="prepare and describe a base model (the offline default by default)")
     _add_model_args(p)
+    p.add_argument("--heads", default="none", help="describe the base as these heads decode with it (Medusa-2 heads: "
+                                                   "their adapter merged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_model)
 
@@ -792,11 +842,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "3e-3 for both)")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--train-layers", type=int, default=0,
+                   help="medusa2: adapt only the top L decoder layers with LoRA (--lora-rank), their inputs computed "
+                        "once and cached; the heads ship with the adapter (0: the whole base, written whole)")
+    p.add_argument("--base-lr", type=float, default=None,
+                   help="medusa2: the base's learning rate (default 2e-4 with --train-layers, else 2e-5)")
+    p.add_argument("--lm-weight", type=float, default=None,
+                   help="medusa2: weight of the next-token loss (default 0 with --train-layers: the paper's "
+                        "self-distillation replaces it; else 1)")
+    p.add_argument("--distill-weight", type=float, default=1.0, help="medusa2: weight of KL(original || trained)")
+    p.add_argument("--heads-warmup", type=float, default=0.3,
+                   help="medusa2: share of the steps that train only the heads (0 when --init heads are a warm-up)")
     p.add_argument("--head-grad-to-base", type=float, default=0.2,
                    help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
     p.add_argument("--vocab", default=None, choices=["full", "replies"],
                    help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
                         "heads' draft vocabulary (default: profile)")
+    p.add_argument("--draft-size", type=int, default=0,
+                   help="with --vocab replies: only the S most frequent reply tokens (a smaller projection per tree "
+                        "level at decode time; 0: all the replies' tokens)")
     p.add_argument("--soft-targets", type=float, default=0.0,
                    help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
                         "the hard label of the self-distilled data")

@@ -49,6 +49,9 @@ class MethodConfig:
     temperature_policy: str = "fixed"  # fixed: 'temperature' everywhere | fastchat: FastChat's per category
     gate: float = 0.0  # medusa: confidence gate on the tree's levels (see DecodeConfig.gate; 0: off)
     question_ids: tuple[int, ...] | None = None  # run on these questions only (a fold's search pick); None: all
+    # the heads this configuration decodes with (a folder, 'default', 'medusa1'), and so the base as they decode
+    # with it (Medusa-2 heads: their adapter merged; for plain decoding, that base alone); None: the replay's own
+    heads: str | None = None
 
     def __post_init__(self) -> None:
         if self.question_ids is not None:  # lists from JSON / YAML configuration files
@@ -178,13 +181,21 @@ class ReplayConfig:
 
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
-           extra: dict | None = None) -> list[dict]:
-    """Run every configuration on every question (interleaved), appending records; resumable."""
+           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None
+           ) -> list[dict]:
+    """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
+    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
     done = {_key(r): r for r in records}
-    runners = {c.digest: make_runner(c, loaded, heads) for c in configs}  # one name may run per fold, on its questions
+    variants = variants or {}
+    missing = {c.heads for c in configs if c.heads is not None} - set(variants)
+    if missing:
+        raise ValueError(f"configurations name heads {sorted(missing)[0]!r}, which the replay was not given")
+    own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
+           for c in configs}  # (base, heads) of each configuration
+    runners = {c.digest: make_runner(c, *own[c.digest]) for c in configs}  # one name may run per fold, on its questions
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(cfg.repeats)
             for c in configs if (c.name, c.digest, q.question_id, t, r) not in done
             and (c.question_ids is None or q.question_id in c.question_ids)]
@@ -195,6 +206,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         runners[c.digest](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
     meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
             "device": str(loaded.device), **(extra or {})}
+    # a configuration with heads of its own says so, and which base (name) decoded it
+    own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
@@ -210,7 +223,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
                    "prefill_time": out.prefill_time, **out.split,
                    "token_ids": out.token_ids,
-                   "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta}
+                   "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta,
+                   **own_meta.get(c.digest, {})}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             done[_key(rec)] = rec

@@ -386,6 +386,13 @@ def shipped_heads_dir() -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def heads_folder(spec: str | None) -> Path | None:
+    """The folder a heads spec names (``default``: the shipped heads), None for no heads or fresh ones."""
+    if spec is None or spec.lower() in ("", "none") or spec.startswith("fresh:"):
+        return None
+    return shipped_heads_dir() if spec == "default" else Path(spec)
+
+
 def resolve_heads(spec: str | None, hidden_size: int, vocab_size: int, base_model: str = "") -> MedusaHeads | None:
     """``None``/``none`` -> no heads; ``default`` -> the shipped heads; ``fresh:K[:L]`` -> untrained;
     anything else -> a folder in either format."""

@@ -20,6 +20,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,8 +65,10 @@ class TrainConfig:
     lm_weight: float = 1.0  # medusa2: weight of the next-token loss
     head_grad_to_base: float = 0.2  # medusa2: share of the head losses' gradient that reaches the base
     lora_rank: int = 0  # medusa2: LoRA rank on the base (peft), 0 = full fine-tuning
+    train_layers: int = 0  # medusa2: adapt only the top L decoder layers (LoRA; their inputs cached), 0 = all
     official_format: bool = True  # also write the official per-head-projection format
     vocab: str = "full"  # heads' training softmax: full | replies (only tokens the replies contain: faster)
+    draft_size: int = 0  # vocab replies: keep only the S most frequent reply tokens (0: all of them)
     soft_targets: float = 0.0  # weight of the base's own next-token distribution as head j's target (0..1)
     # none | root: heads also read the embedding of the token at t + 1 | path: and head j that of t + j + 1
     # (its parent in the tree); see heads.py
@@ -82,10 +85,14 @@ class TrainConfig:
             raise ValueError("checkpoint_every and eval_every must be >= 1")
         if self.vocab not in ("full", "replies"):
             raise ValueError(f"vocab must be 'full' or 'replies', got {self.vocab!r}")
+        if self.draft_size < 0 or (self.draft_size and self.vocab != "replies"):
+            raise ValueError("draft_size (the S most frequent reply tokens) needs vocab 'replies' and S >= 0")
         if not 0.0 <= self.head_grad_to_base <= 1.0:
             raise ValueError(f"head_grad_to_base must be within [0, 1], got {self.head_grad_to_base}")
         if not 0.0 <= self.soft_targets <= 1.0:
             raise ValueError(f"soft_targets must be within [0, 1], got {self.soft_targets}")
+        if self.train_layers < 0 or (self.train_layers and (self.method != "medusa2" or self.lora_rank < 1)):
+            raise ValueError("train_layers (the top layers Medusa-2 adapts) needs method medusa2 and a LoRA rank >= 1")
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {', '.join(CONDITIONS)}, got {self.condition!r}")
 
@@ -481,9 +488,16 @@ def _training_vocabulary(heads: MedusaHeads, train_ex: Sequence[Example], cfg: T
         return None
     # the base model's own replies use a small part of the vocabulary; a softmax over those tokens
     # costs a fraction of the full projection (validation still scores the full vocabulary)
-    tokens = {t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len]}
+    counts = Counter(t for e in train_ex for t in e.input_ids[e.reply_start:cfg.max_len])
+    if cfg.draft_size:  # the S most frequent (ties: first seen first); a smaller projection at every step
+        subset = torch.tensor(sorted(t for t, _ in counts.most_common(cfg.draft_size)))
+        share = sum(counts[int(t)] for t in subset) / max(1, sum(counts.values()))
+        log(f"training vocabulary: the {len(subset)} most frequent reply tokens of {len(counts)} "
+            f"({share:.1%} of the reply tokens)")
+        heads.set_draft_vocab(subset)
+        return subset
     kept = set() if heads.draft_vocab is None else set(heads.draft_vocab.tolist())  # heads trained before (--init)
-    subset = torch.tensor(sorted(tokens | kept))
+    subset = torch.tensor(sorted(set(counts) | kept))
     grown = f", {len(subset) - len(kept)} more than the starting heads' draft vocabulary" if kept else ""
     log(f"training vocabulary: {len(subset)} of {vocab_size} tokens (those the replies contain{grown})")
     heads.set_draft_vocab(subset)
@@ -681,7 +695,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise RuntimeError("--lora-rank needs peft: pip install 'medusa-bench[medusa2]'") from None
+            raise RuntimeError("--lora-rank needs peft: pip install peft") from None
 
         student = get_peft_model(student, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from medusa_runtime.distill import DistillConfig, build_distill_data
 from medusa_runtime.model import LoadedModel, load_model
+from medusa_runtime.prompts import builtin_prompts
 
 DATA = Path(__file__).resolve().parent / "data"  # vendored reference data, see data/README.md
 
@@ -86,6 +88,26 @@ class OracleHeads(nn.Module):
             for r, tok in enumerate(ranked[: self.topk]):
                 logits[j, tok] = 100.0 - r
         return logits
+
+
+def tiny_chat_model() -> LoadedModel:
+    """A tiny random Llama that speaks through the default model's tokenizer and chat template."""
+    tok = load_model("default", "float32", log=lambda m: None).tokenizer
+    tiny = tiny_llama(vocab=len(tok), seed=5)
+    tiny.model.generation_config.eos_token_id = tok.eos_token_id
+    return LoadedModel(tiny.model, tok, "tiny-chat", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_examples(tmp_path_factory):
+    loaded = tiny_chat_model()  # loads the default tokenizer from the real cache first
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEDUSA_BENCH_CACHE", str(tmp_path_factory.mktemp("cache")))  # distill cache of this test only
+    prompts = builtin_prompts()[:24]
+    examples, path = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8),
+                                        progress=False)
+    yield loaded, prompts, examples, path
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

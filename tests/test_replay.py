@@ -14,7 +14,7 @@ from bench.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.heads import fresh_heads
 
 from .conftest import DATA
-from .test_training import tiny_chat_model
+from .conftest import tiny_chat_model
 
 QUESTIONS = [Question(1, "writing", ("Say hi.", "Again, shorter.")), Question(2, "math", ("1+1?", "And 2+2?")),
              Question(3, "coding", ("Print hello.", "In C."))]
@@ -145,3 +145,41 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     assert (out / "inputs.key").read_text().strip() == changed
     args.max_new_tokens = 128
     assert key() != changed
+
+
+def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_heads(tiny_examples, tmp_path,
+                                                                                    monkeypatch):
+    """Two head sets in one interleaved replay: Medusa-2 heads (with their adapter) beside the replay's own.
+    Each configuration decodes on its heads' base, its records say which, and the lossless check compares it
+    with plain decoding of that same base."""
+    from medusa_runtime.heads import load_heads
+    from medusa_runtime.medusa2 import apply_heads_adapter, train_medusa2_top
+    from medusa_runtime.train import TrainConfig
+
+    from .conftest import hf_greedy
+
+    monkeypatch.setenv("MEDUSA_BENCH_CACHE", str(tmp_path / "cache"))
+    loaded, _, examples, _ = tiny_examples
+    cfg = TrainConfig(method="medusa2", num_heads=2, epochs=1, batch_tokens=512, val_fraction=0.0, lora_rank=4,
+                      train_layers=1, heads_warmup_ratio=0.0, lr=1e-2, base_lr=5e-3, lm_weight=0.0)
+    train_medusa2_top(loaded, examples[:12], cfg, tmp_path / "m2", progress=False, log=lambda m: None)
+    folder = str(tmp_path / "m2" / "heads")
+    adapted = apply_heads_adapter(loaded, folder, log=lambda m: None)
+    variants = {folder: (adapted, load_heads(folder, loaded.hidden_size, loaded.vocab_size))}
+    configs = [MethodConfig("plain", "plain"), MethodConfig("medusa chain:2", "medusa", tree="chain:2"),
+               MethodConfig("plain, medusa2 base", "plain", heads=folder),
+               MethodConfig("medusa2 chain:2", "medusa", tree="chain:2", heads=folder)]
+    own = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    rc = ReplayConfig(max_new_tokens=10, turns=1, warmup_tokens=2)
+    with pytest.raises(ValueError, match="not given"):
+        replay(loaded, own, configs, QUESTIONS, rc, tmp_path / "none.jsonl", progress=False)
+    records = replay(loaded, own, configs, QUESTIONS, rc, tmp_path / "r.jsonl", progress=False, variants=variants)
+    by = {(r["config"], r["question_id"]): r for r in records}
+    for q in QUESTIONS:
+        assert by[("medusa2 chain:2", q.question_id)]["model"] == adapted.name != by[("plain", q.question_id)]["model"]
+        assert by[("medusa2 chain:2", q.question_id)]["heads"] == folder
+        prompt = runner.chat_ids(loaded, q.turns[:1], [])
+        assert by[("plain, medusa2 base", q.question_id)]["token_ids"] == hf_greedy(adapted, prompt, 10)
+        assert by[("plain", q.question_id)]["token_ids"] == hf_greedy(loaded, prompt, 10)
+    eq = greedy_equality(pd.DataFrame(records), "plain").set_index("config")
+    assert (eq["identical_share"] == 1.0).all() and (eq["compared"] == len(QUESTIONS)).all()

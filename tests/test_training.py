@@ -35,7 +35,7 @@ from medusa_runtime.train import (
     train_medusa2,
 )
 
-from .conftest import hf_greedy, tiny_llama
+from .conftest import hf_greedy, tiny_llama  # noqa: F401  (tiny_examples: a conftest fixture)
 
 
 def test_loss_alignment_worked_example():
@@ -57,26 +57,6 @@ def test_loss_alignment_worked_example():
     labels[0, 2] = -100
     _, stats = medusa_loss([logits0, logits1], labels)
     assert stats[0].positions == 1
-
-
-def tiny_chat_model() -> LoadedModel:
-    """A tiny random Llama that speaks through the default model's tokenizer and chat template."""
-    tok = load_model("default", "float32", log=lambda m: None).tokenizer
-    tiny = tiny_llama(vocab=len(tok), seed=5)
-    tiny.model.generation_config.eos_token_id = tok.eos_token_id
-    return LoadedModel(tiny.model, tok, "tiny-chat", torch.float32, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def tiny_examples(tmp_path_factory):
-    loaded = tiny_chat_model()  # loads the default tokenizer from the real cache first
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MEDUSA_BENCH_CACHE", str(tmp_path_factory.mktemp("cache")))  # distill cache of this test only
-    prompts = builtin_prompts()[:24]
-    examples, path = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8),
-                                        progress=False)
-    yield loaded, prompts, examples, path
-    mp.undo()
 
 
 def test_self_distillation_data_is_the_models_own_greedy_reply(tiny_examples):
@@ -237,6 +217,20 @@ def test_replies_vocabulary_is_saved_as_the_draft_vocabulary(tiny_examples, tmp_
     for folder in ("heads", "heads-official"):
         heads = load_heads(tmp_path / "run" / folder, loaded.hidden_size, loaded.vocab_size)
         assert heads.draft_vocab.tolist() == replies
+    # --draft-size S: the S most frequent reply tokens only (counted here by hand)
+    counts: dict[int, int] = {}
+    for e in examples:
+        for t in e.input_ids[e.reply_start:cfg.max_len]:
+            counts[t] = counts.get(t, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    cut = ranked[9][1]  # the 10th count: tokens above it are in, those below out (ties either way)
+    train_medusa1(loaded, examples, TrainConfig(**{**cfg.__dict__, "draft_size": 10}), tmp_path / "small",
+                  progress=False, log=lambda m: None)
+    small = set(load_heads(tmp_path / "small" / "heads", loaded.hidden_size, loaded.vocab_size).draft_vocab.tolist())
+    assert len(small) == 10 and {t for t, c in counts.items() if c > cut} <= small
+    assert all(counts[t] >= cut for t in small)
+    with pytest.raises(ValueError, match="draft_size"):
+        TrainConfig(draft_size=10)  # needs vocab 'replies'
 
 
 def test_training_goes_on_from_heads_trained_before(tiny_examples, tmp_path):

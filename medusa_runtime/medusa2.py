@@ -1,0 +1,403 @@
+"""Medusa-2 on the base's top layers: the heads and a LoRA adapter on the last L decoder layers, trained
+together on self-distilled data, with the next-token loss replaced by self-distillation (KL to the
+original model's distribution), as the Medusa paper's Medusa-2 recipe does.
+
+Why the top layers. A full Medusa-2 step on this project's 2-core CPU (forward and backward through all
+30 layers, plus a teacher forward) costs about 28 s per 2048 positions. With the bottom N - L layers
+frozen, their output (the residual stream entering layer N - L) is the same at every step, so it is
+computed once per example and kept on disk, as is the original model's last hidden state (the teacher,
+which Medusa-1 caches anyway): a step then runs L layers forward and backward, the heads, and the
+teacher's distribution from its cached state. What ships is the heads plus the adapter (a few MB), which
+``apply_heads_adapter`` merges into the base once at load (no per-step cost); decoding then verifies
+against the adapted base, and its greedy outputs equal the adapted base's plain decoding.
+
+Shapes: prefix and teacher states [T, H] per example (bf16 on disk); the student's last hidden state
+[T, H]; logits [n, V] at the n reply positions of a batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from treesearch.tree import write_json_atomic
+
+from .distill import Example
+from .fsutil import atomic_dir, atomic_file
+from .heads import HeadsError, save_heads
+from .model import LoadedModel, cache_root, weights_fingerprint
+
+ADAPTER_DIR = "adapter"  # inside a heads folder: the LoRA adapter (peft's format) the heads were trained with
+ADAPTER_KEY = "medusa_base_adapter"  # config.json entry that says the heads need it
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What a heads folder records of the adapter its heads need (``config.json`` ``medusa_base_adapter``)."""
+
+    path: Path  # the peft adapter folder
+    base_model: str  # the base it was trained on (as the user named it)
+    layers: tuple[int, ...]  # decoder layers it adapts
+    base_digest: str  # sha256 of those layers' original weights (bf16), so another base is refused
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise RuntimeError("Medusa-2 adapters need peft: pip install peft") from None
+    return peft
+
+
+@contextmanager
+def _quiet_peft():
+    """peft 0.21 reads a model attribute that transformers 5.x announces as renamed: not ours to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a transformers causal LM (Llama, Mistral, Qwen2 ... layout: model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise HeadsError(f"Medusa-2 on the top layers needs a model.model.layers stack, not {type(model).__name__}")
+    return layers
+
+
+def base_digest(model, layers: Sequence[int]) -> str:
+    """sha256 of the adapted layers' weights rounded to bf16 (the same for a float32 or bf16 load)."""
+    h = hashlib.sha256()
+    stack = decoder_layers(model)
+    for i in layers:
+        for name, p in sorted(stack[i].named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def adapter_info(folder: str | Path) -> AdapterInfo | None:
+    """The adapter a heads folder needs, None when its heads need none; a folder that names an adapter
+    it lacks is refused in one line (HeadsError)."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # load_heads says what is wrong with the folder
+    entry = meta.get(ADAPTER_KEY)
+    if not entry:
+        return None
+    path = folder / entry.get("path", ADAPTER_DIR)
+    if not (path / "adapter_config.json").is_file():
+        raise HeadsError(f"heads {folder} need the base adapter {path}, which is missing (copy the whole heads "
+                         "folder, adapter included)")
+    return AdapterInfo(path, str(entry.get("base_model", "")), tuple(int(i) for i in entry["layers"]),
+                       str(entry["base_digest"]))
+
+
+def apply_heads_adapter(loaded: LoadedModel, folder: str | Path, log: Callable[[str], None] = print) -> LoadedModel:
+    """The base with the heads' adapter merged into its weights once (nothing per step), or the base as it
+    is when the heads need none. Refuses in one line an adapter trained on another base."""
+    info = adapter_info(folder)
+    if info is None:
+        return loaded
+    layers = decoder_layers(loaded.model)
+    if max(info.layers) >= len(layers) or base_digest(loaded.model, info.layers) != info.base_digest:
+        raise HeadsError(f"the adapter of heads {folder} was trained on another base ({info.base_model!r}), not "
+                         f"the {loaded.name!r} loaded; use the heads with their base")
+    peft = _peft()
+    with _quiet_peft():  # on a copy: the caller's model stays the original
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(loaded.model), str(info.path)).merge_and_unload()
+    model.eval().requires_grad_(False)
+    log(f"base adapted: the Medusa-2 adapter of {folder} merged into layers {info.layers[0]}-{info.layers[-1]}")
+    return LoadedModel(model, loaded.tokenizer, f"{loaded.name}+adapter:{info.base_digest[:8]}", loaded.dtype,
+                       loaded.device)
+
+
+# ---------------------------------------------------------------------------- cached inputs
+
+
+def _states_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int, layer: int) -> Path:
+    digest = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
+                                        "weights": weights_fingerprint(loaded), "layer": layer,
+                                        "format": 1}).encode())
+    for ex in examples:
+        digest.update(np.asarray(ex.input_ids[:max_len], dtype=np.int64).tobytes() + b"|")
+    return cache_root() / "hidden" / f"layer{layer}-{digest.hexdigest()[:16]}.safetensors"
+
+
+@torch.inference_mode()
+def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int, split: int,
+                 progress: bool = True, log: Callable[[str], None] = print
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per example (the residual stream entering layer ``split`` [T, H], the model's last hidden state, final
+    norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs."""
+    lengths = [min(len(e.input_ids), max_len) for e in examples]
+    files = [_states_file(loaded, examples, max_len, layer) for layer in (split, -1)]
+    cached = [_read_states(f, lengths, loaded.hidden_size) for f in files]
+    if all(c is not None for c in cached):
+        log(f"layer {split} inputs and last hidden states of {len(examples)} examples reloaded from the cache")
+        return cached[0], cached[1]
+    prefix, last = [], []
+    for ex in tqdm(examples, desc=f"caching layer-{split} inputs", disable=not progress, unit="ex"):
+        ids = torch.tensor([ex.input_ids[:max_len]], device=loaded.device)
+        hs = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+        prefix.append(hs[split][0].to(torch.bfloat16).cpu())
+        last.append(hs[-1][0].to(torch.bfloat16).cpu())
+    for f, states in zip(files, (prefix, last)):
+        try:
+            with atomic_file(f) as tmp:
+                save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
+        except OSError as exc:
+            log(f"could not keep {f.name} on disk ({exc}); training goes on")
+    return prefix, last
+
+
+def _read_states(path: Path, lengths: list[int], hidden_size: int) -> list[torch.Tensor] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = load_file(path)
+        flat, lens = data["hidden"], data["lengths"]
+    except (OSError, KeyError, ValueError):
+        return None
+    if lens.tolist() != lengths or tuple(flat.shape) != (sum(lengths), hidden_size):
+        return None
+    return list(torch.split(flat, lengths))
+
+
+# ---------------------------------------------------------------------------- the student
+
+
+class TopLayers(torch.nn.Module):
+    """The base's last ``len(layers)`` decoder layers (a LoRA adapter on them) and its final norm, run on the
+    cached residual stream entering them: ``forward(prefix [T, H]) -> last hidden [T, H]``."""
+
+    def __init__(self, peft_model, split: int):
+        super().__init__()
+        inner = peft_model.base_model.model.model  # the transformers decoder under peft's wrappers
+        self.layers = torch.nn.ModuleList(inner.layers[split:])
+        self.norm, self.rotary = inner.norm, inner.rotary_emb
+
+    def forward(self, prefix: torch.Tensor) -> torch.Tensor:
+        x = prefix[None]  # [1, T, H]
+        pos = torch.arange(x.shape[1], device=x.device)[None]
+        emb = self.rotary(x, pos)  # (cos, sin) [1, T, D]
+        for layer in self.layers:  # no mask: causal attention over the example
+            x = layer(x, attention_mask=None, position_ids=pos, position_embeddings=emb)
+        return self.norm(x)[0]
+
+
+def lora_student(loaded: LoadedModel, train_layers: int, rank: int):
+    """(peft model over a float32 copy of the base, the adapted layer indices): LoRA on every linear of the
+    top ``train_layers`` layers, nothing else trainable."""
+    peft = _peft()
+    n = len(decoder_layers(loaded.model))
+    if not 1 <= train_layers <= n:
+        raise ValueError(f"--train-layers must be within 1..{n} for {loaded.name}, got {train_layers}")
+    layers = tuple(range(n - train_layers, n))
+    student = copy.deepcopy(loaded.model).float()
+    student.requires_grad_(False)
+    student.name_or_path = loaded.name  # what peft records as the adapter's base
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+                          layers_to_transform=list(layers))
+    with _quiet_peft():
+        return peft.get_peft_model(student, cfg), layers
+
+
+def distill_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_weight: torch.Tensor
+                 ) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, mean over positions: hidden [n, H] each, both
+    projected through the (frozen) lm_head [V, H]."""
+    with torch.no_grad():
+        t_logp = F.log_softmax((teacher_hidden.to(lm_weight.dtype) @ lm_weight.T).float(), -1)  # [n, V]
+    s_logp = F.log_softmax((student_hidden.to(lm_weight.dtype) @ lm_weight.T).float(), -1)
+    return F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def _student_hidden(top: TopLayers, prefix: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor], joint: bool
+                    ) -> list[torch.Tensor]:
+    """The student's last hidden states [T, H] per example: the top layers on the cached prefix when the base
+    trains; during the heads-only warm-up the base is the original, whose states are the cached teacher's."""
+    if not joint:
+        return [t.float() for t in teacher]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefix[0].device.type == "cpu"):
+        return [top(p.float()).float() for p in prefix]
+
+
+def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight: torch.Tensor, cfg, joint: bool):
+    """Head losses on the student's hidden states (their gradient into the base scaled by
+    ``head_grad_to_base``), plus, when the base trains, ``distill_weight`` x KL(teacher || student) at the
+    replies' next-token positions (and ``lm_weight`` x their cross-entropy, 0 in the paper's recipe)."""
+    from .train import head_targets
+
+    hidden = _student_hidden(top, prefix, teacher, joint)
+    heads_in = [h.detach() + cfg.head_grad_to_base * (h - h.detach()) if joint else h for h in hidden]
+    loss, stats = trainer.batch_loss(heads_in, labels, ids)
+    if joint:
+        pos = [head_targets(lab[None], 1) for lab in labels]  # (mask [1, T], targets [1, T]) per example
+        s = torch.cat([h[m[0]] for h, (m, _) in zip(hidden, pos)])  # [n, H]
+        t = torch.cat([te[m[0]] for te, (m, _) in zip(teacher, pos)]).float()
+        if s.shape[0]:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.device.type == "cpu"):
+                loss = loss + cfg.distill_weight * distill_loss(s, t, lm_weight)
+                if cfg.lm_weight > 0:
+                    target = torch.cat([tg[0][m[0]] for m, tg in pos])
+                    loss = loss + cfg.lm_weight * F.cross_entropy((s.to(lm_weight.dtype) @ lm_weight.T).float(), target)
+    return loss, stats
+
+
+@torch.no_grad()
+def drift(top: TopLayers, prefix, teacher, labels, lm_weight: torch.Tensor) -> dict[str, float]:
+    """On held-out examples: mean KL(original || adapted) per reply token, and the drop in log-likelihood of
+    the reply tokens (the original's own greedy answers) from the original to the adapted base."""
+    from .train import head_targets
+
+    kl = drop = 0.0
+    count = 0
+    for p, te, lab in zip(prefix, teacher, labels):
+        mask, target = head_targets(lab[None], 1)
+        if not int(mask.sum()):
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.device.type == "cpu"):
+            s = top(p.float()).float()[mask[0]]
+        t_logp = F.log_softmax((te.float()[mask[0]].to(lm_weight.dtype) @ lm_weight.T).float(), -1)
+        s_logp = F.log_softmax((s.to(lm_weight.dtype) @ lm_weight.T).float(), -1)
+        tok = target[0][mask[0]]
+        kl += float((t_logp.exp() * (t_logp - s_logp)).sum())
+        drop += float((t_logp.gather(1, tok[:, None]) - s_logp.gather(1, tok[:, None])).sum())
+        count += int(mask.sum())
+    return {"kl_per_token": kl / max(1, count), "ll_drop_per_token": drop / max(1, count), "tokens": count}
+
+
+def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out_dir: str | Path,
+                      provenance: dict | None = None, resume: bool = False, progress: bool = True,
+                      log: Callable[[str], None] = print, init: str | None = None):
+    """Medusa-2 on the top ``cfg.train_layers`` layers (LoRA rank ``cfg.lora_rank``) and the heads (from
+    ``init``, e.g. Medusa-1 heads as the paper's heads-only warm-up, or fresh ones, whose own warm-up is
+    ``cfg.heads_warmup_ratio`` of the steps). Writes ``out/heads`` (the heads, with the adapter in
+    ``heads/adapter``), ``training.json`` and checkpoints every ``checkpoint_every`` steps (``resume``
+    continues on exactly the batches an uninterrupted run would take)."""
+    from . import train as T
+
+    out, train_ex, val_ex = T._start(examples, cfg, out_dir)
+    peft_model, layers = lora_student(loaded, cfg.train_layers, cfg.lora_rank)
+    top = TopLayers(peft_model, layers[0])
+    adapter_params = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}  # the LoRA matrices
+    heads = T.initial_heads(loaded, cfg, init, log)
+    lm_weight = loaded.model.get_output_embeddings().weight.detach().to(torch.bfloat16)  # frozen (tied)
+    embed = loaded.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    subset = T._training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
+    trainer = T.HeadTrainer(heads, lm_weight, cfg, subset, embed)
+    pre_train, tea_train = layer_states(loaded, train_ex, cfg.max_len, layers[0], progress, log)
+    ids_train, lab_train = T.ids_and_labels(train_ex, cfg.max_len)
+    steps_per_epoch = len(T.token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
+    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
+    warm = int(cfg.heads_warmup_ratio * total_steps)
+    optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": cfg.lr},
+                                   {"params": list(adapter_params.values()), "lr": cfg.base_lr}],
+                                  weight_decay=cfg.weight_decay)
+    scheduler = T._schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
+    result = T.TrainResult(out, 0)
+    step = 0
+    ckpt = out / "checkpoint"
+    if resume and ckpt.is_dir():
+        state = T._load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
+                                   loaded.vocab_size)
+        saved = torch.load(ckpt / "adapter.pt", weights_only=True)
+        if set(saved) != set(adapter_params):
+            raise ValueError(f"cannot resume from {ckpt}: its adapter does not match this run's")
+        with torch.no_grad():
+            for n, p in adapter_params.items():
+                p.copy_(saved[n])
+        step, result.history = state["step"], state["history"]
+        log(f"resuming from step {step}/{total_steps}")
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="training (medusa2, top layers)", disable=not progress,
+               unit="step")
+    batches = T.batch_stream(train_ex, cfg, step)
+    try:
+        while step < total_steps:
+            batch = next(batches)
+            joint = step >= warm
+            top.train(joint)
+            heads.train()
+            loss, stats = joint_loss(trainer, top, [pre_train[i] for i in batch], [tea_train[i] for i in batch],
+                                     [lab_train[i] for i in batch], [ids_train[i] for i in batch], lm_weight, cfg,
+                                     joint)
+            optimizer.zero_grad(set_to_none=True)
+            if loss.requires_grad:
+                loss.backward()
+                optimizer.step()
+            scheduler.step()
+            step += 1
+            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
+            result.history.append({"step": step, "loss": float(loss.detach()), "joint": joint, "top1": top1})
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
+            bar.update(1)
+            if step % cfg.checkpoint_every == 0 and step < total_steps:
+                T._save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
+                                   len(train_ex), extra={"adapter.pt": {n: p.detach() for n, p in
+                                                                         adapter_params.items()}})
+    except KeyboardInterrupt:
+        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
+        raise
+    finally:
+        bar.close()
+    result.steps, result.seconds = step, time.perf_counter() - t0
+    top.eval()
+    heads.eval()
+    record_drift = {}
+    if val_ex:  # the heads on the adapted base's hidden states (full vocabulary), and the base's drift
+        pre_val, tea_val = layer_states(loaded, val_ex, cfg.max_len, layers[0], progress, log)
+        ids_val, lab_val = T.ids_and_labels(val_ex, cfg.max_len)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
+            hid_val = [top(p.float()).to(torch.bfloat16) for p in pre_val]
+        topk = T.evaluate_heads(T.HeadTrainer(heads, lm_weight, cfg, embed=embed), hid_val, lab_val, ids=ids_val)
+        result.validation.append({"step": step, "topk": topk})
+        record_drift = drift(top, pre_val, tea_val, lab_val, lm_weight)
+        log(f"held-out drift of the adapted base: KL {record_drift['kl_per_token']:.4f}, log-likelihood drop of the "
+            f"original's replies {record_drift['ll_drop_per_token']:+.4f} nats/token")
+    info = {"path": ADAPTER_DIR, "base_model": loaded.name, "layers": list(layers),
+            "base_digest": base_digest(loaded.model, layers), "lora_rank": cfg.lora_rank}
+    record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
+              "examples": {"train": len(train_ex), "validation": len(val_ex),
+                           "train_tokens": sum(len(e.input_ids) for e in train_ex)},
+              "steps": step, "train_seconds": result.seconds, "history": result.history,
+              "validation": result.validation, "adapter": info, "drift": record_drift,
+              **T.init_provenance(init), **(provenance or {})}
+    save_adapted_heads(heads, peft_model, info, out / "heads")
+    write_json_atomic(out / "training.json", record)
+    log(f"medusa2: heads and the base adapter written to {out / 'heads'} (the adapter is merged at load)")
+    return result
+
+
+def save_adapted_heads(heads, peft_model, info: dict, folder: Path) -> Path:
+    """The heads (shared format) with the adapter they need in ``folder/adapter`` (peft's own format:
+    ``adapter_config.json``, ``adapter_model.safetensors``), and ``config.json`` naming it; one atomic swap."""
+    with atomic_dir(folder) as tmp:
+        save_heads(heads, tmp, fmt="shared")
+        peft_model.save_pretrained(str(tmp / ADAPTER_DIR), save_embedding_layers=False)  # no hub lookup
+        meta = json.loads((tmp / "config.json").read_text())
+        meta[ADAPTER_KEY] = info
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return folder
