@@ -76,6 +76,7 @@ class BenchOptions:
     model: str = "default"  # 'default' (the embedded SmolLM2), a transformers causal LM folder or (online) a hub id
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N
+    compare_heads: str | None = None  # heads whose chains are replayed beside --heads' (each on its own base)
 
     def model_args(self) -> tuple[str, ...]:
         """What every stage's command gets to load the same model the same way."""
@@ -280,11 +281,14 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     return files
 
 
-def replay_configurations(acc: Path, searches: list[Path], workload: dict) -> list[dict]:
+def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads: Path | None = None,
+                          compare: str | None = None) -> list[dict]:
     """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
     and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
     heads), run on that fold's questions; the official mc_sim_7b_63 tree on every question; on the peers'
-    questions also transformers' generate and prompt lookup (slow here, and not predicted)."""
+    questions also transformers' generate and prompt lookup (slow here, and not predicted). With ``compare``
+    (another head set, e.g. the Medusa-1 heads beside Medusa-2 ones): its chains of 1, 2 and all heads, on
+    the base those heads decode with (and plain decoding of that base, where it is another one)."""
     from treesearch.search import load_recommendation
     from treesearch.stats import load_stats
 
@@ -297,6 +301,8 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict) -> li
                {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
                {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
                *chains]
+    if compare is not None:
+        configs += compare_configurations(compare, heads, depths)
     for path, fold in zip(searches, workload["folds"]):
         pick = load_recommendation(path)
         configs.append(_config_of("searched", pick, path, fold))
@@ -304,6 +310,23 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict) -> li
             configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
                                       fold))
     return configs
+
+
+def compare_configurations(compare: str, heads: Path | None, depths: list[int]) -> list[dict]:
+    """The other head set's chains (named ``<compare> chain:d``) and, where its base differs from that of the
+    main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference."""
+    from medusa_runtime.heads import heads_folder
+    from medusa_runtime.medusa2 import adapter_info
+
+    folder = heads_folder(compare)
+    if folder is None or not (folder / "config.json").is_file():
+        raise ValueError(f"--compare-heads {compare}: not a heads folder")
+    out = []
+    same = heads is not None and folder.resolve() == heads.resolve()
+    if not same and (adapter_info(folder) is not None or (heads is not None and adapter_info(heads) is not None)):
+        out.append({"name": f"plain, {compare} base", "method": "plain", "heads": compare})
+    return out + [{"name": f"{compare} chain:{d}", "method": "medusa", "tree": f"chain:{d}", "heads": compare}
+                  for d in depths]
 
 
 def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
@@ -316,13 +339,17 @@ def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
                  searches: list[Path], workload: dict) -> dict:
     """Every configuration, interleaved question by question; returns the stage's inputs (its cache key)."""
-    configs = replay_configurations(acc, searches, workload)
+    configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads)
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
+    from medusa_runtime.heads import heads_folder
+
+    compare = heads_folder(opts.compare_heads) if opts.compare_heads else None
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
+           "compare_heads": folder_hash(compare) if compare is not None else None,
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
@@ -372,6 +399,23 @@ def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
     return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
 
 
+def _compare_heads(spec: str, args) -> str | None:
+    """--compare-heads resolved: 'auto' replays the shipped Medusa-1 heads beside the shipped default where
+    that default is Medusa-2 (on the default model, heads not retrained); 'none' nothing."""
+    if spec == "none":
+        return None
+    if spec != "auto":
+        return spec
+    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.medusa2 import adapter_info
+
+    default, medusa1 = shipped_heads_dir("default"), shipped_heads_dir("medusa1")
+    shipped = args.model == "default" and args.heads == "default" and not args.retrain
+    if shipped and default is not None and medusa1 is not None and medusa1 != default and adapter_info(default):
+        return "medusa1"
+    return None
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -394,13 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="default",
                         help="'default' (the shipped heads, default model only) or a heads folder in either format; "
                              "--retrain trains heads for --model instead")
+    parser.add_argument("--compare-heads", default="auto",
+                        help="another head set whose chains are replayed beside the main heads' (a folder, medusa1, "
+                             "none; auto: the shipped Medusa-1 heads when the shipped default is Medusa-2)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
     args = parser.parse_args(argv)
     try:
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
-                            **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads)
+                            **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
+                            compare_heads=_compare_heads(args.compare_heads, args))
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}",
               flush=True)

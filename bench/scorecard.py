@@ -90,6 +90,8 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         gates = sorted({float(c.gate) for c in mine})
         pred = predictions.get(name)
         row = {"config": name, "method": cfg.method, "uses_heads": cfg.method == "medusa",
+               "heads": cfg.heads if cfg.heads is not None else "main",
+               "model": str(sub["model"].iloc[0]) if "model" in sub else None,
                "lookup": _one_or_all(lookups), "tree_nodes": _one_or_all(nodes) if nodes else None,
                "gate": _one_or_all(gates), "accept": cfg.accept if cfg.method == "medusa" else "greedy",
                "temperature": float(sub["temperature"].max()),
@@ -133,7 +135,7 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
 
 def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Path:
     """report.json: machine-readable, names kept stable for other tools (see DESIGN.md, 'Contracts')."""
-    keep = ["config", "uses_heads", "lookup", "tree_nodes", "gate", "accept", "temperature", "questions", "tokens",
+    keep = ["config", "uses_heads", "heads", "model", "lookup", "tree_nodes", "gate", "accept", "temperature", "questions", "tokens",
             "tokens_per_s", "tau", "tau_ci", "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_tau",
             "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on", "fit_positions", "searched",
             "identical_to_plain"]

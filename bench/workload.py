@@ -87,9 +87,10 @@ def fold_stats(stats: AcceptanceStats, folds: Sequence[tuple[int, ...]]) -> list
 
 
 def decoding_of(cfg: MethodConfig) -> Decoding | None:
-    """The configuration the replay of rollouts can predict (the runtime, greedy), else None."""
+    """The configuration the replay of rollouts can predict (the runtime, greedy, with the heads and base that
+    were calibrated: not a configuration with heads of its own), else None."""
     if cfg.method not in ("plain", "medusa") or cfg.temperature > 0 or cfg.temperature_policy != "fixed" \
-            or cfg.accept != "greedy" or cfg.engine not in ("auto", "lean"):
+            or cfg.accept != "greedy" or cfg.engine not in ("auto", "lean") or cfg.heads is not None:
         return None
     tree = load_tree(cfg.tree) if cfg.method == "medusa" else None
     return Decoding(tree, cfg.lookup_tokens, cfg.gate)

@@ -380,17 +380,33 @@ def fresh_heads(num_heads: int, num_layers: int, hidden_size: int, vocab_size: i
     return MedusaHeads(HeadsConfig(num_heads, num_layers, hidden_size, vocab_size, True, base_model))
 
 
-def shipped_heads_dir() -> Path | None:
-    """The heads this project trained and ships for the default model (shared-lm_head format), if any."""
-    folder = Path(__file__).resolve().parent / "data" / "default_heads" / "heads"
-    return folder if (folder / "config.json").is_file() else None
+SHIPPED = {"default": "default_heads", "medusa1": "medusa1_heads"}  # names of the shipped head sets, their folders
+
+
+def shipped_heads_dir(name: str = "default") -> Path | None:
+    """A head set this project trained and ships for the default model (shared-lm_head format), if any:
+    ``default`` (what ``--heads default`` loads) or ``medusa1`` (Medusa-1 heads, kept beside Medusa-2 ones
+    for comparison; the default set itself where that is Medusa-1)."""
+    data = Path(__file__).resolve().parent / "data"
+    for folder in (data / SHIPPED[name] / "heads", data / SHIPPED["default"] / "heads"):
+        if (folder / "config.json").is_file() and (name == "default" or folder.parent.name == SHIPPED[name]
+                                                   or not _needs_adapter(folder)):
+            return folder
+    return None
+
+
+def _needs_adapter(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "config.json").read_text()).get("medusa_base_adapter"))
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def heads_folder(spec: str | None) -> Path | None:
-    """The folder a heads spec names (``default``: the shipped heads), None for no heads or fresh ones."""
+    """The folder a heads spec names (``default``, ``medusa1``: shipped heads), None for no heads or fresh ones."""
     if spec is None or spec.lower() in ("", "none") or spec.startswith("fresh:"):
         return None
-    return shipped_heads_dir() if spec == "default" else Path(spec)
+    return shipped_heads_dir(spec) if spec in SHIPPED else Path(spec)
 
 
 def resolve_heads(spec: str | None, hidden_size: int, vocab_size: int, base_model: str = "") -> MedusaHeads | None:
@@ -398,10 +414,10 @@ def resolve_heads(spec: str | None, hidden_size: int, vocab_size: int, base_mode
     anything else -> a folder in either format."""
     if spec is None or spec.lower() in ("", "none"):
         return None
-    if spec == "default":
-        shipped = shipped_heads_dir()
+    if spec in SHIPPED:
+        shipped = shipped_heads_dir(spec)
         if shipped is None:
-            raise HeadsError("no shipped heads in this installation; train some with 'medusa-bench train'")
+            raise HeadsError(f"no shipped '{spec}' heads in this installation; train some with 'medusa-bench train'")
         return load_heads(shipped, hidden_size, vocab_size)
     if spec.startswith("fresh:"):
         parts = spec.split(":")[1:]

@@ -147,9 +147,13 @@ def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
                  progress: bool = True, log: Callable[[str], None] = print
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per example (the residual stream entering layer ``split`` [T, H], the model's last hidden state, final
-    norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs."""
+    norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs,
+    the last hidden states where Medusa-1 training keeps them (``train.base_hidden_states``)."""
+    from .train import hidden_cache_file
+
     lengths = [min(len(e.input_ids), max_len) for e in examples]
-    files = [_states_file(loaded, examples, max_len, layer) for layer in (split, -1)]
+    # the last hidden states in Medusa-1's own cache file: either trainer reuses what the other computed
+    files = [_states_file(loaded, examples, max_len, split), hidden_cache_file(loaded, examples, max_len)]
     cached = [_read_states(f, lengths, loaded.hidden_size) for f in files]
     if all(c is not None for c in cached):
         log(f"layer {split} inputs and last hidden states of {len(examples)} examples reloaded from the cache")

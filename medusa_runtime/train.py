@@ -36,7 +36,7 @@ from treesearch.tree import write_json_atomic
 
 from .distill import Example
 from .fsutil import atomic_dir, atomic_file
-from .heads import HeadsConfig, MedusaHeads, load_heads, resolve_heads, save_heads, shipped_heads_dir
+from .heads import HeadsConfig, MedusaHeads, heads_folder, load_heads, resolve_heads, save_heads
 from .model import LoadedModel, cache_root, weights_fingerprint
 
 TOPK_LOGGED = 5
@@ -534,7 +534,7 @@ def init_provenance(init: str | None) -> dict:
     them, the configuration and data of the run that made them."""
     if init is None:
         return {}
-    folder = shipped_heads_dir() if init == "default" else Path(init)
+    folder = heads_folder(init)
     record = {"heads": init}
     made = folder.parent / "training.json" if folder is not None else None
     if made is not None and made.is_file():

@@ -42,6 +42,12 @@ def test_top_layers_on_cached_inputs_equal_the_full_forward(tiny_examples, monke
     said = []
     again = medusa2.layer_states(loaded, examples[:5], 768, layers[0], progress=False, log=said.append)
     assert "reloaded" in said[0] and all(torch.equal(a, b) for a, b in zip(again[0], prefix))
+    # the last hidden states are where Medusa-1 training keeps them: either trainer reuses the other's
+    from medusa_runtime.train import base_hidden_states
+
+    said.clear()
+    m1 = base_hidden_states(loaded, examples[:5], 768, progress=False, log=said.append)
+    assert "reloaded" in said[0] and all(torch.equal(a, b) for a, b in zip(m1, last))
 
 
 def test_distill_loss_is_the_kl_of_the_two_next_token_distributions():
