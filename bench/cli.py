@@ -510,7 +510,6 @@ def _run_replay(args, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
     from bench.pipeline import StageCache, isolate_records
     from bench.runner import ReplayConfig, replay
-
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
 

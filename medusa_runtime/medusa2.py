@@ -28,18 +28,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
-from .fsutil import atomic_dir, atomic_file
+from .fsutil import atomic_dir
 from .heads import HeadsError, save_heads
-from .model import LoadedModel, cache_root, weights_fingerprint
+from .model import LoadedModel
 
 ADAPTER_DIR = "adapter"  # inside a heads folder: the LoRA adapter (peft's format) the heads were trained with
 ADAPTER_KEY = "medusa_base_adapter"  # config.json entry that says the heads need it
@@ -133,15 +131,6 @@ def apply_heads_adapter(loaded: LoadedModel, folder: str | Path, log: Callable[[
 # ---------------------------------------------------------------------------- cached inputs
 
 
-def _states_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int, layer: int) -> Path:
-    digest = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
-                                        "weights": weights_fingerprint(loaded), "layer": layer,
-                                        "format": 1}).encode())
-    for ex in examples:
-        digest.update(np.asarray(ex.input_ids[:max_len], dtype=np.int64).tobytes() + b"|")
-    return cache_root() / "hidden" / f"layer{layer}-{digest.hexdigest()[:16]}.safetensors"
-
-
 @torch.inference_mode()
 def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int, split: int,
                  progress: bool = True, log: Callable[[str], None] = print
@@ -149,12 +138,12 @@ def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
     """Per example (the residual stream entering layer ``split`` [T, H], the model's last hidden state, final
     norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs,
     the last hidden states where Medusa-1 training keeps them (``train.base_hidden_states``)."""
-    from .train import hidden_cache_file
+    from .train import _read_hidden_cache, hidden_cache_file, write_hidden_cache
 
     lengths = [min(len(e.input_ids), max_len) for e in examples]
     # the last hidden states in Medusa-1's own cache file: either trainer reuses what the other computed
-    files = [_states_file(loaded, examples, max_len, split), hidden_cache_file(loaded, examples, max_len)]
-    cached = [_read_states(f, lengths, loaded.hidden_size) for f in files]
+    files = [hidden_cache_file(loaded, examples, max_len, split), hidden_cache_file(loaded, examples, max_len)]
+    cached = [_read_hidden_cache(f, lengths, loaded.hidden_size) for f in files]
     if all(c is not None for c in cached):
         log(f"layer {split} inputs and last hidden states of {len(examples)} examples reloaded from the cache")
         return cached[0], cached[1]
@@ -165,25 +154,8 @@ def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
         prefix.append(hs[split][0].to(torch.bfloat16).cpu())
         last.append(hs[-1][0].to(torch.bfloat16).cpu())
     for f, states in zip(files, (prefix, last)):
-        try:
-            with atomic_file(f) as tmp:
-                save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
-        except OSError as exc:
-            log(f"could not keep {f.name} on disk ({exc}); training goes on")
+        write_hidden_cache(f, states, lengths, log)
     return prefix, last
-
-
-def _read_states(path: Path, lengths: list[int], hidden_size: int) -> list[torch.Tensor] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = load_file(path)
-        flat, lens = data["hidden"], data["lengths"]
-    except (OSError, KeyError, ValueError):
-        return None
-    if lens.tolist() != lengths or tuple(flat.shape) != (sum(lengths), hidden_size):
-        return None
-    return list(torch.split(flat, lengths))
 
 
 # ---------------------------------------------------------------------------- the student
@@ -348,16 +320,7 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
             loss, stats = joint_loss(trainer, top, [pre_train[i] for i in batch], [tea_train[i] for i in batch],
                                      [lab_train[i] for i in batch], [ids_train[i] for i in batch], lm_weight, cfg,
                                      joint)
-            optimizer.zero_grad(set_to_none=True)
-            if loss.requires_grad:
-                loss.backward()
-                optimizer.step()
-            scheduler.step()
-            step += 1
-            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-            result.history.append({"step": step, "loss": float(loss.detach()), "joint": joint, "top1": top1})
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
-            bar.update(1)
+            step = T.joint_step(loss, stats, optimizer, scheduler, step, joint, result, bar)
             if step % cfg.checkpoint_every == 0 and step < total_steps:
                 T._save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
                                    len(train_ex), extra={"adapter.pt": {n: p.detach() for n, p in

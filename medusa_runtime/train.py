@@ -221,14 +221,30 @@ def cache_hidden_states(model, examples: Sequence[Example], max_len: int,
     return out
 
 
-def hidden_cache_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int) -> Path:
+def hidden_cache_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int, layer: int | None = None
+                      ) -> Path:
     """Where the base hidden states of ``examples`` are kept: named by a hash of the model (name, dtype,
-    weights fingerprint), ``max_len`` and every example's token ids, so any change makes another file."""
-    digest = hashlib.sha256(json.dumps({"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
-                                        "weights": weights_fingerprint(loaded), "format": 1}).encode())
+    weights fingerprint), ``max_len`` and every example's token ids, so any change makes another file.
+    ``layer``: the residual stream entering that decoder layer instead of the last hidden state."""
+    key = {"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
+           "weights": weights_fingerprint(loaded), "format": 1, **({"layer": layer} if layer is not None else {})}
+    digest = hashlib.sha256(json.dumps(key).encode())
     for ex in examples:
         digest.update(np.asarray(ex.input_ids[:max_len], dtype=np.int64).tobytes() + b"|")
-    return cache_root() / "hidden" / f"{digest.hexdigest()[:16]}.safetensors"
+    prefix = "" if layer is None else f"layer{layer}-"
+    return cache_root() / "hidden" / f"{prefix}{digest.hexdigest()[:16]}.safetensors"
+
+
+def write_hidden_cache(path: Path, states: Sequence[torch.Tensor], lengths: list[int],
+                       log: Callable[[str], None]) -> bool:
+    """Keep states on disk (atomically); a full disk costs the next run the backbone again, not this run."""
+    try:
+        with atomic_file(path) as tmp:
+            save_file({"hidden": torch.cat(list(states)), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
+    except OSError as exc:
+        log(f"could not keep hidden states on disk ({exc}); training goes on")
+        return False
+    return True
 
 
 def _read_hidden_cache(path: Path, lengths: list[int], hidden_size: int) -> list[torch.Tensor] | None:
@@ -259,11 +275,7 @@ def base_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len
         log(f"base hidden states of {len(examples)} examples reloaded from {path}")
         return cached
     states = cache_hidden_states(loaded.model, examples, max_len, progress)
-    try:
-        with atomic_file(path) as tmp:
-            save_file({"hidden": torch.cat(states), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
-    except OSError as exc:  # a full disk costs the next run the backbone again, not this run its training
-        log(f"could not keep the base hidden states on disk ({exc}); training goes on")
+    if not write_hidden_cache(path, states, lengths, log):
         return states
     log(f"base hidden states cached: {path} ({path.stat().st_size / 2**20:.0f} MiB; --no-hidden-cache skips this)")
     return states
@@ -673,6 +685,22 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     return loss, stats
 
 
+def joint_step(loss: torch.Tensor, stats: list[HeadStats | None], optimizer, scheduler, step: int, joint: bool,
+               result: TrainResult, bar) -> int:
+    """Medusa-2's optimiser step (where the loss has a gradient), the schedule, the step's record (loss, phase,
+    per-head top-1) and its progress; returns the step count after it."""
+    if loss.requires_grad:
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
+    result.history.append({"step": step + 1, "loss": float(loss.detach()), "joint": joint, "top1": top1})
+    bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
+    bar.update(1)
+    return step + 1
+
+
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
@@ -746,16 +774,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
             heads.train()
             ids, labels, attn = padded_batch([train_ex[i] for i in batch], cfg.max_len, loaded.device)
             loss, stats = _medusa2_loss(student, teacher, trainer, ids, labels, attn, cfg, joint)
-            if loss.requires_grad:
-                loss.backward()
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            step += 1
-            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-            result.history.append({"step": step, "loss": float(loss.detach()), "joint": joint, "top1": top1})
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
-            bar.update(1)
+            step = joint_step(loss, stats, optimizer, scheduler, step, joint, result, bar)
             if step % cfg.checkpoint_every == 0 and step < total_steps:
                 base = {n: p.detach() for n, p in trainable.items()}  # float32, by name
                 _save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,

@@ -19,6 +19,7 @@ from medusa_runtime.train import TrainConfig, head_targets, ids_and_labels
 
 from .conftest import hf_greedy, tiny_llama
 
+
 def _cfg(**kw) -> TrainConfig:
     base = dict(method="medusa2", num_heads=2, epochs=2, batch_tokens=512, val_fraction=0.2, lora_rank=4,
                 train_layers=1, heads_warmup_ratio=0.25, lr=1e-2, base_lr=5e-3, lm_weight=0.0, checkpoint_every=3)

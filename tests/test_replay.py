@@ -13,8 +13,7 @@ from bench.mtbench import Question, load_questions
 from bench.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.heads import fresh_heads
 
-from .conftest import DATA
-from .conftest import tiny_chat_model
+from .conftest import DATA, tiny_chat_model
 
 QUESTIONS = [Question(1, "writing", ("Say hi.", "Again, shorter.")), Question(2, "math", ("1+1?", "And 2+2?")),
              Question(3, "coding", ("Print hello.", "In C."))]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.distill import DistillConfig, Example, build_distill_data
 from medusa_runtime.heads import fresh_heads, load_heads
-from medusa_runtime.model import LoadedModel, load_model
+from medusa_runtime.model import LoadedModel
 from medusa_runtime.prompts import (
     BUILTIN_SOURCE,
     CATEGORIES,
