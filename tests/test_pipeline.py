@@ -54,3 +54,25 @@ def test_bad_main_job_options_give_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
+    """--compare-heads: the other set's chains, with plain decoding of its base only where one of the two sets
+    carries a Medusa-2 adapter (another base); the same folder twice adds no plain run."""
+    import json
+
+    from bench.pipeline import compare_configurations
+
+    plain_heads, adapted = tmp_path / "m1", tmp_path / "m2"
+    for folder, extra in ((plain_heads, {}), (adapted, {"medusa_base_adapter": {"path": "adapter", "layers": [1],
+                                                                                 "base_digest": "x"}})):
+        (folder / "adapter").mkdir(parents=True)
+        (folder / "adapter" / "adapter_config.json").write_text("{}")
+        (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1, **extra}))
+    got = compare_configurations(str(plain_heads), adapted, [1, 2])
+    assert [c["name"] for c in got] == [f"plain, {plain_heads} base", f"{plain_heads} chain:1", f"{plain_heads} chain:2"]
+    assert all(c["heads"] == str(plain_heads) for c in got)
+    same = compare_configurations(str(plain_heads), plain_heads, [1])
+    assert [c["name"] for c in same] == [f"{plain_heads} chain:1"]
+    with pytest.raises(ValueError, match="not a heads folder"):
+        compare_configurations(str(tmp_path / "nothing"), adapted, [1])
