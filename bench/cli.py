@@ -43,8 +43,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     base = loaded.name
-    if args.heads not in (None, "none"):  # the base as those heads decode with it (Medusa-2: their adapter merged)
-        loaded = _adapted(loaded, args.heads)
+    loaded = _adapted(loaded, args.heads)  # the base as those heads decode with it (Medusa-2: their adapter merged)
     info = describe_model(loaded)
     info["c_forward"] = c_forward_status(loaded)
     if args.heads not in (None, "none"):

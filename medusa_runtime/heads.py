@@ -386,20 +386,26 @@ SHIPPED = {"default": "default_heads", "medusa1": "medusa1_heads"}  # names of t
 def shipped_heads_dir(name: str = "default") -> Path | None:
     """A head set this project trained and ships for the default model (shared-lm_head format), if any:
     ``default`` (what ``--heads default`` loads) or ``medusa1`` (Medusa-1 heads, kept beside Medusa-2 ones
-    for comparison; the default set itself where that is Medusa-1)."""
+    for comparison; the default set itself where that needs no adapter, i.e. is Medusa-1)."""
     data = Path(__file__).resolve().parent / "data"
-    for folder in (data / SHIPPED[name] / "heads", data / SHIPPED["default"] / "heads"):
-        if (folder / "config.json").is_file() and (name == "default" or folder.parent.name == SHIPPED[name]
-                                                   or not _needs_adapter(folder)):
-            return folder
+    own, default = data / SHIPPED[name] / "heads", data / SHIPPED["default"] / "heads"
+    if (own / "config.json").is_file():
+        return own
+    if name != "default" and (default / "config.json").is_file() and adapter_entry(default) is None:
+        return default
     return None
 
 
-def _needs_adapter(folder: Path) -> bool:
+ADAPTER_KEY = "medusa_base_adapter"  # config.json entry of heads trained with a base adapter (medusa2.py)
+
+
+def adapter_entry(folder: Path) -> dict | None:
+    """The ``medusa_base_adapter`` entry of a heads folder's config.json, None where there is none (or no
+    readable config: loading the heads says what is wrong with it)."""
     try:
-        return bool(json.loads((folder / "config.json").read_text()).get("medusa_base_adapter"))
+        return json.loads((Path(folder) / "config.json").read_text()).get(ADAPTER_KEY) or None
     except (OSError, json.JSONDecodeError):
-        return False
+        return None
 
 
 def heads_folder(spec: str | None) -> Path | None:

@@ -36,11 +36,10 @@ from treesearch.tree import write_json_atomic
 
 from .distill import Example
 from .fsutil import atomic_dir
-from .heads import HeadsError, save_heads
+from .heads import ADAPTER_KEY, HeadsError, adapter_entry, save_heads
 from .model import LoadedModel
 
 ADAPTER_DIR = "adapter"  # inside a heads folder: the LoRA adapter (peft's format) the heads were trained with
-ADAPTER_KEY = "medusa_base_adapter"  # config.json entry that says the heads need it
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -94,12 +93,8 @@ def adapter_info(folder: str | Path) -> AdapterInfo | None:
     """The adapter a heads folder needs, None when its heads need none; a folder that names an adapter
     it lacks is refused in one line (HeadsError)."""
     folder = Path(folder)
-    try:
-        meta = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # load_heads says what is wrong with the folder
-    entry = meta.get(ADAPTER_KEY)
-    if not entry:
+    entry = adapter_entry(folder)
+    if entry is None:
         return None
     path = folder / entry.get("path", ADAPTER_DIR)
     if not (path / "adapter_config.json").is_file():
