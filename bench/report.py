@@ -156,10 +156,10 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
 
 def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict] | None:
     """(scorecard, verdict, questions) of a bench run, or None outside the pipeline (no workload.json)."""
-    from bench.runner import MethodConfig
+    from bench.runner import MethodConfig, load_probes
     from bench.scorecard import scorecard, verdict
     from bench.workload import fold_stats, predict_configs
-    from treesearch.cost import load_profile, mean_profile
+    from treesearch.cost import load_profile, mean_profile, probe_factors, rescaled
     from treesearch.stats import load_stats
 
     files = [out / n for n in ("workload.json", "acceptance.json", "latency.json", "replay_config.json")]
@@ -170,6 +170,13 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
     if (out / "latency-after.json").is_file():  # the machine's speed over the replay: before and after, averaged
         latency = mean_profile([latency, load_profile(out / "latency-after.json")])
         priced = "the mean of the latency profiles measured before and after the replay"
+    probes = load_probes(out / "replay" / "probes.jsonl")
+    if probes and latency.probe_nodes:  # the machine's speed while the replay ran, per verify size
+        factors = probe_factors(latency, probes)
+        latency = rescaled(latency, factors)
+        priced += (f", rescaled per tree size by the drift probe timed before each replayed question ({len(probes)} "
+                   "probes; machine speed during the replay relative to the profile, per verify size: "
+                   + ", ".join(f"{n} nodes x{f:.3f}" for n, f in sorted(factors.items())) + ")")
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
     folds = [tuple(f) for f in workload["folds"]]
     predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)

@@ -31,6 +31,9 @@ from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
 
 
+PROBE_NODES = (1, 4, 16, 64)  # the drift probe's sizes (those the profile measures): memory- to compute-bound
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
     nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # tree sizes, root included
@@ -185,17 +188,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     # 1. verify forwards: every (context, size) once per round, all contexts in the same rounds
     steps = []
     for ctx in cfg.contexts:
-        cache = plain_dec.new_cache(ctx + max(cfg.nodes))
-        plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
-        for n in cfg.nodes:
-            dec = verifiers.get(n, plain_dec)
-            tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
-
-            def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
-                dec.verify(tokens, ctx, cache)
-                dec.compact(cache, ctx, [])  # drop the tree again
-
-            steps.append(step)
+        steps += _verify_pieces(loaded, [verifiers.get(n, plain_dec) for n in cfg.nodes], cfg.nodes, ctx, gen)
     tight = _interleaved_samples(steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
         len(cfg.contexts), len(cfg.nodes), cfg.repeats)  # [contexts, nodes, rounds] ms
 
@@ -226,6 +219,9 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     in_loop = statistics.median(t.prefill for t in times)
     at_mid = float(np.interp(mid, prefill_tokens, tight_prefill))
     prefill = [p * in_loop / at_mid for p in tight_prefill]
+    probe_nodes = tuple(n for n in cfg.nodes if n in PROBE_NODES)  # the drift probe: tight pieces at the middle context
+    at = cfg.contexts.index(mid)
+    probe = tuple(_central(list(tight[at, cfg.nodes.index(n)])) for n in probe_nodes)
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
             "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
@@ -235,10 +231,56 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
                     "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
                     "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
-                    "lookup = drafting and extending the n-gram index, per step"}
+                    "lookup = drafting and extending the n-gram index, per step; probe: the tight verify "
+                    "of the probe sizes at the probe context (see VerifyProbe)"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
-                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
+                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned,
+                          mid if probe_nodes else 0, probe_nodes, probe)
+
+
+def _verify_pieces(loaded: LoadedModel, decoders: list[MedusaDecoder], sizes, context: int, gen: torch.Generator):
+    """One timed piece per size: a verify forward of that many random tokens on a cache of ``context`` random
+    tokens (one cache for all sizes), cropped back afterwards."""
+    dev = loaded.device
+    cache = decoders[0].new_cache(context + max(sizes))
+    decoders[0].prefill(torch.randint(0, loaded.vocab_size, (context,), generator=gen).to(dev), cache)
+    pieces = []
+    for dec, n in zip(decoders, sizes):
+        tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+
+        def step(dec=dec, tokens=tokens):
+            dec.verify(tokens, context, cache)
+            dec.compact(cache, context, [])  # drop the tree again
+
+        pieces.append(step)
+    return pieces
+
+
+class VerifyProbe:
+    """The latency profile's drift probe, timed again later (between a replay's questions): tight verify
+    forwards of the profile's probe sizes at its probe context, each size once per round in shuffled order,
+    the interquartile mean of ``rounds`` per size. The ratio to the profile's own probe says how much
+    faster or slower the machine runs now, per size (``treesearch.cost.rescaled``)."""
+
+    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None, profile: LatencyProfile, rounds: int = 3,
+                 seed: int = 0):
+        if not profile.probe_nodes:
+            raise ValueError("the latency profile has no probe (measure it again with this version)")
+        self.nodes = tuple(n for n in profile.probe_nodes if n == 1 or heads is not None)
+        gen = torch.Generator().manual_seed(seed)
+        decs = [MedusaDecoder(loaded, None, None) if n == 1 else
+                MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1))
+                for n, t in ((n, _shape_tree(n, heads.num_heads) if n > 1 else None) for n in self.nodes)]
+        self._pieces = _verify_pieces(loaded, decs, self.nodes, profile.probe_context, gen)
+        dev = loaded.device
+        self._sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        self.rounds = rounds
+        _interleaved_samples(self._pieces, self._sync, 1, 1)  # warm-up (buffers, packed weights)
+
+    def __call__(self) -> dict[int, float]:
+        times = _interleaved_samples(self._pieces, self._sync, self.rounds, 0)
+        return {n: _central(list(row)) for n, row in zip(self.nodes, times)}
 
 
 def _wide_trees(heads: MedusaHeads) -> list:

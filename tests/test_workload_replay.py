@@ -309,6 +309,36 @@ def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
     assert len(sample_over_categories(qs, 100)) == 70
 
 
+def test_rescaled_profile_prices_each_size_at_its_probe_factor_closed_form():
+    """Factors per probed size, linear in log2(size) between them and held beyond; the plain step at the
+    one-row factor, the prefill at the largest size's; heads and bookkeeping unchanged. The factors are the
+    median over probes of each size's ratio to the profile's own probe."""
+    from dataclasses import replace
+
+    from treesearch.cost import probe_factors, profile_from_json, profile_to_json, rescaled
+    from treesearch.stats import StatsError
+
+    a = replace(_profile(), probe_context=100, probe_nodes=(1, 16), probe_ms=(10.0, 20.0))
+    probes = [{1: 11.0, 16: 19.0}, {1: 12.0, 16: 18.0}, {1: 30.0, 16: 18.5}]  # medians 12 and 18.5
+    f = probe_factors(a, probes)
+    assert f == pytest.approx({1: 1.2, 16: 0.925})
+    r = rescaled(a, f)
+    at4 = 1.2 + (2 / 4) * (0.925 - 1.2)  # log2(4) = 2 of the way 0..4
+    for n, k in ((1, 1.2), (2, 1.2 + (1 / 4) * (0.925 - 1.2)), (4, at4), (16, 0.925)):
+        assert r.verify(n, 200) == pytest.approx(a.verify(n, 200) * k)
+    assert r.plain(300) == pytest.approx(a.plain(300) * 1.2) and r.prefill(55) == pytest.approx(a.prefill(55) * 0.925)
+    assert r.heads(8) == a.heads(8) and r.bookkeeping(8) == a.bookkeeping(8) and r.lookup_ms == a.lookup_ms
+    assert r.meta["rescaled_by_probe"] == {"1": 1.2, "16": 0.925}
+    assert profile_from_json(profile_to_json(a)) == a  # the probe travels in latency.json
+    with pytest.raises(StatsError, match="no probe"):
+        probe_factors(_profile(), probes)
+    with pytest.raises(StatsError, match="no probe timed"):
+        probe_factors(a, [{1: 11.0}])
+    bad = {**profile_to_json(a), "probe_ms": [10.0]}
+    with pytest.raises(StatsError, match="probe_nodes"):
+        profile_from_json(bad)
+
+
 def test_mean_profile_is_the_elementwise_mean_and_refuses_other_grids():
     """Profiles before and after a replay average field by field; every priced step is then the mean of the two
     (the cost model is linear in the profile's times), and profiles on different grids are refused."""
