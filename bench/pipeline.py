@@ -384,9 +384,9 @@ def run(opts: BenchOptions) -> None:
 
 def isolate_records(folder: Path, key: str) -> None:
     """Records resume only within one set of replay inputs (``replay`` and ``speed`` call this): records made
-    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
+    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl`` (their probes to ``probes.<their key>.jsonl``), never mixed in."""
     folder.mkdir(parents=True, exist_ok=True)
-    marker, records = folder / "inputs.key", folder / "records.jsonl"
+    marker = folder / "inputs.key"
     old = marker.read_text().strip() if marker.is_file() else "unknown"
     if old != key:
         for name in ("records", "probes"):  # the drift probes belong to the records they were timed between

@@ -30,7 +30,6 @@ from .kernels import cpuinfo_line
 from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
 
-
 PROBE_NODES = (1, 4, 16, 64)  # the drift probe's sizes (those the profile measures): memory- to compute-bound
 
 
