@@ -535,7 +535,7 @@ def _run_replay(args, configs, turns: int):
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
     probe = None
-    if getattr(args, "probe", None):  # the profile's drift probe, timed between questions (probes.jsonl)
+    if getattr(args, "probe", None):  # the profile's drift probe, timed before each run (the records' probe_ms)
         from medusa_runtime.profile import VerifyProbe
         from treesearch.cost import load_profile
 
@@ -975,8 +975,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
             p.add_argument("--probe", default=None, metavar="LATENCY_JSON",
-                           help="time this latency profile's drift probe before each question (probes.jsonl), so "
-                                "that predictions can be priced at the machine's speed during the replay")
+                           help="time this latency profile's drift probe before each run (kept in its record), so "
+                                "that predictions can be priced at the machine's speed when each configuration ran")
         p.add_argument("--questions", default=None,
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)

@@ -38,7 +38,7 @@ from treesearch.tree import write_json_atomic
 # 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster).
 RUNTIME_REVISION = 12
-PROBE_REVISION = 1  # the profile records a drift probe, the replay times it between questions
+PROBE_REVISION = 2  # the profile records a drift probe, the replay times it before each run (2: per run)
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -352,7 +352,7 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
            "compare_heads": folder_hash(compare) if compare is not None else None,
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
-           "probe": file_hash(lat)}
+           "probe": [PROBE_REVISION, file_hash(lat)]}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),
@@ -384,14 +384,12 @@ def run(opts: BenchOptions) -> None:
 
 def isolate_records(folder: Path, key: str) -> None:
     """Records resume only within one set of replay inputs (``replay`` and ``speed`` call this): records made
-    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl`` (their probes to ``probes.<their key>.jsonl``), never mixed in."""
+    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
     folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / "inputs.key"
+    marker, records = folder / "inputs.key", folder / "records.jsonl"
     old = marker.read_text().strip() if marker.is_file() else "unknown"
-    if old != key:
-        for name in ("records", "probes"):  # the drift probes belong to the records they were timed between
-            if (folder / f"{name}.jsonl").is_file():
-                (folder / f"{name}.jsonl").rename(folder / f"{name}.{old}.jsonl")
+    if old != key and records.is_file():
+        records.rename(folder / f"records.{old}.jsonl")
     marker.write_text(key + "\n")
 
 

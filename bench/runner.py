@@ -185,8 +185,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
            probe: Callable[[], dict[int, float]] | None = None) -> list[dict]:
     """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
     per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
-    ``probe`` (``medusa_runtime.profile.VerifyProbe``): timed before each question's runs and after the last,
-    one line each in ``probes.jsonl`` beside the records: the machine's speed while the replay ran."""
+    ``probe`` (``medusa_runtime.profile.VerifyProbe``): timed right before each run, outside its clock, and
+    kept in its record (``probe_ms``): the machine's speed when that configuration ran."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
@@ -211,13 +211,9 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
-    probes = path.with_name("probes.jsonl")
-    last = None
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
-            if probe is not None and q.question_id != last:
-                _write_probe(probes, probe, q.question_id)
-                last = q.question_id
+            probed = {"probe_ms": {str(n): ms for n, ms in probe().items()}} if probe is not None else {}
             earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
             temperature = c.temperature_for(q.category)
@@ -231,40 +227,12 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                    "prefill_time": out.prefill_time, **out.split,
                    "token_ids": out.token_ids,
                    "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta,
-                   **own_meta.get(c.digest, {})}
+                   **own_meta.get(c.digest, {}), **probed}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             done[_key(rec)] = rec
             records.append(rec)
             bar.update(1)
-    if probe is not None:
-        _write_probe(probes, probe, None)
     bar.close()
     return records
 
-
-PROBE_SCHEMA = "medusa-probe/1"
-
-
-def _write_probe(path: Path, probe: Callable[[], dict[int, float]], before_question: int | None) -> None:
-    """One probe line (ms per verify size, and when), appended and flushed."""
-    ms = probe()
-    line = {"schema": PROBE_SCHEMA, "time": time.time(), "before_question": before_question,
-            "nodes": list(ms), "ms": [ms[n] for n in ms]}
-    with path.open("a") as fh:
-        fh.write(json.dumps(line) + "\n")
-
-
-def load_probes(path: Path) -> list[dict[int, float]]:
-    """The probes of a replay ({size: ms} each); a line cut by a crash is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if obj.get("schema") == PROBE_SCHEMA:
-            out.append({int(n): float(x) for n, x in zip(obj["nodes"], obj["ms"])})
-    return out

@@ -257,12 +257,12 @@ def _verify_pieces(loaded: LoadedModel, decoders: list[MedusaDecoder], sizes, co
 
 
 class VerifyProbe:
-    """The latency profile's drift probe, timed again later (between a replay's questions): tight verify
+    """The latency profile's drift probe, timed again later (before each run of a replay): tight verify
     forwards of the profile's probe sizes at its probe context, each size once per round in shuffled order,
-    the interquartile mean of ``rounds`` per size. The ratio to the profile's own probe says how much
+    the interquartile mean of ``rounds`` per size (one round by default: the replay averages many probes). The ratio to the profile's own probe says how much
     faster or slower the machine runs now, per size (``treesearch.cost.rescaled``)."""
 
-    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None, profile: LatencyProfile, rounds: int = 3,
+    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None, profile: LatencyProfile, rounds: int = 1,
                  seed: int = 0):
         if not profile.probe_nodes:
             raise ValueError("the latency profile has no probe (measure it again with this version)")

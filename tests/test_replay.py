@@ -21,7 +21,7 @@ CONFIGS = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain"),
            MethodConfig("medusa chain:2", "medusa", tree="chain:2")]
 
 
-def test_replay_times_the_drift_probe_before_each_question_and_after_the_last(tmp_path):
+def test_replay_times_the_drift_probe_right_before_each_run_and_keeps_it_in_the_record(tmp_path):
     loaded = tiny_chat_model()
     heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
     cfg = ReplayConfig(max_new_tokens=4, turns=2, repeats=1, warmup_tokens=2)
@@ -32,12 +32,11 @@ def test_replay_times_the_drift_probe_before_each_question_and_after_the_last(tm
         calls.append(len(load_records(out)))  # how many records were on disk when it ran
         return {1: 5.0 + len(calls), 4: 7.0}
 
-    replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, probe=probe)
-    per_question = len(CONFIGS) * 2  # configurations x turns
-    assert calls == [0, per_question, 2 * per_question, 3 * per_question]
-    assert runner.load_probes(tmp_path / "probes.jsonl") == [{1: 5.0 + i, 4: 7.0} for i in range(1, 5)]
+    records = replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, probe=probe)
+    assert calls == list(range(len(records))) and len(records) == len(CONFIGS) * 2 * len(QUESTIONS)
+    assert [r["probe_ms"] for r in load_records(out)] == [{"1": 6.0 + i, "4": 7.0} for i in range(len(records))]
     replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, probe=probe)  # nothing to do: no probe
-    assert len(calls) == 4
+    assert len(calls) == len(records)
 
 
 def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
@@ -151,7 +150,6 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     out = tmp_path / "run"
     isolate_records(out, first)
     (out / "records.jsonl").write_text('{"config": "plain"}\n')
-    (out / "probes.jsonl").write_text('{"nodes": [1]}\n')
     isolate_records(out, key())  # same inputs: the records stay to be resumed
     assert (out / "records.jsonl").read_text() == '{"config": "plain"}\n'
     tree.write_text('{"medusa_choices": [[0], [1]]}')  # same path, other tree
@@ -161,8 +159,6 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     isolate_records(out, changed)
     assert not (out / "records.jsonl").exists()
     assert (out / f"records.{first}.jsonl").read_text() == '{"config": "plain"}\n'
-    assert (out / f"probes.{first}.jsonl").read_text() == '{"nodes": [1]}\n'  # the probes go with their records
-    assert not (out / "probes.jsonl").exists()
     assert (out / "inputs.key").read_text().strip() == changed
     args.max_new_tokens = 128
     assert key() != changed

@@ -253,17 +253,22 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
     return replace(first, meta=meta, **averaged)
 
 
-def probe_factors(profile: LatencyProfile, probes: list[dict[int, float]]) -> dict[int, float]:
-    """Per probed size n: median over ``probes`` (each {size: ms}, timed later on the same machine) of
-    ms(n) / the profile's own probe ms(n): how much slower (> 1) or faster the machine ran then."""
+def probe_factors(profile: LatencyProfile, probes: list[dict[int, float]],
+                  weights: list[float] | None = None) -> dict[int, float]:
+    """Per probed size n: the mean over ``probes`` (each {size: ms}, timed later on the same machine) of
+    ms(n) / the profile's own probe ms(n), weighted by ``weights`` (e.g. the duration of the run each probe
+    preceded): how much slower (> 1) or faster the machine ran then. A mean, not a median: a shared machine
+    flips between fast and slow spells (one-row steps of 5.8 and 8.5 ms on one VM, minutes apart), and a
+    replay's tokens/s are totals, paying every spell at its share of the time."""
     if not profile.probe_nodes:
         raise StatsError("the latency profile has no probe to compare with")
+    w = np.ones(len(probes)) if weights is None else np.asarray(weights, dtype=float)
     factors = {}
     for n, base in zip(profile.probe_nodes, profile.probe_ms):
-        ratios = [p[n] / base for p in probes if n in p]
-        if not ratios:
+        have = [i for i, p in enumerate(probes) if n in p]
+        if not have or w[have].sum() <= 0:
             raise StatsError(f"no probe timed a verify of {n} nodes")
-        factors[n] = float(np.median(ratios))
+        factors[n] = float(np.average([probes[i][n] / base for i in have], weights=w[have]))
     return factors
 
 
