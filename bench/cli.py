@@ -539,7 +539,7 @@ def _run_replay(args, configs, turns: int):
         from medusa_runtime.profile import VerifyProbe
         from treesearch.cost import load_profile
 
-        probe = VerifyProbe(loaded, heads, load_profile(args.probe))
+        probe = VerifyProbe.of_profile(loaded, heads, load_profile(args.probe))
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
                      extra={"heads": args.heads}, variants=variants, probe=probe)
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])

@@ -38,7 +38,7 @@ from treesearch.tree import write_json_atomic
 # 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster).
 RUNTIME_REVISION = 12
-PROBE_REVISION = 2  # the profile records a drift probe, the replay times it before each run (2: per run)
+PROBE_REVISION = 3  # the profile records a drift probe, the replay times it before each run (2: per run, 3: the profile times the probe alone, before each loop)
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
