@@ -502,18 +502,7 @@ def _replay_inputs(args, configs) -> dict:
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
             "max_new_tokens": args.max_new_tokens,
-            "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()},
-            **({"probe": list(_probe_grid(args.probe))} if getattr(args, "probe", None) else {})}
-
-
-def _probe_grid(latency: str) -> tuple[int, tuple[int, ...]]:
-    """(context, sizes) of the drift probe a latency profile recorded; refused with one line if it has none."""
-    from treesearch.cost import load_profile
-
-    prof = load_profile(latency)
-    if not prof.probe_nodes:
-        raise ValueError(f"{latency} records no drift probe: profile again with this version")
-    return prof.probe_context, prof.probe_nodes
+            "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
 
 
 def _run_replay(args, configs, turns: int):
@@ -534,14 +523,8 @@ def _run_replay(args, configs, turns: int):
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
-    probe = None
-    if getattr(args, "probe", None):  # the profile's drift probe, timed before each run (the records' probe_ms)
-        from medusa_runtime.profile import VerifyProbe
-        from treesearch.cost import load_profile
-
-        probe = VerifyProbe.of_profile(loaded, heads, load_profile(args.probe))
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                     extra={"heads": args.heads}, variants=variants, probe=probe)
+                     extra={"heads": args.heads}, variants=variants)
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
     paths = write_tables(df, ["generate", "plain"], out_dir)
     table = summary(df, ["generate", "plain"])
@@ -974,9 +957,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
-            p.add_argument("--probe", default=None, metavar="LATENCY_JSON",
-                           help="time this latency profile's drift probe before each run (kept in its record), so "
-                                "that predictions can be priced at the machine's speed when each configuration ran")
         p.add_argument("--questions", default=None,
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)

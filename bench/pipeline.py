@@ -38,7 +38,6 @@ from treesearch.tree import write_json_atomic
 # 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster).
 RUNTIME_REVISION = 12
-PROBE_REVISION = 3  # the profile records a drift probe, the replay times it before each run (2: per run, 3: the profile times the probe alone, before each loop)
 TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -244,7 +243,7 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
     key = {"heads": folder_hash(heads), "nodes": prof.latency_nodes, "ctx": contexts, "prefill": prefill,
            "repeats": prof.latency_repeats, "dtype": opts.dtype, "model": opts.model, "device": opts.device,
-           "runtime": RUNTIME_REVISION, "probe": PROBE_REVISION, **({"after": after} if after is not None else {})}
+           "runtime": RUNTIME_REVISION, **({"after": after} if after is not None else {})}
     cache.run(name, key, [lat],
               lambda: _cli("profile", "--heads", str(heads), *opts.model_args(), "--nodes",
                            *map(str, prof.latency_nodes), "--contexts", *map(str, contexts), "--prefill",
@@ -338,7 +337,7 @@ def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
 
 
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                 searches: list[Path], workload: dict, lat: Path) -> dict:
+                 searches: list[Path], workload: dict) -> dict:
     """Every configuration, interleaved question by question; returns the stage's inputs (its cache key)."""
     configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads)
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
@@ -351,13 +350,12 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     compare = heads_folder(opts.compare_heads) if opts.compare_heads else None
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
            "compare_heads": folder_hash(compare) if compare is not None else None,
-           "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
-           "probe": [PROBE_REVISION, file_hash(lat)]}
+           "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),
                            "--questions", str(out / "questions.jsonl"), "--ids", *ids,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--probe", str(lat), "--out", str(replay_dir)))
+                           "--max-new-tokens", str(prof.max_new_tokens), "--out", str(replay_dir)))
     return key
 
 
@@ -372,7 +370,7 @@ def run(opts: BenchOptions) -> None:
     acc = stage_calibrate(opts, prof, out, cache, heads, workload)
     lat = stage_profile(opts, prof, out, cache, heads, acc)
     searches = stage_search(prof, out, cache, acc, lat, workload)
-    replayed = stage_replay(opts, prof, out, cache, heads, acc, searches, workload, lat)
+    replayed = stage_replay(opts, prof, out, cache, heads, acc, searches, workload)
     stage_profile(opts, prof, out, cache, heads, acc, name="profile-after", after=replayed)
     from bench.report import report
 

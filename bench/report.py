@@ -154,26 +154,9 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
     return _save(fig, plots, "predicted_vs_measured")
 
 
-def probe_pricing(latency, records: list[dict]) -> tuple[dict, dict[str, dict[int, float]]]:
-    """Per configuration whose records carry drift probes (``probe_ms``, timed right before each run): the
-    profile rescaled to the machine's speed during its runs (each probe weighted by its run's duration), and
-    the factors per verify size. Empty where the records or the profile have no probe."""
-    from treesearch.cost import probe_factors, rescaled
-
-    if not latency.probe_nodes:
-        return {}, {}
-    runs: dict[str, list[dict]] = {}
-    for r in records:
-        if r.get("probe_ms"):
-            runs.setdefault(r["config"], []).append(r)
-    factors = {name: probe_factors(latency, [{int(n): ms for n, ms in r["probe_ms"].items()} for r in rs],
-                                   [r["wall_time"] for r in rs]) for name, rs in runs.items()}
-    return {name: rescaled(latency, f) for name, f in factors.items()}, factors
-
-
 def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict] | None:
     """(scorecard, verdict, questions) of a bench run, or None outside the pipeline (no workload.json)."""
-    from bench.runner import MethodConfig, load_records
+    from bench.runner import MethodConfig
     from bench.scorecard import scorecard, verdict
     from bench.workload import fold_stats, predict_configs
     from treesearch.cost import load_profile, mean_profile
@@ -187,14 +170,9 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
     if (out / "latency-after.json").is_file():  # the machine's speed over the replay: before and after, averaged
         latency = mean_profile([latency, load_profile(out / "latency-after.json")])
         priced = "the mean of the latency profiles measured before and after the replay"
-    priced_by, factors = probe_pricing(latency, load_records(out / "replay" / "records.jsonl"))
-    if priced_by:
-        priced += (", rescaled per configuration and tree size by the drift probe timed before each of its runs "
-                   "(the machine's speed when it ran, relative to the profile; per verify size, plain decoding: "
-                   + ", ".join(f"{n} nodes x{f:.3f}" for n, f in sorted(factors.get("plain", {}).items())) + ")")
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
     folds = [tuple(f) for f in workload["folds"]]
-    predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency, priced_by)
+    predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
     card = scorecard(df, configs, predictions)
     questions = {k: workload[k] for k in ("questions", "total", "replayed", "folds", "calibration", "max_new_tokens",
                                           "turns", "peers")}

@@ -181,12 +181,10 @@ class ReplayConfig:
 
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
-           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None,
-           probe: Callable[[], dict[int, float]] | None = None) -> list[dict]:
+           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None
+           ) -> list[dict]:
     """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
-    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
-    ``probe`` (``medusa_runtime.profile.VerifyProbe``): timed right before each run, outside its clock, and
-    kept in its record (``probe_ms``): the machine's speed when that configuration ran."""
+    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
@@ -213,7 +211,6 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
-            probed = {"probe_ms": {str(n): ms for n, ms in probe().items()}} if probe is not None else {}
             earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
             temperature = c.temperature_for(q.category)
@@ -227,7 +224,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                    "prefill_time": out.prefill_time, **out.split,
                    "token_ids": out.token_ids,
                    "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta,
-                   **own_meta.get(c.digest, {}), **probed}
+                   **own_meta.get(c.digest, {})}
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             done[_key(rec)] = rec
@@ -235,4 +232,3 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
             bar.update(1)
     bar.close()
     return records
-

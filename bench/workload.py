@@ -17,7 +17,7 @@ latency profile; over folds they are weighted by the fold's number of replayed q
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treesearch.cost import LatencyProfile
@@ -127,14 +127,11 @@ class ConfigPrediction:
 
 
 def predict_configs(configs: Sequence[MethodConfig], per_fold: Sequence[AcceptanceStats],
-                    folds: Sequence[tuple[int, ...]], latency: LatencyProfile,
-                    priced: Mapping[str, LatencyProfile] | None = None) -> dict[str, ConfigPrediction]:
+                    folds: Sequence[tuple[int, ...]], latency: LatencyProfile) -> dict[str, ConfigPrediction]:
     """Cross-fitted prediction of every configuration the replay can predict. A configuration restricted to
     some questions (``question_ids``: the per-fold search pick, the peers) is predicted on the folds it runs
-    on, weighted by its questions there. ``priced``: per configuration name, the profile to price it with
-    (the machine's speed when it ran); ``plain``'s prices the speed-ups' denominator; others use ``latency``."""
-    priced = priced or {}
-    plain = [replay(Decoding(), s, priced.get("plain", latency)) for s in per_fold]
+    on, weighted by its questions there."""
+    plain = [replay(Decoding(), s, latency) for s in per_fold]
     replayed = {i for fold in folds for i in fold}
     parts: dict[str, list[FoldPrediction]] = {}
     covered: dict[str, set[int]] = {}
@@ -147,7 +144,7 @@ def predict_configs(configs: Sequence[MethodConfig], per_fold: Sequence[Acceptan
             if not mine:
                 continue
             covered.setdefault(cfg.name, set()).update(mine)
-            res = replay(dec, stats, priced.get(cfg.name, latency))
+            res = replay(dec, stats, latency)
             interval = res.tau_interval()
             parts.setdefault(cfg.name, []).append(FoldPrediction(f, len(mine), res.tau, plain[f].time_ms / res.time_ms,
                                                                  interval, stats.positions))

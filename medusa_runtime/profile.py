@@ -13,7 +13,6 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +29,6 @@ from .heads import MedusaHeads
 from .kernels import cpuinfo_line
 from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
-
-PROBE_NODES = (1, 4, 16, 64)  # the drift probe's sizes (those the profile measures): memory- to compute-bound
 
 
 @dataclass(frozen=True)
@@ -153,16 +150,14 @@ class LoopTimes:
     verify_rounds: tuple[float, ...] = ()  # the verify per step of each round (for ratios within rounds)
 
 
-def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None,
-                 before_each: Callable[[], None] | None = None) -> list[LoopTimes]:
+def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None
+                 ) -> list[LoopTimes]:
     """Real decode loops, one generate per decoder per round (drift hits every decoder alike): the heads'
     time inside a real step, after a verify has streamed the weights through the caches, is what a decode
     pays, and a tight loop of heads alone (weights staying cached) underestimates it."""
     samples: list[list[tuple[float, float, float, float, float]]] = [[] for _ in decoders]
     for r, order in enumerate(_rounds(len(decoders), cfg.warmup + max(3, cfg.repeats), seed=1)):
         for i in order:
-            if before_each is not None and r >= cfg.warmup:
-                before_each()
             st = decoders[i].generate(prompt).stats
             if r < cfg.warmup:
                 continue
@@ -190,7 +185,17 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     # 1. verify forwards: every (context, size) once per round, all contexts in the same rounds
     steps = []
     for ctx in cfg.contexts:
-        steps += _verify_pieces(loaded, [verifiers.get(n, plain_dec) for n in cfg.nodes], cfg.nodes, ctx, gen)
+        cache = plain_dec.new_cache(ctx + max(cfg.nodes))
+        plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
+        for n in cfg.nodes:
+            dec = verifiers.get(n, plain_dec)
+            tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+
+            def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
+                dec.verify(tokens, ctx, cache)
+                dec.compact(cache, ctx, [])  # drop the tree again
+
+            steps.append(step)
     tight = _interleaved_samples(steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
         len(cfg.contexts), len(cfg.nodes), cfg.repeats)  # [contexts, nodes, rounds] ms
 
@@ -201,11 +206,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
         [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
     mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
-    # the drift probe (see VerifyProbe) before each timed loop, as a replay times it again before each run
-    probe = VerifyProbe(loaded, heads, tuple(n for n in cfg.nodes if n in PROBE_NODES), mid)
-    probes: list[dict[int, float]] = []
-    times = _loop_rounds(loops, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg, bar=bar,
-                         before_each=lambda: probes.append(probe()))
+    times = _loop_rounds(loops, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg, bar=bar)
     bar.close()
     verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], times)
     plain_rest = times[0].rest
@@ -225,7 +226,6 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     in_loop = statistics.median(t.prefill for t in times)
     at_mid = float(np.interp(mid, prefill_tokens, tight_prefill))
     prefill = [p * in_loop / at_mid for p in tight_prefill]
-    probe_ms = tuple(_central([p[n] for p in probes]) for n in probe.nodes)
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
             "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
@@ -235,65 +235,10 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
                     "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
                     "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
-                    "lookup = drafting and extending the n-gram index, per step; probe: VerifyProbe before "
-                    "each timed loop (interquartile mean)"}
+                    "lookup = drafting and extending the n-gram index, per step"}
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
-                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned,
-                          mid if probe.nodes else 0, probe.nodes, probe_ms)
-
-
-def _verify_pieces(loaded: LoadedModel, decoders: list[MedusaDecoder], sizes, context: int, gen: torch.Generator):
-    """One timed piece per size: a verify forward of that many random tokens on a cache of ``context`` random
-    tokens (one cache for all sizes), cropped back afterwards."""
-    dev = loaded.device
-    cache = decoders[0].new_cache(context + max(sizes))
-    decoders[0].prefill(torch.randint(0, loaded.vocab_size, (context,), generator=gen).to(dev), cache)
-    pieces = []
-    for dec, n in zip(decoders, sizes):
-        tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
-
-        def step(dec=dec, tokens=tokens):
-            dec.verify(tokens, context, cache)
-            dec.compact(cache, context, [])  # drop the tree again
-
-        pieces.append(step)
-    return pieces
-
-
-class VerifyProbe:
-    """The drift probe: tight verify forwards of a few sizes (``PROBE_NODES``, 1 to 64 rows: memory- to
-    compute-bound) at one context, each size once per round in shuffled order, the interquartile mean of
-    ``rounds`` per size. The latency profile times it before each of its decode loops (``probe_ms``); a replay times it
-    again right before each run (one round: it averages many), and the ratio says how much faster or slower
-    the machine ran then, per size (``treesearch.cost.rescaled``). Like is compared with like: a verify
-    timed among the profile's 48 shuffled pieces runs at another speed than the same verify alone."""
-
-    def __init__(self, loaded: LoadedModel, heads: MedusaHeads | None, nodes: tuple[int, ...], context: int,
-                 rounds: int = 1, seed: int = 0):
-        self.nodes = tuple(n for n in nodes if n == 1 or heads is not None)  # trees need heads' buffers
-        gen = torch.Generator().manual_seed(seed)
-        decs = [MedusaDecoder(loaded, None, None) if n == 1 else
-                MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1))
-                for n, t in ((n, _shape_tree(n, heads.num_heads) if n > 1 else None) for n in self.nodes)]
-        self._pieces = _verify_pieces(loaded, decs, self.nodes, context, gen) if self.nodes else []
-        dev = loaded.device
-        self._sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        self.rounds = rounds
-        _interleaved_samples(self._pieces, self._sync, 1, 1)  # warm-up (buffers, packed weights)
-
-    @classmethod
-    def of_profile(cls, loaded: LoadedModel, heads: MedusaHeads | None, profile: LatencyProfile) -> VerifyProbe:
-        """The probe a latency profile recorded (its sizes and context)."""
-        if not profile.probe_nodes:
-            raise ValueError("the latency profile has no probe (measure it again with this version)")
-        return cls(loaded, heads, profile.probe_nodes, profile.probe_context)
-
-    def __call__(self) -> dict[int, float]:
-        if not self._pieces:
-            return {}
-        times = _interleaved_samples(self._pieces, self._sync, self.rounds, 0)
-        return {n: _central(list(row)) for n, row in zip(self.nodes, times)}
+                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
 
 
 def _wide_trees(heads: MedusaHeads) -> list:

@@ -76,24 +76,3 @@ def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
     assert [c["name"] for c in same] == [f"{plain_heads} chain:1"]
     with pytest.raises(ValueError, match="not a heads folder"):
         compare_configurations(str(tmp_path / "nothing"), adapted, [1])
-
-
-def test_probe_pricing_rescales_each_configuration_at_the_speed_of_its_own_runs():
-    """Records carry the probe timed before their run; a configuration's factors are the duration-weighted
-    means of its runs' probe ratios to the profile's probe (checked by hand here)."""
-    from dataclasses import replace
-
-    from bench.report import probe_pricing
-    from treesearch.cost import LatencyProfile
-
-    prof = LatencyProfile((1, 16), (100,), ((10.0, 20.0),), (11.0,), 1.0, 0.5, {}, probe_context=100,
-                          probe_nodes=(1, 16), probe_ms=(10.0, 20.0))
-    recs = [{"config": "plain", "wall_time": 1.0, "probe_ms": {"1": 12.0, "16": 20.0}},
-            {"config": "plain", "wall_time": 3.0, "probe_ms": {"1": 8.0, "16": 22.0}},
-            {"config": "tree", "wall_time": 2.0, "probe_ms": {"1": 10.0, "16": 30.0}},
-            {"config": "generate", "wall_time": 2.0}]  # no probe: priced with the profile as it is
-    priced, factors = probe_pricing(prof, recs)
-    assert set(priced) == {"plain", "tree"}
-    assert factors["plain"] == pytest.approx({1: (1.2 + 3 * 0.8) / 4, 16: (1.0 + 3 * 1.1) / 4})
-    assert priced["tree"].verify(16) == pytest.approx(30.0) and priced["tree"].plain() == pytest.approx(11.0)
-    assert probe_pricing(replace(prof, probe_nodes=(), probe_ms=(), probe_context=0), recs) == ({}, {})

@@ -21,24 +21,6 @@ CONFIGS = [MethodConfig("generate", "generate"), MethodConfig("plain", "plain"),
            MethodConfig("medusa chain:2", "medusa", tree="chain:2")]
 
 
-def test_replay_times_the_drift_probe_right_before_each_run_and_keeps_it_in_the_record(tmp_path):
-    loaded = tiny_chat_model()
-    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
-    cfg = ReplayConfig(max_new_tokens=4, turns=2, repeats=1, warmup_tokens=2)
-    out = tmp_path / "records.jsonl"
-    calls = []
-
-    def probe():
-        calls.append(len(load_records(out)))  # how many records were on disk when it ran
-        return {1: 5.0 + len(calls), 4: 7.0}
-
-    records = replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, probe=probe)
-    assert calls == list(range(len(records))) and len(records) == len(CONFIGS) * 2 * len(QUESTIONS)
-    assert [r["probe_ms"] for r in load_records(out)] == [{"1": 6.0 + i, "4": 7.0} for i in range(len(records))]
-    replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, probe=probe)  # nothing to do: no probe
-    assert len(calls) == len(records)
-
-
 def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
     loaded = tiny_chat_model()
     heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)

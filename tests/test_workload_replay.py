@@ -211,19 +211,6 @@ def test_cross_fitting_never_reads_a_folds_own_rollouts():
     pred = predict_configs([only], per_clean, folds, prof)["searched"]
     assert [f.fold for f in pred.folds] == [2] and not pred.complete  # one fold: shown, not checked
     assert a["medusa chain:2"].complete  # every replayed question: checked
-    # priced per configuration (the drift probes): each configuration, and plain decoding for the speed-ups'
-    # denominator, read their own profile; a profile priced for everyone equals passing it as the default
-    from treesearch.cost import rescaled
-
-    slow = rescaled(prof, {1: 1.5, 16: 1.1})
-    mapped = predict_configs(configs, per_clean, folds, prof, {"plain": slow, "medusa chain:2": slow,
-                                                                "plain +lookup4": slow})
-    direct = predict_configs(configs, per_clean, folds, slow)
-    assert mapped == direct and mapped["medusa chain:2"].speedup != a["medusa chain:2"].speedup
-    # plain decoding priced slower alone: every other configuration's speed-up grows by that factor's share
-    slow_plain = predict_configs(configs, per_clean, folds, prof, {"plain": slow})
-    assert all(slow_plain[c].speedup > a[c].speedup for c in a) and slow_plain["plain +lookup4"].tau == a[
-        "plain +lookup4"].tau
 
 
 def test_calibration_overlapping_the_replayed_questions_is_refused():
@@ -320,38 +307,6 @@ def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
     assert sorted(q.category for q in picked) == sorted("aaabbbcccddd")  # as even as the categories allow
     assert [q.question_id for q in picked] != [q.question_id for q in qs[:12]]  # not the first questions
     assert len(sample_over_categories(qs, 100)) == 70
-
-
-def test_rescaled_profile_prices_each_size_at_its_probe_factor_closed_form():
-    """Factors per probed size, linear in log2(size) between them and held beyond; the plain step at the
-    one-row factor, the prefill at the largest size's; heads and bookkeeping unchanged. The factors are the
-    mean over probes of each size's ratio to the profile's own probe."""
-    from dataclasses import replace
-
-    from treesearch.cost import probe_factors, profile_from_json, profile_to_json, rescaled
-    from treesearch.stats import StatsError
-
-    a = replace(_profile(), probe_context=100, probe_nodes=(1, 16), probe_ms=(10.0, 20.0))
-    probes = [{1: 11.0, 16: 19.0}, {1: 13.0, 16: 18.0}, {1: 12.0, 16: 18.5}]  # means 12 and 18.5
-    f = probe_factors(a, probes)
-    assert f == pytest.approx({1: 1.2, 16: 0.925})
-    r = rescaled(a, f)
-    at4 = 1.2 + (2 / 4) * (0.925 - 1.2)  # log2(4) = 2 of the way 0..4
-    for n, k in ((1, 1.2), (2, 1.2 + (1 / 4) * (0.925 - 1.2)), (4, at4), (16, 0.925)):
-        assert r.verify(n, 200) == pytest.approx(a.verify(n, 200) * k)
-    assert r.plain(300) == pytest.approx(a.plain(300) * 1.2) and r.prefill(55) == pytest.approx(a.prefill(55) * 0.925)
-    assert r.heads(8) == a.heads(8) and r.bookkeeping(8) == a.bookkeeping(8) and r.lookup_ms == a.lookup_ms
-    assert r.meta["rescaled_by_probe"] == {"1": 1.2, "16": 0.925}
-    assert profile_from_json(profile_to_json(a)) == a  # the probe travels in latency.json
-    weighted = probe_factors(a, probes, weights=[1.0, 0.0, 3.0])  # (11 + 3 * 12) / 4 and (19 + 3 * 18.5) / 4
-    assert weighted == pytest.approx({1: 11.75 / 10, 16: 18.625 / 20})
-    with pytest.raises(StatsError, match="no probe"):
-        probe_factors(_profile(), probes)
-    with pytest.raises(StatsError, match="no probe timed"):
-        probe_factors(a, [{1: 11.0}])
-    bad = {**profile_to_json(a), "probe_ms": [10.0]}
-    with pytest.raises(StatsError, match="probe_nodes"):
-        profile_from_json(bad)
 
 
 def test_mean_profile_is_the_elementwise_mean_and_refuses_other_grids():

@@ -17,12 +17,6 @@ rows being what the heads score (one per parent node for path-conditioned heads,
 ``bookkeeping(n)`` (acceptance, cache compaction, the loop) likewise where it was timed per size, else
 the one ``bookkeeping_ms``. ``prefill(p)``, the prompt forward of p tokens, lets a whole generate be
 predicted (``treesearch.replay``), since measured tokens/s include it.
-
-A shared machine's speed drifts, and not alike for every step: a memory-bound one-row step follows the
-memory bandwidth, a compute-bound 64-row verify the cores' clock. The profile therefore records a
-*probe* (a tight verify of a few sizes at one context); timing the same probe while a replay runs gives,
-per size, how much faster or slower the machine was then, and :func:`rescaled` prices the profile at that
-speed (see ``medusa_runtime.profile.VerifyProbe``).
 """
 
 from __future__ import annotations
@@ -61,10 +55,6 @@ class LatencyProfile:
     # heads time fitted on trees of many shapes: ms = intercept + per_level * depth + per_row * head rows
     heads_fit: tuple[float, ...] = ()  # (intercept, per_level, per_row); () when not fitted
     heads_path_conditioned: bool = False  # path-conditioned heads score one row per parent (else one per head)
-    # the drift probe: tight verify forwards of these sizes at one context, timed with the verify table
-    probe_context: int = 0  # 0: no probe recorded
-    probe_nodes: tuple[int, ...] = ()  # ascending
-    probe_ms: tuple[float, ...] = ()  # [probe_nodes]
 
     def _by_context(self, values: np.ndarray, context: int | None) -> np.ndarray:
         """values [contexts, ...] at ``context``: linear between measured contexts, the last segment extended
@@ -162,8 +152,7 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
             "heads_by_nodes_ms": list(p.heads_by_nodes_ms), "bookkeeping_nodes": list(p.bookkeeping_nodes),
             "bookkeeping_by_nodes_ms": list(p.bookkeeping_by_nodes_ms), "prefill_tokens": list(p.prefill_tokens),
             "prefill_ms": list(p.prefill_ms), "lookup_ms": p.lookup_ms, "heads_fit": list(p.heads_fit),
-            "heads_path_conditioned": p.heads_path_conditioned, "probe_context": p.probe_context,
-            "probe_nodes": list(p.probe_nodes), "probe_ms": list(p.probe_ms)}
+            "heads_path_conditioned": p.heads_path_conditioned}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -190,9 +179,6 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         lookup = float(obj.get("lookup_ms", 0.0))
         heads_fit = tuple(float(x) for x in obj.get("heads_fit", ()))
         path_conditioned = bool(obj.get("heads_path_conditioned", False))
-        probe_context = int(obj.get("probe_context", 0))
-        probe_nodes = tuple(int(n) for n in obj.get("probe_nodes", ()))
-        probe = tuple(float(x) for x in obj.get("probe_ms", ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -210,20 +196,16 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         if len(xs) != len(ys) or list(xs) != sorted(set(xs)) or any(n < low for n in xs) or any(y < 0 for y in ys):
             raise StatsError(f"latency '{name}' must be ascending, distinct and >= {low}, with one non-negative "
                              "time each")
-    if len(probe_nodes) != len(probe) or list(probe_nodes) != sorted(set(probe_nodes)) or any(
-            n < 1 for n in probe_nodes) or any(x <= 0 for x in probe) or (probe_nodes and probe_context < 1):
-        raise StatsError("latency 'probe_nodes' must be ascending, distinct and >= 1, with one positive "
-                         "'probe_ms' time each and a 'probe_context' >= 1")
     if list(contexts) != sorted(set(contexts)) or lookup < 0:
         raise StatsError("latency 'contexts' must be ascending and distinct, 'lookup_ms' non-negative")
     if len(heads_fit) not in (0, 3):
         raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
             "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
-            "lookup_ms", "heads_fit", "heads_path_conditioned", "probe_context", "probe_nodes", "probe_ms"}
+            "lookup_ms", "heads_fit", "heads_path_conditioned"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
-                          heads_fit, path_conditioned, probe_context, probe_nodes, probe)
+                          heads_fit, path_conditioned)
 
 
 def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
@@ -231,13 +213,11 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
     different times, e.g. before and after a replay: the machine's speed over that window, its drift halved.
     Profiles on other grids are refused (StatsError)."""
     first = profiles[0]
-    def grid_of(p: LatencyProfile) -> tuple:
-        return (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
-                p.heads_path_conditioned, p.probe_context, p.probe_nodes)
-
-    grid = grid_of(first)
+    grid = (first.nodes, first.contexts, first.heads_nodes, first.bookkeeping_nodes, first.prefill_tokens,
+            len(first.heads_fit), first.heads_path_conditioned)
     for p in profiles[1:]:
-        if grid_of(p) != grid:
+        if (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
+                p.heads_path_conditioned) != grid:
             raise StatsError("latency profiles measured on different grids cannot be averaged")
 
     def mean(values):  # values: one float, or nested tuples of floats, per profile
@@ -247,48 +227,10 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
         return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
     fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
-              "prefill_ms", "lookup_ms", "heads_fit", "probe_ms")
+              "prefill_ms", "lookup_ms", "heads_fit")
     averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
     meta = {**first.meta, "averaged_profiles": len(profiles)}
     return replace(first, meta=meta, **averaged)
-
-
-def probe_factors(profile: LatencyProfile, probes: list[dict[int, float]],
-                  weights: list[float] | None = None) -> dict[int, float]:
-    """Per probed size n: the mean over ``probes`` (each {size: ms}, timed later on the same machine) of
-    ms(n) / the profile's own probe ms(n), weighted by ``weights`` (e.g. the duration of the run each probe
-    preceded): how much slower (> 1) or faster the machine ran then. A mean, not a median: a shared machine
-    flips between fast and slow spells (one-row steps of 5.8 and 8.5 ms on one VM, minutes apart), and a
-    replay's tokens/s are totals, paying every spell at its share of the time."""
-    if not profile.probe_nodes:
-        raise StatsError("the latency profile has no probe to compare with")
-    w = np.ones(len(probes)) if weights is None else np.asarray(weights, dtype=float)
-    factors = {}
-    for n, base in zip(profile.probe_nodes, profile.probe_ms):
-        have = [i for i, p in enumerate(probes) if n in p]
-        if not have or w[have].sum() <= 0:
-            raise StatsError(f"no probe timed a verify of {n} nodes")
-        factors[n] = float(np.average([probes[i][n] / base for i in have], weights=w[have]))
-    return factors
-
-
-def rescaled(profile: LatencyProfile, factors: dict[int, float]) -> LatencyProfile:
-    """The profile priced at another speed of the machine: each verify size (and the plain step, one row)
-    times the factor of its size, linear in log2(size) between probed sizes and held beyond them; the prefill
-    (a compute-bound forward of many rows) times the largest probed size's factor. Heads, bookkeeping and
-    lookup, small next to a verify, keep their times."""
-    sizes = sorted(factors)
-    logs, values = np.log2(sizes), np.asarray([factors[n] for n in sizes], dtype=float)
-
-    def at(n: int) -> float:
-        return float(np.interp(np.log2(n), logs, values))
-
-    per_node = np.asarray([at(n) for n in profile.nodes])
-    verify = tuple(tuple(float(x) for x in np.asarray(row) * per_node) for row in profile.verify_ms)
-    plain = tuple(float(x) * at(1) for x in profile.plain_ms)
-    prefill = tuple(float(x) * values[-1] for x in profile.prefill_ms)
-    meta = {**profile.meta, "rescaled_by_probe": {str(n): round(factors[n], 4) for n in sizes}}
-    return replace(profile, verify_ms=verify, plain_ms=plain, prefill_ms=prefill, meta=meta)
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:
