@@ -425,6 +425,39 @@ def format_replay_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    """A copy of a heads folder whose draft vocabulary is cut to the S tokens most frequent in some replies."""
+    import shutil
+
+    from medusa_runtime.distill import reply_token_counts
+    from medusa_runtime.fsutil import atomic_dir
+    from medusa_runtime.heads import DRAFT_VOCAB_FILE, frequent_draft_vocab, heads_folder
+
+    src = heads_folder(args.heads)
+    if src is None or not src.is_dir():
+        raise ValueError(f"--heads must name a heads folder or a shipped set, got {args.heads!r}")
+    out = Path(args.out)
+    if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
+        raise ValueError(f"--out {out} must be a new or empty folder (the heads are copied, never changed in place)")
+    _, heads = _model_and_heads(args)
+    counts, read = reply_token_counts(args.replies, args.max_len, args.limit)
+    before = heads.draft_vocab.numel() if heads.draft_vocab is not None else heads.config.vocab_size
+    ids = frequent_draft_vocab(heads, counts, args.size)
+    total = sum(counts.values())
+    share = sum(counts[int(t)] for t in ids) / total
+    with atomic_dir(out) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(ids.tolist()) + "\n")
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["medusa_draft_vocab_cut"] = {"size": args.size, "from": before, "replies": Path(args.replies).name,
+                                         "replies_read": read, "reply_tokens": total, "share": round(share, 6),
+                                         "max_len": args.max_len}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    print(f"draft vocabulary: {args.size} of {before} tokens, {share:.1%} of the {total} reply tokens in {read} "
+          f"replies of {args.replies}; written: {out}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from medusa_runtime.profile import ProfileConfig, profile_latency
     from treesearch.cost import profile_to_json, save_profile
@@ -794,6 +827,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "their adapter merged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_model)
+
+    p = sub.add_parser("draft-vocab", help="copy a heads folder with its draft vocabulary cut to the S most "
+                                           "frequent tokens of some replies (a smaller projection per step)")
+    _add_model_args(p)
+    p.add_argument("--heads", required=True, help="heads folder or shipped set (default, medusa1)")
+    p.add_argument("--size", type=int, required=True, help="tokens to keep (S)")
+    p.add_argument("--replies", required=True,
+                   help="self-distillation cache (JSONL: turns, input_ids, reply_start), as 'train' writes under "
+                        "the model cache's distill/ folder; never the workload you measure on")
+    p.add_argument("--limit", type=int, default=None, help="read only its first N replies")
+    p.add_argument("--max-len", type=int, default=768, help="count reply tokens up to this position, as training does")
+    p.add_argument("--out", required=True, help="new folder for the copy")
+    p.set_defaults(func=cmd_draft_vocab)
 
     p = sub.add_parser("generate", help="decode one prompt with Medusa heads on a candidate tree")
     _add_model_args(p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,6 +64,20 @@ def _read_cache(path: Path) -> dict[Conversation, tuple[tuple[int, ...], int]]:
             except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash: regenerate it
                 continue
     return done
+
+
+def reply_token_counts(path: str | Path, max_len: int = 768, limit: int | None = None) -> tuple[Counter, int]:
+    """(token id -> count over the replies, replies read) of a self-distillation cache file (what
+    ``build_distill_data`` writes; its first ``limit`` lines where given), reply tokens cut at ``max_len``
+    positions as training cuts them. One-line errors for a missing file or one without replies."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such replies file: {path}")
+    replies = list(_read_cache(path).values())[:limit]
+    if not replies:
+        raise ValueError(f"{path} holds no replies (expected JSONL lines with 'turns', 'input_ids', 'reply_start')")
+    counts = Counter(t for ids, start in replies for t in ids[start:max_len])
+    return counts, len(replies)
 
 
 def _generate_turn(loaded: LoadedModel, contexts: dict[Conversation, list[int]], cfg: DistillConfig, path: Path,

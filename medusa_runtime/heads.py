@@ -408,6 +408,20 @@ def adapter_entry(folder: Path) -> dict | None:
         return None
 
 
+def frequent_draft_vocab(heads: MedusaHeads, counts: dict[int, int], size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens of ``counts`` among those the heads propose now (their draft
+    vocabulary, else every token), sorted; ties keep the lower id. A smaller projection at every step: on the
+    shipped heads, 4096 of 12101 tokens cut the heads' time per step by 40 % at the same tau (see
+    docs/reports/2026-12-01-drift-probe.md)."""
+    allowed = set(range(heads.config.vocab_size)) if heads.draft_vocab is None else set(heads.draft_vocab.tolist())
+    if not 1 <= size < len(allowed):
+        raise HeadsError(f"a cut draft vocabulary needs 1 <= size < {len(allowed)} (the heads' tokens now), got {size}")
+    ranked = sorted((t for t in allowed if counts.get(t, 0) > 0), key=lambda t: (-counts[t], t))
+    if len(ranked) < size:
+        raise HeadsError(f"the replies hold only {len(ranked)} of the heads' tokens, fewer than {size}")
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
 def heads_folder(spec: str | None) -> Path | None:
     """The folder a heads spec names (``default``, ``medusa1``: shipped heads), None for no heads or fresh ones."""
     if spec is None or spec.lower() in ("", "none") or spec.startswith("fresh:"):

@@ -93,3 +93,44 @@ def test_all_mt_bench_first_turns_greedy_exact(default_model, mt_bench_first_tur
         if decoder.generate(prompt).token_ids != hf_greedy(default_model, prompt, 48):
             mismatches.append(q["question_id"])
     assert mismatches == []
+
+
+def test_draft_vocab_command_keeps_the_most_frequent_reply_tokens_of_the_heads(tmp_path, mt_bench_first_turns):
+    """`medusa-bench draft-vocab`: a copy of the shipped heads whose draft vocabulary is the S tokens most
+    frequent in the replies among those the heads had (checked against a brute-force count), weights
+    unchanged byte for byte, and decoding drafts only from it; a non-empty --out is refused."""
+    import json
+    from collections import Counter
+
+    from bench.cli import main
+    from medusa_runtime.heads import shipped_heads_dir
+
+    src = shipped_heads_dir("default")
+    rng = random.Random(0)
+    kept = json.loads((src / "draft_vocab.json").read_text())
+    replies = tmp_path / "replies.jsonl"
+    lines = []
+    for i in range(30):
+        ids = [rng.choice(kept[:300]) for _ in range(40)]  # token draws skewed to 300 of the heads' tokens
+        ids += [rng.randrange(49152) for _ in range(5)]  # and a few anywhere in the vocabulary
+        lines.append(json.dumps({"turns": [f"q{i}"], "input_ids": [1, 2, 3] + ids, "reply_start": 3}))
+    replies.write_text("\n".join(lines) + "\n" + '{"turns": ["cut by a crash"')
+    out = tmp_path / "cut"
+    assert main(["draft-vocab", "--heads", "default", "--size", "64", "--replies", str(replies), "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    counts = Counter(t for line in lines for t in json.loads(line)["input_ids"][3:] if t in set(kept))
+    expected = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:64])
+    assert json.loads((out / "draft_vocab.json").read_text()) == expected
+    assert (out / "medusa_lm_head.safetensors").read_bytes() == (src / "medusa_lm_head.safetensors").read_bytes()
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["medusa_draft_vocab_cut"]["replies_read"] == 30 and meta["medusa_num_heads"] == 4
+    loaded = load_model("default", "float32", log=lambda m: None)
+    heads = resolve_heads(str(out), loaded.hidden_size, loaded.vocab_size)
+    dec = MedusaDecoder(loaded, heads, "chain:3", config=DecodeConfig(max_new_tokens=16))
+    prompt = encode_prompt(loaded, mt_bench_first_turns[5]["turns"][0], chat=True)
+    hidden = dec.prefill(torch.tensor(prompt), dec.new_cache(len(prompt) + 8))[1][-1]
+    assert set(dec.propose(hidden, root=7)[1:].tolist()) <= set(expected)
+    # a non-empty folder, or more tokens than the heads have: one-line errors, exit 2
+    assert main(["draft-vocab", "--heads", "default", "--size", "64", "--replies", str(replies), "--out", str(out)]) == 2
+    assert main(["draft-vocab", "--heads", "default", "--size", "20000", "--replies", str(replies), "--out",
+                 str(tmp_path / "big")]) == 2
