@@ -76,3 +76,26 @@ def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
     assert [c["name"] for c in same] == [f"{plain_heads} chain:1"]
     with pytest.raises(ValueError, match="not a heads folder"):
         compare_configurations(str(tmp_path / "nothing"), adapted, [1])
+
+
+def test_folds_option_reaches_the_workload_and_bad_counts_fail_in_one_line(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def workload(opts, prof, out):
+        seen["folds"] = prof.folds
+        raise Stop
+
+    monkeypatch.setattr(pipeline, "stage_heads", lambda opts, out, cache: tmp_path)
+    monkeypatch.setattr(pipeline, "stage_workload", workload)
+    with pytest.raises(Stop):
+        pipeline.main(["--folds", "4", "--out", str(tmp_path / "a")])
+    assert seen["folds"] == 4
+    with pytest.raises(Stop):
+        pipeline.main(["--out", str(tmp_path / "b")])
+    assert seen["folds"] == pipeline.PROFILES["quick"].folds == 10
+    monkeypatch.undo()
+    assert pipeline.main(["--folds", "0", "--out", str(tmp_path / "c")]) == 2
+    assert "folds must be within" in capsys.readouterr().err
