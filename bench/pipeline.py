@@ -256,6 +256,12 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     return lat
 
 
+def _ids_digest(ids) -> str:
+    """A short digest of a fold's question ids: a study is named by what it was fitted without, so that fold f
+    of another fold count (other questions left out) is a study of its own, never a clash."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:8]
+
+
 def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict
                  ) -> list[Path]:
     """One configuration search per fold, fitted without the fold's questions; and the typical search."""
@@ -271,7 +277,7 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
                   lambda fold=fold, f=f, path=path: _cli(
                       "search", "--acceptance", str(acc), "--latency", str(lat), "--budget", str(prof.search_budget),
                       "--trials", str(prof.search_trials), "--storage", f"sqlite:///{db}", "--study",
-                      f"{study}-fold{f}", "--exclude-ids", *map(str, fold), "--out", str(path),
+                      f"{study}-fold{f}-{_ids_digest(fold)}", "--exclude-ids", *map(str, fold), "--out", str(path),
                       *(("--plots", str(out / "plots")) if f == 0 else ()), "--quiet"))
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
@@ -280,7 +286,8 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
                                  "trials": prof.search_trials, "exclude": fold0}, [typical],
               lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
                            str(prof.search_budget), "--trials", str(prof.search_trials), "--accept", "typical",
-                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical", "--exclude-ids",
+                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical-{_ids_digest(fold0)}",
+                           "--exclude-ids",
                            *map(str, fold0), "--out", str(typical), "--plots", str(out / "plots"), "--quiet"))
     return files
 

@@ -99,3 +99,26 @@ def test_folds_option_reaches_the_workload_and_bad_counts_fail_in_one_line(tmp_p
     monkeypatch.undo()
     assert pipeline.main(["--folds", "0", "--out", str(tmp_path / "c")]) == 2
     assert "folds must be within" in capsys.readouterr().err
+
+
+def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monkeypatch):
+    """Fold 0 of 2 folds and fold 0 of 4 fit on other questions: with the same statistics and profile they
+    must be studies of their own (one name for both made the search refuse the second, as it should); the
+    same fold again keeps its name, so a search resumes its study."""
+    studies = []
+
+    def fake_cli(*argv):
+        studies.append(argv[argv.index("--study") + 1])
+        Path(argv[argv.index("--out") + 1]).parent.mkdir(parents=True, exist_ok=True)
+        Path(argv[argv.index("--out") + 1]).write_text("{}")
+
+    monkeypatch.setattr(pipeline, "_cli", fake_cli)
+    acc, lat = tmp_path / "acceptance.json", tmp_path / "latency.json"
+    acc.write_text("{}")
+    lat.write_text("{}")
+    prof = pipeline.PROFILES["quick"]
+    for n, folds in enumerate(([[1, 2], [3, 4]], [[1], [2], [3], [4]], [[1, 2], [3, 4]])):
+        pipeline.stage_search(prof, tmp_path / f"run{n}", StageCache(tmp_path / f"run{n}"), acc, lat, {"folds": folds})
+    two, four, again = studies[:3], studies[3:8], studies[8:]  # per run: one study per fold, and the typical one
+    assert two[0] != four[0] and len(set(two + four)) == len(two + four)
+    assert again == two
