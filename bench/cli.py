@@ -534,7 +534,7 @@ def _replay_inputs(args, configs) -> dict:
             "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
-            "max_new_tokens": args.max_new_tokens,
+            "max_new_tokens": args.max_new_tokens, "order": "shuffled per question",  # runner.run_order
             "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
 
 
