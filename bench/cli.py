@@ -431,7 +431,8 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
     from medusa_runtime.distill import reply_token_counts
     from medusa_runtime.fsutil import atomic_dir
-    from medusa_runtime.heads import DRAFT_VOCAB_FILE, frequent_draft_vocab, heads_folder
+    from medusa_runtime.heads import DRAFT_VOCAB_FILE, frequent_draft_vocab, heads_folder, resolve_heads
+    from medusa_runtime.model import load_model
 
     src = heads_folder(args.heads)
     if src is None or not src.is_dir():
@@ -439,7 +440,8 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
         raise ValueError(f"--out {out} must be a new or empty folder (the heads are copied, never changed in place)")
-    _, heads = _model_and_heads(args)
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)  # its sizes check the heads; no adapter needed
+    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
     counts, read = reply_token_counts(args.replies, args.max_len, args.limit)
     before = heads.draft_vocab.numel() if heads.draft_vocab is not None else heads.config.vocab_size
     ids = frequent_draft_vocab(heads, counts, args.size)
@@ -523,6 +525,7 @@ def _replay_inputs(args, configs) -> dict:
     """What records of a replay depend on besides their configuration's fields (which each record's hash
     carries): the runtime revision, model, heads' and tree files' contents, questions, lengths."""
     from bench.pipeline import RUNTIME_REVISION, file_hash, folder_hash
+    from bench.runner import REPLAY_ORDER
     from medusa_runtime.heads import heads_folder
 
     def heads_key(spec):
@@ -534,7 +537,7 @@ def _replay_inputs(args, configs) -> dict:
             "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
-            "max_new_tokens": args.max_new_tokens, "order": "shuffled per question",  # runner.run_order
+            "max_new_tokens": args.max_new_tokens, "order": REPLAY_ORDER,
             "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
 
 

@@ -356,13 +356,14 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
+    from bench.runner import REPLAY_ORDER
     from medusa_runtime.heads import heads_folder
 
     compare = heads_folder(opts.compare_heads) if opts.compare_heads else None
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
            "compare_heads": folder_hash(compare) if compare is not None else None,
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
-           "order": "shuffled per question"}  # runner.run_order (a fixed order before)
+           "order": REPLAY_ORDER}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),

@@ -180,6 +180,9 @@ class ReplayConfig:
     warmup_tokens: int = 16  # untimed warm-up generation per configuration
 
 
+REPLAY_ORDER = "shuffled per question"  # what run_order does: replay cache keys name it (a fixed order before)
+
+
 def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repeat: int) -> list[MethodConfig]:
     """The configurations in the order one (question, turn, repeat) runs them: shuffled, seeded by those three,
     as the latency profile's rounds are. In a fixed order each configuration always follows the same
