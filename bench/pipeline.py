@@ -429,6 +429,14 @@ def _compare_heads(spec: str, args) -> str | None:
     return None
 
 
+def _write_command(out: Path, argv: list[str], opts: BenchOptions) -> None:
+    """command.json: how this run was started (the report shows it), beside the options it resolved to."""
+    import shlex
+
+    write_json_atomic(out / "command.json", {"command": "python -m bench.pipeline " + shlex.join(argv),
+                                             "options": asdict(opts)})
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -468,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),
               flush=True)
+        _write_command(Path(opts.out), argv if argv is not None else sys.argv[1:], opts)
         run(opts)
     except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model that does not load
         print(f"[bench] error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)

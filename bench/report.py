@@ -21,8 +21,25 @@ from bench.runner import load_records  # noqa: E402
 PAPER_OVERALL = {"Medusa-1 (paper, Vicuna-7B, GPU)": 2.18, "Medusa-2 (paper, Vicuna-7B, GPU)": 2.83}
 
 
-def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path) -> list[Path]:
-    """Figure-3 layout: grouped bars, one group per MT-Bench category, one bar per configuration."""
+def category_intervals(df: pd.DataFrame, baseline: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(config, category or 'overall') -> 95 % paired bootstrap interval of the speed-up over ``baseline``,
+    questions resampled within the category (``scorecard.paired_speedup``)."""
+    from bench.scorecard import paired_speedup
+
+    out = {}
+    for cat, sub in [*df.groupby("category", sort=False), ("overall", df)]:
+        for cfg in sub["config"].unique():
+            if cfg != baseline and (sub["config"] == baseline).any():
+                _, ci = paired_speedup(sub, cfg, baseline)
+                if np.isfinite(ci).all():
+                    out[(cfg, cat)] = ci
+    return out
+
+
+def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path,
+                             intervals: dict[tuple[str, str], tuple[float, float]] | None = None) -> list[Path]:
+    """Figure-3 layout: grouped bars, one group per MT-Bench category, one bar per configuration; whiskers
+    from ``intervals`` ((config, category) -> (lo, hi)) where given."""
     col = f"speedup_vs_{baseline}"
     configs = [c for c in table["config"].unique() if c != baseline]
     cats = [c for c in CATEGORIES if c in set(table["category"])] + ["overall"]
@@ -30,14 +47,20 @@ def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path) 
     width = 0.8 / max(1, len(configs))
     for i, cfg in enumerate(configs):
         sub = table[table["config"] == cfg].set_index("category")[col]
-        ax.bar(np.arange(len(cats)) + i * width, [sub.get(c, np.nan) for c in cats], width, label=cfg)
+        heights = np.array([sub.get(c, np.nan) for c in cats], dtype=float)
+        err = None
+        if intervals:  # asymmetric whiskers [2, categories]; none where a category has no interval
+            ci = [intervals.get((cfg, c), (h, h)) for c, h in zip(cats, heights)]
+            err = np.abs(np.array([[h - lo for (lo, _), h in zip(ci, heights)], [hi - h for (_, hi), h in zip(ci, heights)]]))
+        ax.bar(np.arange(len(cats)) + i * width, heights, width, label=cfg, yerr=err, capsize=2,
+               error_kw={"lw": 0.7})
     for j, (label, value) in enumerate(PAPER_OVERALL.items()):
         ax.axhline(value, color="grey", ls=[":", "--"][j % 2], lw=1, label=label)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(np.arange(len(cats)) + width * (len(configs) - 1) / 2)
     ax.set_xticklabels(cats, rotation=20)
-    ax.set_ylabel(f"speedup over {baseline}")
-    ax.set_title("speedup per MT-Bench category (tokens/s ratio)")
+    ax.set_ylabel(f"speed-up over {baseline} (tokens/s ratio)")
+    ax.set_title(f"speed-up per category over {baseline}" + (" (95 % paired intervals over questions)" if intervals else ""))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no bar hidden
     return _save(fig, out_dir, f"speedup_by_category_vs_{baseline}")
 
@@ -53,25 +76,27 @@ def plot_tau_by_category(table: pd.DataFrame, out_dir: Path) -> list[Path]:
     ax.set_xticks(np.arange(len(cats)) + width * (len(medusa) - 1) / 2)
     ax.set_xticklabels(cats, rotation=20)
     ax.set_ylabel("tau (tokens per step)")
-    ax.set_title("accepted length per MT-Bench category")
-    ax.legend(fontsize=7)
+    ax.set_title("accepted length per category")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: no bar hidden
     return _save(fig, out_dir, "tau_by_category")
 
 
-def plot_speedup_vs_quality(table: pd.DataFrame, eq: pd.DataFrame, baseline: str, out_dir: Path) -> list[Path]:
-    """Speed against a judge-free quality proxy: share of outputs identical to the baseline's."""
-    overall = table[table["category"] == "overall"].set_index("config")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for _, row in eq.iterrows():
-        if row["config"] in overall.index:
-            x = overall.loc[row["config"], f"speedup_vs_{baseline}"]
-            ax.scatter([x], [row["identical_share"]], s=40)
-            ax.annotate(row["config"], (x, row["identical_share"]), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")
-    ax.set_xlabel(f"speedup over {baseline}")
-    ax.set_ylabel(f"outputs identical to {baseline} (quality proxy)")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title("speed vs quality proxy (no judge)")
+def plot_speedup_vs_quality(table: pd.DataFrame, quality: pd.Series, baseline: str, ylabel: str, title: str,
+                            out_dir: Path, ylim: tuple[float, float] | None = (-0.05, 1.05)) -> list[Path]:
+    """Speed (overall speed-up over ``baseline``) against a quality figure per configuration (``quality``:
+    config -> value), each configuration named in the legend."""
+    overall = table[table["category"] == "overall"].set_index("config")[f"speedup_vs_{baseline}"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    markers = "osD^v<>ph*"
+    for i, (cfg, value) in enumerate(quality.dropna().items()):
+        if cfg in overall.index:
+            ax.scatter([overall[cfg]], [value], s=45, marker=markers[i % len(markers)], label=f"{cfg} ({value:.2f})")
+    ax.set_xlabel(f"speed-up over {baseline} (tokens/s ratio)")
+    ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out_dir, "speedup_vs_quality")
 
 
@@ -85,13 +110,16 @@ def report(out: Path) -> list[Path]:
     eq = greedy_equality(df, "generate")
     # in bf16 the runtime's C forward rounds its own way (not as transformers does): Medusa's exactness
     # shows against the runtime's plain decoding
-    to_plain = greedy_equality(df, "plain")[["config", "identical"]].rename(columns={"identical": "identical_to_plain"})
+    to_plain = greedy_equality(df, "plain")[["config", "identical", "identical_share"]].rename(
+        columns={"identical": "identical_to_plain", "identical_share": "identical_to_plain_share"})
     eq_both = eq.merge(to_plain, on="config", how="left")
     written: list[Path] = []
-    written += plot_speedup_by_category(table, "generate", plots)
-    written += plot_speedup_by_category(table, "plain", plots)
+    written += plot_speedup_by_category(table, "generate", plots, category_intervals(df, "generate"))
+    written += plot_speedup_by_category(table, "plain", plots, category_intervals(df, "plain"))
     written += plot_tau_by_category(table, plots)
-    written += plot_speedup_vs_quality(table, eq, "generate", plots)
+    written += plot_speedup_vs_quality(table, eq_both.set_index("config")["identical_to_plain_share"], "plain",
+                                       "greedy outputs identical to plain decoding", "speed vs the lossless check "
+                                       "(a proxy: no judge)", plots)
     scored = scorecard_of(out, df)
     section = ""
     if scored is not None:
@@ -115,7 +143,25 @@ def report(out: Path) -> list[Path]:
             "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out))
     (out / "summary.md").write_text(md)
     print(md)
-    return [out / "summary.md", *[p for p in written if p.suffix in (".png", ".json")]]
+    from bench.html_report import write_html
+
+    by_category = table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index()
+    by_category.columns.name = None
+    page = write_html(out, {"Overall": overall, "Speed-up over transformers generate, per category": by_category,
+                            "Greedy outputs identical to generate and to the runtime's plain decoding (proxies)":
+                            eq_both}, _records_meta(records))
+    return [out / "summary.md", page, *[p for p in written if p.suffix in (".png", ".json")]]
+
+
+def _records_meta(records: list[dict]) -> dict:
+    """Model, heads, dtype, device and versions as the replay's records name them (the heads most records
+    decoded with: the main heads, whose configurations outnumber a compared set's chains)."""
+    from collections import Counter
+
+    first = records[0]
+    named = Counter(r["heads"] for r in records if r.get("heads")).most_common(1)
+    heads = named[0][0] if named else None
+    return {k: first.get(k) for k in ("model", "dtype", "device", "versions")} | {"heads": heads}
 
 
 def _machine(out: Path) -> dict:
@@ -129,19 +175,20 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
     rows = card[card["predicted_speedup_vs_plain"].notna()]
     if rows.empty:
         return []
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.6))
     lo = min(rows["predicted_speedup_vs_plain"].min(), rows["speedup_vs_plain"].min()) * 0.95
     hi = max(rows["predicted_speedup_vs_plain"].max(), rows["speedup_vs_plain"].max()) * 1.05
     ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="prediction = measurement")
     ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="tab:green", alpha=0.15,
                     label="within 5 %")
-    for _, r in rows.iterrows():
+    markers = "osD^v<>ph"
+    for i, (_, r) in enumerate(rows.iterrows()):  # named in the legend: close points would hide each other's labels
         ci = r["speedup_vs_plain_ci"]
         ax.errorbar([r["predicted_speedup_vs_plain"]], [r["speedup_vs_plain"]],
                     yerr=[[r["speedup_vs_plain"] - ci[0]], [ci[1] - r["speedup_vs_plain"]]],
-                    fmt="*" if r["searched"] else "o", ms=10 if r["searched"] else 5)
-        ax.annotate(r["config"], (r["predicted_speedup_vs_plain"], r["speedup_vs_plain"]), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+                    fmt="*" if r["searched"] else markers[i % len(markers)], ms=11 if r["searched"] else 6,
+                    capsize=2, label=f"{r['config']}: {r['speedup_vs_plain']:.2f} measured, "
+                                     f"{r['predicted_speedup_vs_plain']:.2f} predicted")
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes (0.6, 1.0, 1.5), no powers of ten
@@ -150,7 +197,7 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
     ax.set_xlabel("predicted speed-up over plain (cross-fitted replay + latency profile)")
     ax.set_ylabel("measured speed-up over plain (95 % interval)")
     ax.set_title("the search's predictions against the replay")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, plots, "predicted_vs_measured")
 
 

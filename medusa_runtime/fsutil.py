@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+_UMASK = os.umask(0o022)  # read once: mkstemp/mkdtemp make private (0600/0700) files; results get the usual mode
+os.umask(_UMASK)
+
 
 @contextmanager
 def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
@@ -19,6 +22,7 @@ def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_UMASK)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -38,6 +42,7 @@ def atomic_file(target: str | os.PathLike[str], suffix: str = ".tmp") -> Iterato
     tmp = Path(name)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

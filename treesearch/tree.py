@@ -186,6 +186,9 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
         with os.fdopen(fd, "w") as fh:
             json.dump(obj, fh, indent=1)
             fh.write("\n")
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private (0600); results get the usual mode
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,170 @@
+"""report.html: one self-contained page per bench run (figures embedded as data URIs), what a reader opens.
+
+The page is built from what the stages wrote (``report.json``, the summary tables, ``plots/*.png``,
+``command.json``); it needs no network and no files beside it, so it can be mailed or attached as is.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from medusa_runtime.fsutil import atomic_file
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # plots/<name>.png
+    title: str
+    caption: str  # what the figure shows; the run's model and machine are appended
+
+
+FIGURES = (
+    Figure("speedup_by_category_vs_plain", "Speed-up per category over the runtime's plain decoding",
+           "Tokens/s of each configuration over plain decoding in the same engine (the paper's baseline), per "
+           "question category and overall; whiskers: 95 % paired bootstrap interval over the questions. Grey lines: "
+           "the Medusa paper's overall figures, for Vicuna-7B on a GPU, a different model and hardware."),
+    Figure("speedup_by_category_vs_generate", "Speed-up per category over transformers generate",
+           "Tokens/s over transformers' own greedy generate on the same model, dtype and threads."),
+    Figure("tau_by_category", "Accepted length per category",
+           "tau: tokens committed per decode step (1.0 for plain decoding), per category, for the Medusa "
+           "configurations."),
+    Figure("predicted_vs_measured", "Predictions against measurements",
+           "Each predicted configuration's measured speed-up over plain (95 % interval over questions) against "
+           "the search's cross-fitted prediction; the band is +-5 %; the star is the search's pick."),
+    Figure("speedup_vs_quality", "Speed against quality",
+           "Overall speed-up over plain decoding against the quality figure the run has: the judge's mean score "
+           "where a judge graded the answers, else the share of greedy outputs identical to the runtime's plain "
+           "decoding (the lossless check; a proxy, not a judge score)."),
+    Figure("acceptance_heatmap", "Head acceptance",
+           "Calibration: how often head k's rank-r candidate is the token the base model then chose."),
+    Figure("latency_vs_nodes", "Step latency against tree size",
+           "Latency profile: one verify forward of a tree of N nodes at each profiled context length (ms)."),
+    Figure("pareto_typical", "Typical acceptance: speed against regret",
+           "Trees and thresholds searched for typical acceptance: predicted speed-up against the predicted "
+           "regret (nats/token of the base model's log-likelihood given up)."),
+    Figure("search_history", "Search history", "The tree search's trials: predicted speed-up per trial."),
+    Figure("speedup_vs_budget", "Speed-up against tree budget", "Best predicted speed-up per tree-size budget."),
+    Figure("training_curves", "Training of the shipped heads", "Loss and head-0 accuracy over training steps."),
+)
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; } th { background: #f2f2f2; }
+td:first-child, th:first-child { text-align: left; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { font-size: 0.85em; color: #444; max-width: 900px; }
+.meta td { text-align: left; } .note { background: #fff8e0; padding: 0.5em 1em; border-left: 4px solid #e0b000; }
+"""
+
+
+def _esc(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _image(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"data:image/png;base64,{data}"
+
+
+def _table(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, border=0, na_rep="-", float_format=lambda v: f"{v:.3f}", escape=True)
+
+
+def _meta_table(rows: Sequence[tuple[str, object]]) -> str:
+    cells = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows if v not in (None, ""))
+    return f'<table class="meta">{cells}</table>'
+
+
+def _run_meta(out: Path, report: dict, records_meta: dict) -> list[tuple[str, object]]:
+    machine = report.get("machine") or {}
+    versions = report.get("versions") or records_meta.get("versions") or {}
+    command = json.loads((out / "command.json").read_text()) if (out / "command.json").is_file() else {}
+    return [("command", command.get("command")), ("model", records_meta.get("model")),
+            ("heads", records_meta.get("heads")), ("dtype", records_meta.get("dtype")),
+            ("device", records_meta.get("device")),
+            ("machine", ", ".join(f"{k} {v}" for k, v in machine.items()) if machine else None),
+            ("versions", ", ".join(f"{k} {v}" for k, v in versions.items()) if versions else None),
+            ("report written", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))]
+
+
+def _figure_context(records_meta: dict, report: dict) -> str:
+    machine = report.get("machine") or {}
+    where = machine.get("cpu_model") or machine.get("processor") or "this machine"
+    threads = machine.get("torch_threads")
+    return (f" Model {records_meta.get('model', '?')}, {records_meta.get('dtype', '?')} on "
+            f"{records_meta.get('device', '?')} ({where}{f', {threads} threads' if threads else ''}).")
+
+
+def _verdict(report: dict) -> str:
+    v = report.get("verdict") or {}
+    if not v:
+        return "<p>No predictions in this run (no workload file): measured figures only.</p>"
+    items = [f"Fastest measured: <b>{_esc(v['fastest'])}</b> ({v['fastest_tokens_per_s']:.1f} tokens/s)."]
+    if "searched" in v:
+        items.append(f"The search's pick runs at <b>{v['searched_vs_fastest']:.3f}x</b> the fastest"
+                     + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
+    if v.get("predictions"):
+        items.append(f"Predicted tau within {100 * v['tau_tolerance']:.0f} % for all {v['predictions']} checked "
+                     f"configurations: <b>{'yes' if v['tau_within_tolerance'] else 'no'}</b> (worst "
+                     f"{100 * (v['worst_tau_error'] or 0):.1f} %); predicted speed-up within "
+                     f"{100 * v['speedup_tolerance']:.0f} %: <b>{'yes' if v['speedup_within_tolerance'] else 'no'}"
+                     f"</b> (worst {100 * (v['worst_speedup_error'] or 0):.1f} %).")
+    return "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
+
+
+def _configs_table(report: dict) -> str:
+    rows = report.get("configs") or []
+    if not rows:
+        return ""
+    df = pd.DataFrame(rows)
+    for col in ("lookup", "tree_nodes"):  # counts, not measurements
+        if col in df:
+            df[col] = df[col].astype("Int64")
+    for col in ("speedup_vs_plain_ci", "tau_ci", "predicted_tau_ci"):
+        if col in df:
+            df[col] = df[col].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if isinstance(c, list) else "-")
+    cols = [c for c in ("config", "lookup", "tree_nodes", "accept", "tokens_per_s", "tau", "predicted_tau",
+                        "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_speedup_vs_plain", "searched",
+                        "identical_to_plain") if c in df]
+    return "<h2>Configurations: measured and predicted</h2>" + _table(df[cols])
+
+
+def _quality(judge: pd.DataFrame | None) -> str:
+    if judge is None or judge.empty:
+        return ("<h2>Quality</h2><p class=\"note\">No judge in this run (<code>--judge MODEL</code> adds one). "
+                "Shown instead are proxies, labelled as proxies: the share of greedy outputs identical to the "
+                "runtime's plain decoding (the lossless check) and to transformers generate (a numerics note).</p>")
+    return "<h2>Quality: judge scores (FastChat single grading, 1-10)</h2>" + _table(judge)
+
+
+def write_html(out: Path, tables: dict[str, pd.DataFrame], records_meta: dict,
+               judge: pd.DataFrame | None = None) -> Path:
+    """Write ``out/report.html`` from the run's files and the summary ``tables`` (title -> frame)."""
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
+    context = _figure_context(records_meta, report)
+    parts = [f"<h1>Medusa bench report: {_esc(out.name)}</h1>", _meta_table(_run_meta(out, report, records_meta)),
+             "<h2>Verdict</h2>", _verdict(report), _configs_table(report), _quality(judge)]
+    for title, df in tables.items():
+        parts += [f"<h2>{_esc(title)}</h2>", _table(df)]
+    parts.append("<h2>Figures</h2>")
+    for fig in FIGURES:
+        png = out / "plots" / f"{fig.name}.png"
+        if png.is_file():
+            parts.append(f'<figure id="{fig.name}"><img alt="{_esc(fig.title)}" src="{_image(png)}">'
+                         f"<figcaption><b>{_esc(fig.title)}.</b> {_esc(fig.caption + context)}</figcaption></figure>")
+    page = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Medusa bench report</title>"
+            f"<style>{_STYLE}</style></head><body>" + "\n".join(parts) + "</body></html>\n")
+    path = out / "report.html"
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(page)
+    return path

@@ -1,0 +1,76 @@
+"""report.html: one self-contained page, checked in a real headless browser (the system's Chromium through
+Playwright): every figure decodes, the page logs no error, nothing is fetched from outside the file."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from bench.browser import check_page
+from bench.html_report import FIGURES
+from bench.report import category_intervals, report
+from bench.runner import ReplayConfig, load_records, replay
+from medusa_runtime.heads import fresh_heads
+
+from .conftest import tiny_chat_model
+from .test_replay import CONFIGS, QUESTIONS
+
+
+def _bench_run(tmp_path):
+    """A real replay of three configurations on three questions (tiny chat model), as the bench lays it out."""
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    out = tmp_path / "run"
+    replay(loaded, heads, CONFIGS, QUESTIONS, ReplayConfig(max_new_tokens=8, turns=2, repeats=1, warmup_tokens=2),
+           out / "replay" / "records.jsonl", progress=False)
+    (out / "command.json").write_text(json.dumps({"command": "python -m bench.pipeline --questions tiny"}))
+    return out
+
+
+def test_report_page_is_self_contained_and_every_figure_loads_in_chromium(tmp_path):
+    out = _bench_run(tmp_path)
+    written = report(out)
+    page = out / "report.html"
+    assert page in written
+    text = page.read_text()
+    # self-contained: no src/href pointing anywhere but into the page itself
+    external = [m for m in re.findall(r'(?:src|href)="([^"]*)"', text) if not m.startswith(("data:", "#"))]
+    assert external == []
+    expected = [f.name for f in FIGURES if (out / "plots" / f"{f.name}.png").is_file()]
+    assert {"speedup_by_category_vs_plain", "speedup_by_category_vs_generate", "tau_by_category",
+            "speedup_vs_quality"} <= set(expected)
+    assert "python -m bench.pipeline --questions tiny" in text and "tiny-chat" in text
+    assert "No judge in this run" in text  # proxies labelled as such
+
+    shot = tmp_path / "report.png"
+    check = check_page(page, screenshot=shot)
+    assert check.title == "Medusa bench report"
+    assert check.errors == ()
+    assert check.images == len(expected) and check.loaded == check.images, check.broken
+    assert shot.stat().st_size > 50_000  # a full-page PNG of a page with figures, not a blank one
+
+
+def test_a_broken_figure_and_a_script_error_are_caught(tmp_path):
+    """The browser check can fail: a figure that does not decode and a console error are both reported."""
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><head><title>t</title></head><body>'
+                   '<img alt="broken" src="data:image/png;base64,AAAA"><script>console.error("boom")</script>'
+                   '</body></html>')
+    check = check_page(bad)
+    assert (check.images, check.loaded, check.broken) == (1, 0, ("broken",))
+    assert any("boom" in e for e in check.errors) and not check.ok
+
+
+def test_category_intervals_are_paired_bootstraps_that_hold_the_point(tmp_path):
+    """Each category's interval contains that category's speed-up (ratio of totals over its questions)."""
+    import pandas as pd
+
+    from bench.analyze import summary
+
+    out = _bench_run(tmp_path)
+    df = pd.DataFrame(load_records(out / "replay" / "records.jsonl"))
+    table = summary(df, ["plain"]).set_index(["config", "category"])
+    ci = category_intervals(df, "plain")
+    assert {c for c, _ in ci} == {"generate", "medusa chain:2"}
+    for (cfg, cat), (lo, hi) in ci.items():
+        assert lo <= table.loc[(cfg, cat), "speedup_vs_plain"] <= hi
