@@ -683,69 +683,49 @@ def _read_config_file(path: str) -> dict:
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
-    import pandas as pd
-
+    """Quality of replayed answers: the log-likelihood proxy always (quality.json), FastChat single grading by
+    a judge when one is named (judge/: FastChat's files and judge_scores.json; see bench.judging)."""
     from bench.analyze import to_markdown
-    from bench.judge import (
-        CachedJudge,
-        LocalBackend,
-        OpenAIBackend,
-        aggregate,
-        grade,
-        load_judge_prompts,
-        load_references,
-    )
-    from bench.mtbench import load_questions, mtbench_dir
-    from bench.quality import mean_log_likelihood, token_agreement
-    from bench.runner import chat_ids, load_records
+    from bench.judging import backend_for, log_likelihoods, run_judge, write_quality
+    from bench.mtbench import load_questions
+    from bench.runner import load_records
     from medusa_runtime.model import load_model
-    from treesearch.tree import write_json_atomic
 
     records = [r for r in load_records(Path(args.records)) if r.get("repeat", 0) == 0]
     if not records:
         raise ValueError(f"no records in {args.records}")
     out = Path(args.out or Path(args.records).parent)
     questions = load_questions(args.questions, log=_log)
-    by_id = {q.question_id: q for q in questions}
-    answers: dict[tuple[str, int], list[str]] = {}
-    for r in sorted(records, key=lambda r: r["turn"]):
-        answers.setdefault((r["config"], r["question_id"]), []).append(r["answer"])
-    # quality proxies (always): agreement with the baseline's tokens, log-likelihood under the base model
-    loaded = load_model(_base_name(records[0].get("model", "default")), args.dtype, args.device, log=_log)
-    loaded = _adapted(loaded, records[0].get("heads"))
-    base = {(r["question_id"], r["turn"]): r for r in records if r["config"] == args.baseline}
-    rows = []
-    for r in records:
-        q = by_id[r["question_id"]]
-        earlier = answers[(r["config"], r["question_id"])][: r["turn"]]
-        prompt = chat_ids(loaded, q.turns[: r["turn"] + 1], earlier)
-        ref = base.get((r["question_id"], r["turn"]))
-        rows.append({"config": r["config"], "category": r["category"], "turn": r["turn"] + 1,
-                     "agreement": token_agreement(r["token_ids"], ref["token_ids"]) if ref else float("nan"),
-                     "log_likelihood": mean_log_likelihood(loaded, prompt, r["token_ids"])})
-    proxies = pd.DataFrame(rows).groupby("config", sort=False)[["agreement", "log_likelihood"]].mean().reset_index()
-    proxies.to_csv(out / "quality_proxies.csv", index=False)
-    text = (f"quality proxies (no judge; agreement with {args.baseline!r}, mean log-likelihood under the base "
-            f"model):\n{to_markdown(proxies)}")
-    obj = {"proxies": proxies.to_dict("records"), "baseline": args.baseline}
-    if args.backend == "none":
+    missing = {r["question_id"] for r in records} - {q.question_id for q in questions}
+    if missing:
+        raise ValueError(f"the records answer questions that {args.questions or 'MT-Bench'} lacks: {sorted(missing)[:5]}")
+    spec = {"none": None, "openai": args.judge_model, "local": f"local:{args.judge_local}"}[args.backend]
+    backend = backend_for(spec, args.dtype, args.device) if spec else None  # a bad judge fails before the long part
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)  # the base the answers are scored under
+    frame = log_likelihoods(loaded, records, questions, progress=not args.json)
+    quality = json.loads(write_quality(out, frame, loaded.name).read_text())
+    lines = [f"{cfg}: {q['log_likelihood_per_token']:.4f} nats/token over {q['tokens']} tokens"
+             for cfg, q in quality["configs"].items()]
+    text = "mean log-likelihood per answer token under the base model (a proxy, not a judge):\n" + "\n".join(lines)
+    obj = {"quality": quality["configs"]}
+    if backend is None:
         _result(args, obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)")
         return 0
-    backend = OpenAIBackend(args.judge_model) if args.backend == "openai" else \
-        LocalBackend(load_model(args.judge_local, args.dtype, args.device, log=_log))
-    folder = mtbench_dir(_log)
-    judge = CachedJudge(backend, out / "judge_cache.jsonl")
-    graded = grade(judge, load_judge_prompts(folder / "judge_prompts.jsonl"), questions, answers,
-                   load_references(folder / "reference_gpt-4.jsonl"))
-    with (out / "judgments.jsonl").open("w") as fh:
-        for g in graded:
-            fh.write(json.dumps(g) + "\n")
-    scores = aggregate(graded)
-    write_json_atomic(out / "judge_scores.json", {"judge": backend.name, "scores": scores.to_dict("records")})
-    obj.update(judge=backend.name, scores=scores.to_dict("records"), cached=judge.hits, new=judge.misses)
-    _result(args, obj, text + f"\n\njudge {backend.name} ({judge.hits} cached, {judge.misses} new):\n"
-            + to_markdown(scores))
+    scores = json.loads(run_judge(out, records, questions, backend, progress=not args.json).read_text())
+    table = pd_frame_of_scores(scores)
+    obj.update(judge=scores["judge"], scores=scores["configs"])
+    _result(args, obj, text + f"\n\njudge {scores['judge']} (FastChat single grading, 1-10; unparsable ratings "
+            f"left out as FastChat does):\n" + to_markdown(table))
     return 0
+
+
+def pd_frame_of_scores(scores: dict):
+    """judge_scores.json's configurations as one table: score overall, per turn, judgments, unparsable."""
+    import pandas as pd
+
+    rows = [{"config": cfg, "score": s["score"], **{f"turn {t}": v for t, v in s["by_turn"].items()},
+             "judgments": s["judgments"], "unparsable": s["unparsable"]} for cfg, s in scores["configs"].items()]
+    return pd.DataFrame(rows)
 
 
 def format_stats_table(stats, label: str) -> str:
@@ -1017,11 +997,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)
 
-    p = sub.add_parser("judge", help="grade replayed answers (FastChat single mode) and quality proxies")
+    p = sub.add_parser("judge", help="quality of replayed answers: log-likelihood under the base (quality.json) and, "
+                                     "with a judge backend, FastChat single grading (judge/)")
     _add_model_args(p)
     p.add_argument("--records", required=True, help="records.jsonl from replay")
     p.add_argument("--questions", default=None)
-    p.add_argument("--baseline", default="generate", help="configuration the agreement proxy compares with")
     p.add_argument("--backend", default="none", choices=["none", "openai", "local"],
                    help="none: proxies only (offline); openai: OPENAI_API_KEY / OPENAI_BASE_URL; local: --judge-local")
     p.add_argument("--judge-model", default="gpt-4")
@@ -1086,6 +1066,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the written weights")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_export_heads)
+
+    from bench import serve
+
+    serve.add_parser(sub, _add_model_args)
     return parser
 
 

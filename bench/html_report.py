@@ -139,21 +139,46 @@ def _configs_table(report: dict) -> str:
     return "<h2>Configurations: measured and predicted</h2>" + _table(df[cols])
 
 
-def _quality(judge: pd.DataFrame | None) -> str:
-    if judge is None or judge.empty:
+def _ll_table(quality: dict | None) -> str:
+    rows = [{"config": cfg, "log-likelihood per token (nats)": q["log_likelihood_per_token"], "tokens": q["tokens"]}
+            for cfg, q in ((quality or {}).get("configs") or {}).items()]
+    if not rows:
+        return ""
+    return ("<p>Mean log-likelihood per answer token under the base model (a proxy: higher is more like the "
+            "base model's own choices; every greedy configuration of the runtime shares plain decoding's answers)."
+            "</p>" + _table(pd.DataFrame(rows)))
+
+
+def _quality(judge: dict | None, quality: dict | None) -> str:
+    if not judge:
         return ("<h2>Quality</h2><p class=\"note\">No judge in this run (<code>--judge MODEL</code> adds one). "
                 "Shown instead are proxies, labelled as proxies: the share of greedy outputs identical to the "
-                "runtime's plain decoding (the lossless check) and to transformers generate (a numerics note).</p>")
-    return "<h2>Quality: judge scores (FastChat single grading, 1-10)</h2>" + _table(judge)
+                "runtime's plain decoding (the lossless check), to transformers generate (a numerics note), and "
+                "the log-likelihood below.</p>" + _ll_table(quality))
+    rows, cats = [], []
+    for cfg, c in judge["configs"].items():
+        rows.append({"config": cfg, "score": c["score"], **{f"turn {t}": v for t, v in c["by_turn"].items()},
+                     "judgments": c["judgments"], "unparsable": c["unparsable"]})
+        cats.append({"config": cfg, **c["by_category"]})
+    bad = sum(c["unparsable"] for c in judge["configs"].values())
+    total = sum(c["judgments"] for c in judge["configs"].values())
+    note = (f"<p>Judge <b>{_esc(judge['judge'])}</b>, FastChat single grading (1-10; math, reasoning and coding "
+            f"against the reference answers). {bad} of {total} ratings unparsable, left out of the means as "
+            "FastChat's show_result does" + (f"; {judge['skipped_no_reference']} answers not graded (their category "
+                                               "needs a reference answer the question set lacks)"
+                                               if judge.get("skipped_no_reference") else "") + ".</p>")
+    return ("<h2>Quality: judge scores</h2>" + note + _table(pd.DataFrame(rows)) + "<h3>Per category</h3>"
+            + _table(pd.DataFrame(cats)) + _ll_table(quality))
 
 
-def write_html(out: Path, tables: dict[str, pd.DataFrame], records_meta: dict,
-               judge: pd.DataFrame | None = None) -> Path:
-    """Write ``out/report.html`` from the run's files and the summary ``tables`` (title -> frame)."""
+def write_html(out: Path, tables: dict[str, pd.DataFrame], records_meta: dict, judge: dict | None = None,
+               quality: dict | None = None) -> Path:
+    """Write ``out/report.html`` from the run's files, the summary ``tables`` (title -> frame), the judge's
+    scores (judge_scores.json) and the log-likelihood proxy (quality.json) where the run has them."""
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else {}
     context = _figure_context(records_meta, report)
     parts = [f"<h1>Medusa bench report: {_esc(out.name)}</h1>", _meta_table(_run_meta(out, report, records_meta)),
-             "<h2>Verdict</h2>", _verdict(report), _configs_table(report), _quality(judge)]
+             "<h2>Verdict</h2>", _verdict(report), _configs_table(report), _quality(judge, quality)]
     for title, df in tables.items():
         parts += [f"<h2>{_esc(title)}</h2>", _table(df)]
     parts.append("<h2>Figures</h2>")

@@ -81,6 +81,7 @@ class BenchOptions:
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N
     compare_heads: str | None = None  # heads whose chains are replayed beside --heads' (each on its own base)
+    judge: str | None = None  # FastChat single grading by this model (an OpenAI-compatible endpoint's, or local:M)
 
     def model_args(self) -> tuple[str, ...]:
         """What every stage's command gets to load the same model the same way."""
@@ -385,12 +386,39 @@ def run(opts: BenchOptions) -> None:
     searches = stage_search(prof, out, cache, acc, lat, workload)
     replayed = stage_replay(opts, prof, out, cache, heads, acc, searches, workload)
     stage_profile(opts, prof, out, cache, heads, acc, name="profile-after", after=replayed)
+    stage_quality(opts, out, cache, replayed)
     from bench.report import report
 
     written = report(out)
     print(f"\n[bench] finished in {(time.perf_counter() - t_start) / 60:.1f} min; plots and tables:")
     for p in written:
         print(f"  {p}")
+
+
+def judge_args(judge: str | None) -> tuple[str, ...]:
+    """The judge command's backend flags for ``--judge`` (None: no judge, the proxy only)."""
+    if judge is None:
+        return ("--backend", "none")
+    if judge.startswith("local:"):
+        return ("--backend", "local", "--judge-local", judge.removeprefix("local:") or "default")
+    return ("--backend", "openai", "--judge-model", judge)
+
+
+def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: dict) -> Path:
+    """Every configuration's answers scored: log-likelihood per token under the base (``quality.json``) and,
+    with ``--judge``, FastChat single grading (``judge/``; the judge's replies are cached, so a rerun or a
+    killed run asks only what it has not asked yet)."""
+    import os
+
+    quality, records = out / "quality.json", out / "replay" / "records.jsonl"
+    endpoint = os.environ.get("OPENAI_BASE_URL") if opts.judge and not opts.judge.startswith("local:") else None
+    key = {"records": file_hash(records), "replay": replayed, "judge": opts.judge, "endpoint": endpoint,
+           "model": opts.model, "dtype": opts.dtype, "device": opts.device, "runtime": RUNTIME_REVISION}
+    products = [quality] + ([out / "judge" / "judge_scores.json"] if opts.judge else [])
+    cache.run("quality", key, products,
+              lambda: _cli("judge", "--records", str(records), "--questions", str(out / "questions.jsonl"),
+                           *opts.model_args(), *judge_args(opts.judge), "--out", str(out)))
+    return quality
 
 
 def isolate_records(folder: Path, key: str) -> None:
@@ -465,13 +493,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="another head set whose chains are replayed beside the main heads' (a folder, medusa1, "
                              "none; auto: the shipped Medusa-1 heads when the shipped default is Medusa-2)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
+    parser.add_argument("--judge", default=None,
+                        help="grade every configuration's answers (FastChat single mode) with this model: a model "
+                             "behind an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY) or local:MODEL")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
     args = parser.parse_args(argv)
     try:
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
-                            compare_heads=_compare_heads(args.compare_heads, args))
+                            compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),

@@ -117,9 +117,15 @@ def report(out: Path) -> list[Path]:
     written += plot_speedup_by_category(table, "generate", plots, category_intervals(df, "generate"))
     written += plot_speedup_by_category(table, "plain", plots, category_intervals(df, "plain"))
     written += plot_tau_by_category(table, plots)
-    written += plot_speedup_vs_quality(table, eq_both.set_index("config")["identical_to_plain_share"], "plain",
-                                       "greedy outputs identical to plain decoding", "speed vs the lossless check "
-                                       "(a proxy: no judge)", plots)
+    judged = _judge_scores(out)
+    if judged is not None and any(c["score"] is not None for c in judged["configs"].values()):
+        scores = pd.Series({cfg: c["score"] for cfg, c in judged["configs"].items()}, dtype=float)
+        written += plot_speedup_vs_quality(table, scores, "plain", f"judge score (1-10, {judged['judge']})",
+                                           "speed vs quality (FastChat single grading)", plots, ylim=(0.5, 10.5))
+    else:
+        written += plot_speedup_vs_quality(table, eq_both.set_index("config")["identical_to_plain_share"], "plain",
+                                           "greedy outputs identical to plain decoding", "speed vs the lossless check "
+                                           "(a proxy: no judge)", plots)
     scored = scorecard_of(out, df)
     section = ""
     if scored is not None:
@@ -127,7 +133,8 @@ def report(out: Path) -> list[Path]:
         written += plot_predicted_vs_measured(card, plots)
         section = scorecard_section(card, verdict) + f"\nPredicted speeds are priced with {questions['predictions_priced_with']}.\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
-                                                    "machine": _machine(out), "questions": questions},
+                                                    "machine": _machine(out), "questions": questions,
+                                                    "quality": quality_of(out, card)},
                                     out / "report.json"))
     shipped = _training_json()
     if shipped is not None:
@@ -149,8 +156,32 @@ def report(out: Path) -> list[Path]:
     by_category.columns.name = None
     page = write_html(out, {"Overall": overall, "Speed-up over transformers generate, per category": by_category,
                             "Greedy outputs identical to generate and to the runtime's plain decoding (proxies)":
-                            eq_both}, _records_meta(records))
+                            eq_both}, _records_meta(records), judge=judged, quality=_read(out / "quality.json"))
     return [out / "summary.md", page, *[p for p in written if p.suffix in (".png", ".json")]]
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _judge_scores(out: Path) -> dict | None:
+    return _read(out / "judge" / "judge_scores.json")
+
+
+def quality_of(out: Path, card: pd.DataFrame) -> dict[str, dict]:
+    """report.json's ``quality`` per configuration: the lossless check (share identical to plain decoding), the
+    log-likelihood proxy (quality.json) and the judge's scores (judge/judge_scores.json) where the run has them."""
+    ll = (_read(out / "quality.json") or {}).get("configs", {})
+    judged = (_judge_scores(out) or {}).get("configs", {})
+    out_q = {}
+    for r in card.to_dict("records"):
+        cfg, same = r["config"], r.get("identical_to_plain")
+        greedy = (r.get("temperature") or 0.0) == 0.0
+        out_q[cfg] = {"identical_to_plain": float(same) if greedy and same is not None and same == same else None,
+                      "log_likelihood_per_token": ll.get(cfg, {}).get("log_likelihood_per_token"),
+                      "judge_score": judged.get(cfg, {}).get("score"),
+                      "judge_by_category": judged.get(cfg, {}).get("by_category") or None}
+    return out_q
 
 
 def _records_meta(records: list[dict]) -> dict:

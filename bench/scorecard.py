@@ -151,7 +151,9 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
             return bool(v)
         return v
 
-    configs = [{**{k: clean(r.get(k)) for k in keep}, "quality": None} for r in card.to_dict("records")]
+    quality = meta.get("quality") or {}
+    configs = [{**{k: clean(r.get(k)) for k in keep}, "quality": quality.get(r["config"])}
+               for r in card.to_dict("records")]
     obj = {"schema": REPORT_SCHEMA, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": meta.get("machine") or {"platform": platform.platform(), "node": platform.node()},
            "versions": meta.get("versions", {}), "questions": meta.get("questions", {}),

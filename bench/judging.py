@@ -1,0 +1,204 @@
+"""Quality of a bench run's answers: FastChat single grading by a judge, and the judge-free log-likelihood proxy.
+
+Files (under the run folder), each written atomically and resumable:
+
+* ``judge/model_answer/<id>.jsonl`` and ``judge/model_judgment/<judge>_single.jsonl``: FastChat's own layouts
+  (``show_result.py --input-file`` reads the second as it reads GPT-4's); ``<id>`` is the configuration's
+  name with anything but ``[A-Za-z0-9._-]`` replaced by ``_`` (``judge_scores.json`` maps them back);
+* ``judge/judge_cache.jsonl``: every judge reply keyed by (judge, system prompt, user prompt): a rerun, or
+  configurations whose answers are identical (greedy ones are), cost no request;
+* ``judge/judge_scores.json`` (``medusa-judge/1``): per configuration the mean score overall, per turn and
+  per category (FastChat's rule: unparsable ratings, -1, left out) and how many ratings were unparsable;
+* ``quality.json`` (``medusa-quality/1``): per configuration the mean log-likelihood per answer token under
+  the base model (each distinct (prompt, answer) scored once).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from bench.judge import (
+    NEED_REF_CATEGORIES,
+    CachedJudge,
+    LocalBackend,
+    OpenAIBackend,
+    build_judge_prompt,
+    load_judge_prompts,
+    load_references,
+    parse_rating,
+)
+from bench.mtbench import Question, mtbench_dir
+from treesearch.tree import write_json_atomic
+
+JUDGE_SCHEMA, QUALITY_SCHEMA = "medusa-judge/1", "medusa-quality/1"
+
+
+def backend_for(spec: str, dtype: str = "auto", device: str | None = None):
+    """``local:MODEL`` (a transformers chat model, ``local:default`` the embedded one) or the name of a model
+    behind an OpenAI-compatible endpoint (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``)."""
+    if not spec or not spec.strip():
+        raise ValueError("--judge needs a model name (an endpoint's model, or local:MODEL)")
+    if spec.startswith("local:"):
+        from medusa_runtime.model import load_model
+
+        return LocalBackend(load_model(spec.removeprefix("local:") or "default", dtype, device))
+    return OpenAIBackend(spec)
+
+
+def fastchat_id(config: str) -> str:
+    """A configuration's name as a FastChat model id (its answer file's stem)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", config)
+
+
+def answers_of(records: Sequence[dict]) -> dict[tuple[str, int], list[str]]:
+    """(config, question_id) -> answer turns in order, from the first repeat of each."""
+    out: dict[tuple[str, int], list[str]] = {}
+    for r in sorted((r for r in records if r.get("repeat", 0) == 0), key=lambda r: r["turn"]):
+        out.setdefault((r["config"], r["question_id"]), []).append(r["answer"])
+    return out
+
+
+def write_model_answers(answers: dict[tuple[str, int], list[str]], folder: Path) -> list[Path]:
+    """FastChat's ``model_answer/<model_id>.jsonl``: one line per question, ``choices[0].turns`` the answers."""
+    by_config: dict[str, list[tuple[int, list[str]]]] = {}
+    for (config, qid), turns in answers.items():
+        by_config.setdefault(config, []).append((qid, turns))
+    written = []
+    for config, rows in by_config.items():
+        mid = fastchat_id(config)
+        text = "".join(json.dumps({"question_id": qid, "answer_id": f"{mid}-{qid}", "model_id": mid,
+                                   "choices": [{"index": 0, "turns": turns}], "tstamp": time.time()}) + "\n"
+                       for qid, turns in sorted(rows))
+        path = folder / "model_answer" / f"{mid}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+def grade_answers(judge: CachedJudge, questions: Sequence[Question], answers: dict[tuple[str, int], list[str]],
+                  progress: bool = True) -> tuple[list[dict], int]:
+    """FastChat single grading of every answer turn (FastChat's record fields), and the count of turns left
+    ungraded because their category needs a reference answer that the question set lacks."""
+    folder = mtbench_dir(lambda m: None)
+    prompts, refs = load_judge_prompts(folder / "judge_prompts.jsonl"), load_references(folder / "reference_gpt-4.jsonl")
+    by_id = {q.question_id: q for q in questions}
+    todo = [(cfg, qid, t) for (cfg, qid), turns in answers.items() for t in range(min(len(turns), len(by_id[qid].turns), 2))]
+    graded, skipped = [], 0
+    for cfg, qid, turn in tqdm(todo, desc="judge", unit="answer", disable=not progress):
+        q = by_id[qid]
+        if q.category in NEED_REF_CATEGORIES and qid not in refs:
+            skipped += 1
+            continue
+        name, system, user = build_judge_prompt(prompts, q, answers[(cfg, qid)], turn, refs.get(qid))
+        text = judge.complete(system, user)
+        graded.append({"question_id": qid, "model": fastchat_id(cfg), "config": cfg, "category": q.category,
+                       "judge": [judge.backend.name, name], "user_prompt": user, "judgment": text,
+                       "score": parse_rating(text), "turn": turn + 1, "tstamp": time.time()})
+    return graded, skipped
+
+
+def write_model_judgments(graded: Sequence[dict], judge_name: str, folder: Path) -> Path:
+    """FastChat's ``model_judgment/<judge>_single.jsonl`` (the fields its gen_judgment writes)."""
+    keep = ("question_id", "model", "judge", "user_prompt", "judgment", "score", "turn", "tstamp")
+    path = folder / "model_judgment" / f"{fastchat_id(judge_name)}_single.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps({k: g[k] for k in keep}) + "\n" for g in graded))
+    tmp.replace(path)
+    return path
+
+
+def score_tables(graded: Sequence[dict]) -> dict[str, pd.DataFrame]:
+    """FastChat's show_result means (unparsable -1 left out): per (config, turn), per config overall, per
+    (config, category); and per config the judgments and how many were unparsable."""
+    df = pd.DataFrame.from_records(graded, columns=["config", "category", "turn", "score"])
+    ok = df[df["score"] != -1]
+    counts = df.groupby("config", sort=False).agg(judgments=("score", "size"),
+                                                   unparsable=("score", lambda s: int((s == -1).sum())))
+    return {"by_turn": ok.groupby(["config", "turn"])["score"].mean().reset_index(),
+            "overall": ok.groupby("config")["score"].mean().reset_index(),
+            "by_category": ok.groupby(["config", "category"])["score"].mean().reset_index(),
+            "counts": counts.reset_index()}
+
+
+def scores_json(tables: dict[str, pd.DataFrame], judge_name: str, skipped: int, configs: Sequence[str]) -> dict:
+    def mean(frame: pd.DataFrame, cfg: str, key: str | None = None) -> dict | float | None:
+        sub = frame[frame["config"] == cfg]
+        if key is None:
+            return float(sub["score"].iloc[0]) if len(sub) else None
+        return {str(k): float(v) for k, v in zip(sub[key], sub["score"])}
+
+    counts = tables["counts"].set_index("config")
+    out = {}
+    for cfg in configs:
+        out[cfg] = {"fastchat_id": fastchat_id(cfg), "score": mean(tables["overall"], cfg),
+                    "by_turn": mean(tables["by_turn"], cfg, "turn"),
+                    "by_category": mean(tables["by_category"], cfg, "category"),
+                    "judgments": int(counts.loc[cfg, "judgments"]) if cfg in counts.index else 0,
+                    "unparsable": int(counts.loc[cfg, "unparsable"]) if cfg in counts.index else 0}
+    return {"schema": JUDGE_SCHEMA, "judge": judge_name, "mode": "single (FastChat)",
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "skipped_no_reference": skipped, "configs": out}
+
+
+def run_judge(out: Path, records: Sequence[dict], questions: Sequence[Question], backend,
+              progress: bool = True) -> Path:
+    """Grade every configuration's answers with ``backend``; write FastChat's files and judge_scores.json."""
+    folder = out / "judge"
+    answers = answers_of(records)
+    write_model_answers(answers, folder)
+    judge = CachedJudge(backend, folder / "judge_cache.jsonl")
+    graded, skipped = grade_answers(judge, questions, answers, progress)
+    write_model_judgments(graded, backend.name, folder)
+    configs = list(dict.fromkeys(cfg for cfg, _ in answers))
+    return write_json_atomic(folder / "judge_scores.json", scores_json(score_tables(graded), backend.name, skipped,
+                                                                       configs))
+
+
+# ---------------------------------------------------------------------------- the judge-free proxy
+
+
+def log_likelihoods(loaded, records: Sequence[dict], questions: Sequence[Question],
+                    progress: bool = True) -> pd.DataFrame:
+    """[config, question_id, turn, tokens, log_likelihood (summed over the answer's tokens)] under ``loaded``;
+    the prompt of a turn is the question's turns with that configuration's own earlier answers, as replayed."""
+    from bench.quality import mean_log_likelihood
+    from bench.runner import chat_ids
+
+    by_id = {q.question_id: q for q in questions}
+    answers = answers_of(records)
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+    rows = []
+    for r in tqdm([r for r in records if r.get("repeat", 0) == 0], desc="log-likelihood", unit="answer",
+                  disable=not progress):
+        q = by_id[r["question_id"]]
+        prompt = tuple(chat_ids(loaded, q.turns[: r["turn"] + 1], answers[(r["config"], r["question_id"])][: r["turn"]]))
+        answer = tuple(r["token_ids"])
+        if (prompt, answer) not in seen:
+            seen[(prompt, answer)] = mean_log_likelihood(loaded, prompt, answer) * len(answer) if answer else 0.0
+        rows.append({"config": r["config"], "question_id": r["question_id"], "turn": r["turn"],
+                     "tokens": len(answer), "log_likelihood": seen[(prompt, answer)]})
+    return pd.DataFrame(rows)
+
+
+def write_quality(out: Path, frame: pd.DataFrame, model: str) -> Path:
+    """quality.json: per configuration the mean log-likelihood per token (all its answer tokens together)."""
+    per = frame.groupby("config", sort=False)[["tokens", "log_likelihood"]].sum()
+    configs = {cfg: {"log_likelihood_per_token": float(row["log_likelihood"] / row["tokens"]) if row["tokens"] else None,
+                     "tokens": int(row["tokens"])} for cfg, row in per.iterrows()}
+    return write_json_atomic(out / "quality.json", {"schema": QUALITY_SCHEMA, "model": model,
+                                                   "measure": "mean log-likelihood per answer token under the base "
+                                                              "model (greedy configurations of the runtime share "
+                                                              "plain decoding's answers, hence its figure)",
+                                                   "configs": configs})

@@ -1,0 +1,185 @@
+"""The judge end to end against a real OpenAI-compatible HTTP server: ``medusa-bench serve`` started by the test
+on localhost, serving the embedded default model with its Medusa heads through the runtime; a real replay's
+answers graded through it (FastChat single mode) into judge_scores.json, FastChat's own files (read by
+FastChat's show_result.py from the registry's fschat wheel) and report.html (checked in headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+import zipfile
+
+import pandas as pd
+import pytest
+
+from bench.browser import check_page
+from bench.cli import main as cli_main
+from bench.judge import aggregate, parse_rating
+from bench.judging import fastchat_id, score_tables
+from bench.mtbench import load_questions
+from bench.report import report
+from bench.runner import MethodConfig, ReplayConfig, replay
+from medusa_runtime.heads import fresh_heads
+from medusa_runtime.model import cache_root, download_wheel
+
+from .conftest import DATA, read_lines, tiny_chat_model
+
+FSCHAT = ("fschat", "0.2.36", "fschat", "a66ecf1e90f6db1d015096f6aa8a305d20d0a13e067951285aecdb56a33e9cb1")
+JUDGE = "smol-judge"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The runtime's chat endpoint in its own process (the default model, its shipped heads, chain:2); yields
+    its URL and its request log (http.server's one line per request, on stderr)."""
+    log = tmp_path_factory.mktemp("server") / "requests.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "serve", "--heads", "default", "--tree", "chain:2",
+                                 "--port", "0", "--max-tokens", "40", "--name", JUDGE],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()  # "serving <name> at http://127.0.0.1:<port>/v1 (...)"
+        match = re.search(r"(http://127\.0\.0\.1:\d+/v1)", line)
+        assert match, f"the server did not start: {line!r} {log.read_text()[-500:]}"
+        yield match.group(1), log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
+def _posts(log) -> int:
+    return log.read_text().count('"POST /v1/chat/completions')
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail(server):
+    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+
+    url, _ = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    status, body = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0, "max_tokens": 12})
+    assert status == 200 and body["object"] == "chat.completion"
+    # the same request decoded here, independently: plain greedy decoding of the same base (Medusa is lossless)
+    loaded = load_model("default", "auto", None, log=lambda m: None)
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    plain = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=12)).generate(ids).token_ids
+    assert body["choices"][0]["message"]["content"] == loaded.tokenizer.decode(plain, skip_special_tokens=True)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(plain),
+                             "total_tokens": len(ids) + len(plain)}
+    assert body["choices"][0]["finish_reason"] == ("length" if len(plain) == 12 else "stop")
+    assert resolve_heads("default", loaded.hidden_size, loaded.vocab_size) is not None and body["medusa"]["tau"] >= 1
+    for bad, code in (({"model": "other", "messages": messages}, 404), ({"model": JUDGE, "messages": []}, 400),
+                      ({"model": JUDGE, "messages": messages, "n": 2}, 400),
+                      ({"model": JUDGE, "messages": [{"role": "robot", "content": "x"}]}, 400)):
+        status, err = _post(url, bad)
+        assert status == code and err["error"]["message"]
+
+
+def _fastchat_show_result(tmp_path, judgment_file) -> str:
+    """FastChat's own show_result.py (from the fschat wheel on PyPI) run on a judgment file."""
+    wheel = download_wheel(*FSCHAT, cache_root() / "wheels", log=lambda m: None)
+    script = tmp_path / "show_result.py"
+    with zipfile.ZipFile(wheel) as zf:
+        script.write_bytes(zf.read("fastchat/llm_judge/show_result.py"))
+    proc = subprocess.run([sys.executable, str(script), "--mode", "single", "--input-file", str(judgment_file)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_report(server, tmp_path, monkeypatch):
+    url, log = server
+    questions = {q.question_id: q for q in load_questions(log=lambda m: None)}
+    picked = [questions[81], questions[111], questions[121]]  # writing; math and coding (graded with references)
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)})
+                             + "\n" for q in picked))
+    loaded = tiny_chat_model()
+    out = tmp_path / "run"
+    configs = [MethodConfig("plain", "plain"), MethodConfig("medusa chain:2", "medusa", tree="chain:2"),
+               MethodConfig("plain sampled", "plain", temperature=0.7)]
+    replay(loaded, fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size), configs, picked,
+           ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2), out / "replay" / "records.jsonl",
+           progress=False)
+    monkeypatch.setenv("OPENAI_BASE_URL", url)
+    monkeypatch.setenv("OPENAI_API_KEY", "")
+    before = _posts(log)
+    argv = ["judge", "--records", str(out / "replay" / "records.jsonl"), "--questions", str(qfile), "--backend",
+            "openai", "--judge-model", JUDGE, "--out", str(out), "--dtype", "float32", "--json"]
+    assert cli_main(argv) == 0
+    scores = json.loads((out / "judge" / "judge_scores.json").read_text())
+    assert scores["schema"] == "medusa-judge/1" and scores["judge"] == JUDGE and scores["skipped_no_reference"] == 0
+    judgments = [json.loads(line) for line in (out / "judge" / "model_judgment" / f"{JUDGE}_single.jsonl")
+                 .read_text().splitlines()]
+    assert len(judgments) == 3 * 3 * 2  # every configuration, question and turn graded once
+    for j in judgments:
+        assert j["score"] == parse_rating(j["judgment"]) and j["judge"][0] == JUDGE
+        assert ("Start of Reference Answer" in j["user_prompt"]) == (j["question_id"] != 81)
+    # the two lossless configurations answered alike, so their judgments were asked once (the cache)
+    cache = (out / "judge" / "judge_cache.jsonl").read_text().splitlines()
+    assert len(cache) == len({j["user_prompt"] for j in judgments}) == _posts(log) - before < len(judgments)
+    for cfg, s in scores["configs"].items():
+        mine = [j for j in judgments if j["model"] == fastchat_id(cfg)]
+        assert s["judgments"] == len(mine) == 6 and s["unparsable"] == sum(j["score"] == -1 for j in mine)
+        ok = [j["score"] for j in mine if j["score"] != -1]
+        assert s["score"] == (pytest.approx(sum(ok) / len(ok)) if ok else None)
+    answers = {p.stem: [json.loads(line) for line in p.read_text().splitlines()]
+               for p in (out / "judge" / "model_answer").glob("*.jsonl")}
+    assert set(answers) == {fastchat_id(c.name) for c in configs}
+    assert all(len(a["choices"][0]["turns"]) == 2 for rows in answers.values() for a in rows)
+    # FastChat's own reader takes the judgment file
+    shown = _fastchat_show_result(tmp_path, out / "judge" / "model_judgment" / f"{JUDGE}_single.jsonl")
+    assert "First turn" in shown and "Second turn" in shown and "Average" in shown
+    for cfg, s in scores["configs"].items():
+        if s["score"] is not None:
+            assert fastchat_id(cfg) in shown
+    # quality.json: the log-likelihood proxy for every configuration
+    quality = json.loads((out / "quality.json").read_text())
+    assert set(quality["configs"]) == {c.name for c in configs}
+    assert quality["configs"]["plain"] == quality["configs"]["medusa chain:2"]  # identical answers, same figure
+    assert all(q["log_likelihood_per_token"] < 0 for q in quality["configs"].values())
+    # into report.html: the judge's section, checked in the browser
+    report(out)
+    page = (out / "report.html").read_text()
+    assert f"Judge <b>{JUDGE}</b>" in page and "Per category" in page and "unparsable" in page
+    check = check_page(out / "report.html")
+    assert check.ok, (check.errors, check.broken)
+
+
+def test_score_tables_match_fastchat_on_the_published_judgments():
+    """Per turn as FastChat's show_result computes them; overall and per category by the same rule (-1 left out),
+    on the 480 published GPT-4 judgments of the Medusa paper's answers."""
+    rows = [json.loads(line) for line in read_lines(DATA / "medusa" / "model_judgment" / "gpt-4_single.jsonl.gz")]
+    questions = {q.question_id: q for q in load_questions(DATA / "mt_bench" / "question.jsonl")}
+    graded = [{**r, "config": r["model"], "category": questions[r["question_id"]].category} for r in rows]
+    tables = score_tables(graded)
+    by_turn = aggregate(rows)
+    pd.testing.assert_frame_equal(tables["by_turn"].rename(columns={"config": "model"}), by_turn, check_dtype=False)
+    df = pd.DataFrame(graded)
+    valid = df[df["score"] != -1]
+    for _, r in tables["overall"].iterrows():
+        assert r["score"] == pytest.approx(valid[valid["model"] == r["config"]]["score"].mean())
+    for _, r in tables["by_category"].iterrows():
+        sub = valid[(valid["model"] == r["config"]) & (valid["category"] == r["category"])]
+        assert r["score"] == pytest.approx(sub["score"].mean())
+    counts = tables["counts"].set_index("config")
+    for model, sub in df.groupby("model"):
+        assert counts.loc[model, "judgments"] == len(sub)
+        assert counts.loc[model, "unparsable"] == int((sub["score"] == -1).sum())
