@@ -686,12 +686,13 @@ def cmd_judge(args: argparse.Namespace) -> int:
     """Quality of replayed answers: the log-likelihood proxy always (quality.json), FastChat single grading by
     a judge when one is named (judge/: FastChat's files and judge_scores.json; see bench.judging)."""
     from bench.analyze import to_markdown
-    from bench.judging import backend_for, log_likelihoods, run_judge, write_quality
+    from bench.judging import answer_quality, backend_for, run_judge, write_quality
     from bench.mtbench import load_questions
     from bench.runner import load_records
     from medusa_runtime.model import load_model
 
-    records = [r for r in load_records(Path(args.records)) if r.get("repeat", 0) == 0]
+    every = load_records(Path(args.records))
+    records = [r for r in every if r.get("repeat", 0) == 0]  # the judge grades one answer per question and turn
     if not records:
         raise ValueError(f"no records in {args.records}")
     out = Path(args.out or Path(args.records).parent)
@@ -702,12 +703,15 @@ def cmd_judge(args: argparse.Namespace) -> int:
     spec = {"none": None, "openai": args.judge_model, "local": f"local:{args.judge_local}"}[args.backend]
     backend = backend_for(spec, args.dtype, args.device) if spec else None  # a bad judge fails before the long part
     loaded = load_model(args.model, args.dtype, args.device, log=_log)  # the base the answers are scored under
-    frame = log_likelihoods(loaded, records, questions, progress=not args.json)
+    frame = answer_quality(loaded, every, questions, progress=not args.json)  # every sample
     quality = json.loads(write_quality(out, frame, loaded.name).read_text())
-    lines = [f"{cfg}: {q['log_likelihood_per_token']:.4f} nats/token over {q['tokens']} tokens"
-             for cfg, q in quality["configs"].items()]
-    text = "mean log-likelihood per answer token under the base model (a proxy, not a judge):\n" + "\n".join(lines)
-    obj = {"quality": quality["configs"]}
+    lines = [f"{cfg}: {q['log_likelihood_per_token']:.4f} nats/token, regret {q['regret_per_token']:.4f}, over "
+             f"{q['tokens']} tokens" for cfg, q in quality["configs"].items()]
+    lines += [f"{c['config']} vs {c['reference']}: mean difference {c['mean_difference']:+.4f} nats/token, p = "
+              f"{c['p_value']:.3f} ({c['questions']} questions; detects {c['detectable_at_80_power']:.3f} with 80 % power)"
+              for c in quality["distribution_checks"] if c["p_value"] is not None]
+    text = "answer quality under the base model (proxies, not a judge):\n" + "\n".join(lines)
+    obj = {"quality": quality["configs"], "distribution_checks": quality["distribution_checks"]}
     if backend is None:
         _result(args, obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)")
         return 0

@@ -43,6 +43,11 @@ FIGURES = (
            "Overall speed-up over plain decoding against the quality figure the run has: the judge's mean score "
            "where a judge graded the answers, else the share of greedy outputs identical to the runtime's plain "
            "decoding (the lossless check; a proxy, not a judge score)."),
+    Figure("typical_measured", "Sampled configurations: measured against predicted",
+           "At the typical search's temperature, on the peer questions (two seeded samples per question): plain "
+           "sampling, exact tree sampling and typical acceptance at three points of the predicted front; x: regret "
+           "per token measured on the answers under the base model, y: speed-up over greedy plain decoding with a "
+           "95 % paired interval; grey: the front the search predicted from calibration rollouts."),
     Figure("acceptance_heatmap", "Head acceptance",
            "Calibration: how often head k's rank-r candidate is the token the base model then chose."),
     Figure("latency_vs_nodes", "Step latency against tree size",
@@ -140,13 +145,23 @@ def _configs_table(report: dict) -> str:
 
 
 def _ll_table(quality: dict | None) -> str:
-    rows = [{"config": cfg, "log-likelihood per token (nats)": q["log_likelihood_per_token"], "tokens": q["tokens"]}
+    rows = [{"config": cfg, "temperature": q.get("temperature"), "log-likelihood per token": q["log_likelihood_per_token"],
+             "regret per token": q.get("regret_per_token"), "answers": q.get("answers"), "tokens": q["tokens"]}
             for cfg, q in ((quality or {}).get("configs") or {}).items()]
     if not rows:
         return ""
-    return ("<p>Mean log-likelihood per answer token under the base model (a proxy: higher is more like the "
-            "base model's own choices; every greedy configuration of the runtime shares plain decoding's answers)."
-            "</p>" + _table(pd.DataFrame(rows)))
+    checks = [c for c in (quality or {}).get("distribution_checks", []) if c.get("p_value") is not None]
+    lines = "".join(f"<li><b>{_esc(c['config'])}</b> against {_esc(c['reference'])}: mean difference "
+                    f"{c['mean_difference']:+.4f} nats/token over {c['questions']} questions, p = {c['p_value']:.3f} "
+                    f"(sign-flip permutation test); it detects a shift of {c['detectable_at_80_power']:.3f} "
+                    "nats/token with 80 % power: "
+                    + ("<b>indistinguishable</b>" if c["indistinguishable"] else "<b>different</b>") + ".</li>"
+                    for c in checks)
+    return ("<p>Under the base model (proxies): mean log-likelihood per answer token, and regret per token (log "
+            "p<sub>T</sub> of the base model's own argmax minus that of the token, at the configuration's "
+            "temperature: 0 for greedy decoding). Every greedy configuration of the runtime shares plain "
+            "decoding's answers.</p>" + _table(pd.DataFrame(rows))
+            + (f"<p>Exact tree sampling against plain sampling:</p><ul>{lines}</ul>" if lines else ""))
 
 
 def _quality(judge: dict | None, quality: dict | None) -> str:

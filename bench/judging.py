@@ -169,36 +169,92 @@ def run_judge(out: Path, records: Sequence[dict], questions: Sequence[Question],
 # ---------------------------------------------------------------------------- the judge-free proxy
 
 
-def log_likelihoods(loaded, records: Sequence[dict], questions: Sequence[Question],
-                    progress: bool = True) -> pd.DataFrame:
-    """[config, question_id, turn, tokens, log_likelihood (summed over the answer's tokens)] under ``loaded``;
-    the prompt of a turn is the question's turns with that configuration's own earlier answers, as replayed."""
-    from bench.quality import mean_log_likelihood
+def answer_quality(loaded, records: Sequence[dict], questions: Sequence[Question],
+                   progress: bool = True) -> pd.DataFrame:
+    """[config, method, accept, temperature, question_id, turn, repeat, tokens, log_likelihood, regret] (sums
+    over each answer's tokens) under ``loaded``, every sample included; a turn's prompt is the question's turns
+    with that sample's own earlier answers, as replayed. Each distinct (prompt, answer, temperature) is scored
+    once (the lossless configurations share plain decoding's answers)."""
+    from bench.quality import answer_scores
     from bench.runner import chat_ids
 
     by_id = {q.question_id: q for q in questions}
-    answers = answers_of(records)
-    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+    done = {(r["config"], r.get("config_hash"), r["question_id"], r["turn"], r.get("repeat", 0)): r for r in records}
+    seen: dict[tuple, tuple[float, float]] = {}
     rows = []
-    for r in tqdm([r for r in records if r.get("repeat", 0) == 0], desc="log-likelihood", unit="answer",
-                  disable=not progress):
+    for r in tqdm(records, desc="answer quality", unit="answer", disable=not progress):
         q = by_id[r["question_id"]]
-        prompt = tuple(chat_ids(loaded, q.turns[: r["turn"] + 1], answers[(r["config"], r["question_id"])][: r["turn"]]))
-        answer = tuple(r["token_ids"])
-        if (prompt, answer) not in seen:
-            seen[(prompt, answer)] = mean_log_likelihood(loaded, prompt, answer) * len(answer) if answer else 0.0
-        rows.append({"config": r["config"], "question_id": r["question_id"], "turn": r["turn"],
-                     "tokens": len(answer), "log_likelihood": seen[(prompt, answer)]})
+        earlier = [done[(r["config"], r.get("config_hash"), r["question_id"], t, r.get("repeat", 0))]["answer"]
+                   for t in range(r["turn"])]
+        prompt, answer = tuple(chat_ids(loaded, q.turns[: r["turn"] + 1], earlier)), tuple(r["token_ids"])
+        t = float(r.get("temperature") or 0.0)
+        if (prompt, answer, t) not in seen:
+            seen[(prompt, answer, t)] = answer_scores(loaded, prompt, answer, t)
+        ll, regret = seen[(prompt, answer, t)]
+        rows.append({"config": r["config"], "method": r.get("method"), "accept": r.get("accept"), "temperature": t,
+                     "lookup_tokens": r.get("lookup_tokens", 0), "heads": r.get("heads"),
+                     "question_id": r["question_id"], "turn": r["turn"], "repeat": r.get("repeat", 0),
+                     "tokens": len(answer), "log_likelihood": ll, "regret": regret})
     return pd.DataFrame(rows)
 
 
+Z_975, Z_80 = 1.959964, 0.841621  # normal quantiles: two-sided 5 % test, 80 % power
+
+
+def paired_check(frame: pd.DataFrame, config: str, reference: str, draws: int = 20000, seed: int = 0) -> dict:
+    """Is ``config``'s log-likelihood per token distributed as ``reference``'s? Per question the mean over
+    all its answers' tokens (samples and turns), paired by question; a two-sided sign-flip permutation test
+    of the mean difference, and the shift it detects with 80 % power at the 5 % level (normal approximation:
+    (z_0.975 + z_0.8) sd(d) / sqrt(n))."""
+    import numpy as np
+
+    def per_q(name: str) -> pd.Series:
+        sub = frame[frame["config"] == name].groupby("question_id")[["log_likelihood", "tokens"]].sum()
+        return sub["log_likelihood"] / sub["tokens"]
+
+    a, b = per_q(config), per_q(reference)
+    common = a.index.intersection(b.index)
+    d = (a.loc[common] - b.loc[common]).to_numpy(float)
+    n = len(d)
+    if n < 2:
+        return {"config": config, "reference": reference, "questions": n, "p_value": None, "mean_difference": None,
+                "detectable_at_80_power": None, "indistinguishable": None}
+    rng = np.random.default_rng(seed)
+    signs = rng.choice([-1.0, 1.0], size=(draws, n))
+    observed = abs(d.mean())
+    p = float((np.abs((signs * d).mean(axis=1)) >= observed - 1e-12).mean())
+    mde = (Z_975 + Z_80) * float(d.std(ddof=1)) / n ** 0.5
+    return {"config": config, "reference": reference, "questions": n,
+            "answers": int((frame["config"] == config).sum()), "mean_difference": float(d.mean()), "p_value": p,
+            "detectable_at_80_power": mde, "indistinguishable": p >= 0.05,
+            "test": "two-sided sign-flip permutation test of the per-question mean log-likelihood per token, "
+                    f"{draws} draws; detectable shift: (z_0.975 + z_0.8) sd / sqrt(n)"}
+
+
+def distribution_checks(frame: pd.DataFrame) -> list[dict]:
+    """Each exact tree-sampling configuration against plain sampling of the same base at its temperature."""
+    firsts = frame.drop_duplicates("config")
+    checks = []
+    for _, r in firsts[(firsts["method"] == "medusa") & (firsts["accept"] == "sample")].iterrows():
+        ref = firsts[(firsts["method"] == "plain") & (firsts["temperature"] == r["temperature"])
+                     & (firsts["lookup_tokens"].fillna(0) == 0) & (firsts["heads"].isna() | (firsts["heads"] == r["heads"]))]
+        if len(ref):
+            checks.append(paired_check(frame, r["config"], ref["config"].iloc[0]))
+    return checks
+
+
 def write_quality(out: Path, frame: pd.DataFrame, model: str) -> Path:
-    """quality.json: per configuration the mean log-likelihood per token (all its answer tokens together)."""
-    per = frame.groupby("config", sort=False)[["tokens", "log_likelihood"]].sum()
-    configs = {cfg: {"log_likelihood_per_token": float(row["log_likelihood"] / row["tokens"]) if row["tokens"] else None,
-                     "tokens": int(row["tokens"])} for cfg, row in per.iterrows()}
-    return write_json_atomic(out / "quality.json", {"schema": QUALITY_SCHEMA, "model": model,
-                                                   "measure": "mean log-likelihood per answer token under the base "
-                                                              "model (greedy configurations of the runtime share "
-                                                              "plain decoding's answers, hence its figure)",
-                                                   "configs": configs})
+    """quality.json: per configuration the mean log-likelihood and regret per token (all its answers' tokens
+    together), and the distribution checks of exact tree sampling against plain sampling."""
+    per = frame.groupby("config", sort=False).agg(tokens=("tokens", "sum"), answers=("tokens", "size"),
+                                                  ll=("log_likelihood", "sum"), regret=("regret", "sum"),
+                                                  temperature=("temperature", "max"))
+    configs = {cfg: {"log_likelihood_per_token": float(row["ll"] / row["tokens"]) if row["tokens"] else None,
+                     "regret_per_token": float(row["regret"] / row["tokens"]) if row["tokens"] else None,
+                     "temperature": float(row["temperature"]), "tokens": int(row["tokens"]),
+                     "answers": int(row["answers"])} for cfg, row in per.iterrows()}
+    return write_json_atomic(out / "quality.json", {
+        "schema": QUALITY_SCHEMA, "model": model,
+        "measure": "log-likelihood per answer token under the base model; regret per token: log p_T(argmax) - "
+                   "log p_T(token) at the configuration's temperature (0 for greedy decoding)",
+        "configs": configs, "distribution_checks": distribution_checks(frame)})

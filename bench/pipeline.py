@@ -294,7 +294,7 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
 
 
 def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads: Path | None = None,
-                          compare: str | None = None) -> list[dict]:
+                          compare: str | None = None, typical: Path | None = None) -> list[dict]:
     """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
     and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
     heads), run on that fold's questions; the official mc_sim_7b_63 tree on every question; on the peers'
@@ -315,6 +315,7 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
                *chains]
     if compare is not None:
         configs += compare_configurations(compare, heads, depths)
+    configs += sampled_configurations(typical, workload["peers"])
     for path, fold in zip(searches, workload["folds"]):
         pick = load_recommendation(path)
         configs.append(_config_of("searched", pick, path, fold))
@@ -322,6 +323,37 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
             configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
                                       fold))
     return configs
+
+
+SAMPLES = 2  # answers drawn per (question, turn) by each sampled configuration, each with its own recorded seed
+
+
+def sampled_configurations(typical: Path | None, peers: list[int], temperature: float = TYPICAL_TEMPERATURE,
+                           samples: int = SAMPLES) -> list[dict]:
+    """At ``temperature``, on the peers' questions: plain sampling (the reference), exact tree sampling (its
+    outputs distributed as plain sampling's) and typical acceptance at three points of the typical search's
+    predicted front (least regret, the chosen thresholds, the fastest), on that search's trees."""
+    base = {"temperature": temperature, "samples": samples, "question_ids": list(peers)}
+    out = [{"name": f"plain T{temperature}", "method": "plain", **base}]
+    if typical is None or not typical.is_file():
+        return out
+    obj = json.loads(typical.read_text())
+    acc, front = obj["acceptance"], obj["acceptance"].get("pareto") or []
+    out.append({"name": f"medusa sample T{temperature}", "method": "medusa", "accept": "sample", "tree": str(typical),
+                **base})
+    points = [("typical", str(typical), acc["posterior_threshold"], acc["posterior_alpha"])]
+    if front:
+        from treesearch.tree import make_tree, save_tree
+
+        for label, p in (("least regret", min(front, key=lambda p: p["regret"])),
+                         ("fastest", max(front, key=lambda p: p["speedup"]))):
+            f = typical.with_name(f"tree-typical-{label.replace(' ', '-')}.json")
+            save_tree(make_tree(p["medusa_choices"], name=f.stem), f, predicted_tau=p["tau"],
+                      predicted_speedup=p["speedup"], predicted_regret=p["regret"])
+            points.append((f"typical, {label}", str(f), p["posterior_threshold"], p["posterior_alpha"]))
+    out += [{"name": f"{name} T{temperature}", "method": "medusa", "accept": "typical", "tree": tree,
+             "posterior_threshold": eps, "posterior_alpha": delta, **base} for name, tree, eps, delta in points]
+    return out
 
 
 def compare_configurations(compare: str, heads: Path | None, depths: list[int]) -> list[dict]:
@@ -351,7 +383,7 @@ def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
                  searches: list[Path], workload: dict) -> dict:
     """Every configuration, interleaved question by question; returns the stage's inputs (its cache key)."""
-    configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads)
+    configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads, out / "tree-typical.json")
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
@@ -362,6 +394,7 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
 
     compare = heads_folder(opts.compare_heads) if opts.compare_heads else None
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
+           "typical": file_hash(out / "tree-typical.json"),
            "compare_heads": folder_hash(compare) if compare is not None else None,
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
            "order": REPLAY_ORDER}

@@ -155,3 +155,24 @@ def plot_training(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     ax2.set_ylabel("top-1 accuracy (dots: validation)")
     ax2.legend(fontsize=7)
     return _save(fig, out_dir, "training_curves")
+
+
+def plot_typical_measured(front: list[dict], measured: list[dict], out_dir: str | Path) -> list[Path]:
+    """The typical search's predicted front (speed-up over plain against regret per token) beside what the
+    replay measured for the sampled configurations (``measured``: config, regret, speedup, lo, hi)."""
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    if front:
+        pts = sorted(front, key=lambda p: p["regret"])
+        ax.plot([p["regret"] for p in pts], [p["speedup"] for p in pts], marker="o", ms=4, color="tab:gray",
+                label="predicted front (replay of calibration rollouts)")
+    markers = "sD^v<>ph*"
+    for i, m in enumerate(measured):
+        ax.errorbar([m["regret"]], [m["speedup"]], yerr=[[m["speedup"] - m["lo"]], [m["hi"] - m["speedup"]]],
+                    fmt=markers[i % len(markers)], ms=7, capsize=2,
+                    label=f"{m['config']}: {m['speedup']:.2f}x, regret {m['regret']:.3f}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("regret per token (nats: log p_T of the base model's argmax minus that of the token)")
+    ax.set_ylabel("speed-up over plain decoding (95 % interval)")
+    ax.set_title("sampled configurations: measured speed and quality beside the predicted front")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, out_dir, "typical_measured")

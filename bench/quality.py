@@ -20,6 +20,25 @@ def token_agreement(answer: Sequence[int], reference: Sequence[int]) -> float:
 
 
 @torch.inference_mode()
+def answer_scores(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[int], temperature: float = 0.0
+                  ) -> tuple[float, float]:
+    """(sum over the answer's tokens of log p(token) under the base model, sum of the regret) in one forward.
+
+    regret_t = log p_T(argmax) - log p_T(token_t), p_T the base model's distribution at ``temperature`` (its
+    own, T = 1, when 0): what the typical-acceptance search predicts per committed token; 0 for every token a
+    greedy decoder picks (ties aside)."""
+    if not answer:
+        return 0.0, 0.0
+    ids = torch.tensor([list(prompt) + list(answer)], device=loaded.device)
+    logits = loaded.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [A, V]
+    target = torch.tensor(list(answer), device=loaded.device)[:, None]
+    ll = torch.log_softmax(logits, dim=-1).gather(1, target)
+    warped = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+    regret = warped.max(dim=-1, keepdim=True).values - warped.gather(1, target)
+    return float(ll.sum()), float(regret.sum())
+
+
+@torch.inference_mode()
 def mean_log_likelihood(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[int]) -> float:
     """Mean log p(answer token | prompt, earlier answer tokens) under the base model."""
     if not answer:

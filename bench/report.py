@@ -136,6 +136,7 @@ def report(out: Path) -> list[Path]:
                                                     "machine": _machine(out), "questions": questions,
                                                     "quality": quality_of(out, card)},
                                     out / "report.json"))
+    written += _typical_measured(out, df, plots)
     shipped = _training_json()
     if shipped is not None:
         from bench.plots import plot_training
@@ -160,6 +161,24 @@ def report(out: Path) -> list[Path]:
     return [out / "summary.md", page, *[p for p in written if p.suffix in (".png", ".json")]]
 
 
+def _typical_measured(out: Path, df: pd.DataFrame, plots: Path) -> list[Path]:
+    """Sampled configurations' measured speed-up (paired over questions) and regret, beside the predicted front."""
+    from bench.plots import plot_typical_measured
+    from bench.scorecard import paired_speedup
+
+    quality = (_read(out / "quality.json") or {}).get("configs", {})
+    sampled = [c for c, q in quality.items() if q.get("temperature", 0) > 0 and c in set(df["config"])]
+    if not sampled:
+        return []
+    measured = []
+    for cfg in sampled:
+        point, (lo, hi) = paired_speedup(df, cfg, "plain")
+        measured.append({"config": cfg, "regret": quality[cfg]["regret_per_token"], "speedup": point, "lo": lo,
+                         "hi": hi})
+    front = ((_read(out / "tree-typical.json") or {}).get("acceptance") or {}).get("pareto") or []
+    return plot_typical_measured(front, measured, plots)
+
+
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -179,6 +198,7 @@ def quality_of(out: Path, card: pd.DataFrame) -> dict[str, dict]:
         greedy = (r.get("temperature") or 0.0) == 0.0
         out_q[cfg] = {"identical_to_plain": float(same) if greedy and same is not None and same == same else None,
                       "log_likelihood_per_token": ll.get(cfg, {}).get("log_likelihood_per_token"),
+                      "regret_per_token": ll.get(cfg, {}).get("regret_per_token"),
                       "judge_score": judged.get(cfg, {}).get("score"),
                       "judge_by_category": judged.get(cfg, {}).get("by_category") or None}
     return out_q

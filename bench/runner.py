@@ -53,8 +53,11 @@ class MethodConfig:
     # the heads this configuration decodes with (a folder, 'default', 'medusa1'), and so the base as they decode
     # with it (Medusa-2 heads: their adapter merged; for plain decoding, that base alone); None: the replay's own
     heads: str | None = None
+    samples: int = 1  # sampled configurations: answers drawn per (question, turn), each with a seed of its own
 
     def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"configuration {self.name!r}: samples must be >= 1, got {self.samples}")
         if self.question_ids is not None:  # lists from JSON / YAML configuration files
             object.__setattr__(self, "question_ids", tuple(int(i) for i in self.question_ids))
         if self.method not in METHODS:
@@ -76,7 +79,10 @@ class MethodConfig:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        if fields["samples"] == 1:  # added later: configurations that draw one answer keep their digests (records)
+            del fields["samples"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -89,7 +95,12 @@ class RunOutput:
     split: dict[str, float] = field(default_factory=dict)  # the runtime's methods: seconds in heads, verify, bookkeeping
 
 
-Runner = Callable[[list[int], int, float], RunOutput]  # (prompt ids, new tokens, temperature)
+Runner = Callable[..., RunOutput]  # (prompt ids, new tokens, temperature, seed=None)
+
+
+def sample_seed(question_id: int, turn: int, sample: int) -> int:
+    """The RNG seed of one sampled answer: fixed by (question, turn, sample), whatever ran before it."""
+    return int(hashlib.sha256(f"{question_id}/{turn}/{sample}".encode()).hexdigest()[:8], 16)
 
 
 def _sync(device: torch.device) -> None:
@@ -104,12 +115,12 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
         eos = list(loaded.eos_token_ids) or None
 
         @torch.inference_mode()
-        def run_hf(prompt: list[int], n: int, temperature: float = 0.0) -> RunOutput:
+        def run_hf(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> RunOutput:
             ids = torch.tensor([prompt], device=loaded.device)
             # FastChat samples when temperature >= 1e-4, with top_p 1 and no top-k
             sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} \
                 if temperature >= 1e-4 else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-            torch.manual_seed(0)
+            torch.manual_seed(0 if seed is None else seed)
             _sync(loaded.device)
             t0 = time.perf_counter()
             out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, eos_token_id=eos,
@@ -128,13 +139,15 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
         return AcceptConfig(rule=rule, temperature=temperature, posterior_threshold=cfg.posterior_threshold,
                             posterior_alpha=cfg.posterior_alpha)
 
-    def run_runtime(prompt: list[int], n: int, temperature: float = 0.0) -> RunOutput:
+    def run_runtime(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> RunOutput:
         key = (n, temperature)
         if key not in decoders:
             decoders[key] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None,
                                           accept_at(temperature),
                                           DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
                                                        lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate))
+        if seed is not None:
+            decoders[key].generator.manual_seed(seed)
         res = decoders[key].generate(prompt)
         st = res.stats
         return RunOutput(res.token_ids, st.time_total, st.steps, st.accept_lengths, st.time_prefill,
@@ -211,8 +224,11 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
            for c in configs}  # (base, heads) of each configuration
     runners = {c.digest: make_runner(c, *own[c.digest]) for c in configs}  # one name may run per fold, on its questions
-    todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(cfg.repeats)
-            for c in run_order(configs, q.question_id, t, r) if (c.name, c.digest, q.question_id, t, r) not in done
+    # a sampled configuration's repeats are its samples (each answer drawn with a seed of its own)
+    rounds = max([cfg.repeats] + [c.samples for c in configs])
+    todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds)
+            for c in run_order(configs, q.question_id, t, r) if r < max(cfg.repeats, c.samples)
+            and (c.name, c.digest, q.question_id, t, r) not in done
             and (c.question_ids is None or q.question_id in c.question_ids)]
     if not todo:
         return records
@@ -226,15 +242,17 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
-            earlier = [done[(c.name, c.digest, q.question_id, t, 0)]["answer"] for t in range(turn)]
+            # a second turn follows this repeat's (this sample's) own first answer
+            earlier = [done[(c.name, c.digest, q.question_id, t, rep)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
             temperature = c.temperature_for(q.category)
-            out = runners[c.digest](prompt, cfg.max_new_tokens, temperature)
+            seed = sample_seed(q.question_id, turn, rep) if temperature > 0 else None
+            out = runners[c.digest](prompt, cfg.max_new_tokens, temperature, seed)
             rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
                    "tree": c.tree, "accept": c.accept, "temperature": temperature,
                    "lookup_tokens": c.lookup_tokens, "gate": c.gate,
                    "question_id": q.question_id, "category": q.category,
-                   "turn": turn, "repeat": rep, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
+                   "turn": turn, "repeat": rep, "seed": seed, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
                    "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
                    "prefill_time": out.prefill_time, **out.split,
                    "token_ids": out.token_ids,

@@ -183,3 +183,75 @@ def test_score_tables_match_fastchat_on_the_published_judgments():
     for model, sub in df.groupby("model"):
         assert counts.loc[model, "judgments"] == len(sub)
         assert counts.loc[model, "unparsable"] == int((sub["score"] == -1).sum())
+
+
+def _frame(rng, n_questions: int, shift: float) -> pd.DataFrame:
+    """Two configurations' per-answer log-likelihoods: per question a common level, each answer its own noise."""
+    rows = []
+    for q in range(n_questions):
+        level = rng.normal(-2.0, 0.5)
+        for cfg, mu in (("exact", shift), ("plain", 0.0)):
+            for s in range(2):
+                tokens = 50
+                rows.append({"config": cfg, "question_id": q, "repeat": s, "tokens": tokens,
+                             "log_likelihood": tokens * (level + mu + rng.normal(0, 0.3))})
+    return pd.DataFrame(rows)
+
+
+def test_distribution_check_holds_its_size_and_the_power_it_states():
+    """Under the null (same distribution) the check rejects about 5 % of the time; at the shift it says it
+    detects with 80 % power, it rejects about 80 % of the time (16 questions, normal approximation)."""
+    import numpy as np
+
+    from bench.judging import paired_check
+
+    rng = np.random.default_rng(7)
+    null = [paired_check(_frame(rng, 16, 0.0), "exact", "plain", draws=2000, seed=i) for i in range(300)]
+    size = np.mean([not c["indistinguishable"] for c in null])
+    assert 0.02 <= size <= 0.09
+    mde = float(np.median([c["detectable_at_80_power"] for c in null]))
+    shifted = [paired_check(_frame(rng, 16, mde), "exact", "plain", draws=2000, seed=i) for i in range(300)]
+    power = np.mean([not c["indistinguishable"] for c in shifted])
+    assert 0.65 <= power <= 0.92, (mde, power)
+
+
+def test_answer_quality_regret_is_zero_for_greedy_answers_and_checks_exact_sampling(tmp_path):
+    """Scored under the model that decoded them: every greedy answer has regret 0 (each token is the argmax);
+    sampled ones have positive regret; exact tree sampling is checked against plain sampling at its
+    temperature; the log-likelihood is the sequential forward's (teacher forcing, token by token)."""
+    import torch
+
+    from bench.judging import answer_quality, write_quality
+    from bench.runner import chat_ids
+    from tests.test_replay import QUESTIONS
+
+    loaded = tiny_chat_model()
+    configs = [MethodConfig("plain", "plain"), MethodConfig("medusa chain:2", "medusa", tree="chain:2"),
+               MethodConfig("plain T0.8", "plain", temperature=0.8, samples=2),
+               MethodConfig("medusa sample T0.8", "medusa", tree="chain:2", accept="sample", temperature=0.8, samples=2)]
+    records = replay(loaded, fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size), configs, QUESTIONS,
+                     ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2), tmp_path / "r.jsonl",
+                     progress=False)
+    frame = answer_quality(loaded, records, QUESTIONS, progress=False)
+    assert len(frame) == len(records) == 3 * 2 * (1 + 1 + 2 + 2)
+    greedy = frame[frame["temperature"] == 0]
+    assert (greedy["regret"].abs() < 1e-4).all()
+    assert (frame[frame["temperature"] > 0]["regret"] > 0).any()
+    # one answer's log-likelihood, token by token with a growing prefix (an independent path)
+    r = next(r for r in records if r["config"] == "plain T0.8" and r["turn"] == 0)
+    prompt = chat_ids(loaded, QUESTIONS[[q.question_id for q in QUESTIONS].index(r["question_id"])].turns[:1], [])
+    total, ids = 0.0, list(prompt)
+    with torch.inference_mode():
+        for tok in r["token_ids"]:
+            logits = loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            total += float(torch.log_softmax(logits, -1)[tok])
+            ids.append(tok)
+    row = frame[(frame["config"] == "plain T0.8") & (frame["question_id"] == r["question_id"]) & (frame["turn"] == 0)
+                & (frame["repeat"] == r["repeat"])]
+    assert float(row["log_likelihood"].iloc[0]) == pytest.approx(total, abs=1e-3)
+    quality = json.loads(write_quality(tmp_path, frame, loaded.name).read_text())
+    assert quality["schema"] == "medusa-quality/1"
+    assert quality["configs"]["plain"]["regret_per_token"] == pytest.approx(0, abs=1e-5)
+    (check,) = quality["distribution_checks"]
+    assert (check["config"], check["reference"], check["questions"]) == ("medusa sample T0.8", "plain T0.8", 3)
+    assert 0 <= check["p_value"] <= 1 and check["detectable_at_80_power"] > 0

@@ -44,11 +44,11 @@ def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monk
     def dying(cfg_, loaded_, heads_, topk=10):
         inner = real(cfg_, loaded_, heads_, topk)
 
-        def run(prompt, n, temperature=0.0):
+        def run(prompt, n, temperature=0.0, seed=None):
             calls["n"] += 1
             if calls["n"] > 3 + 7:  # 3 warm-ups, then 7 records, then the process "dies"
                 raise KeyboardInterrupt
-            return inner(prompt, n, temperature)
+            return inner(prompt, n, temperature, seed)
 
         return run
 
@@ -195,3 +195,36 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
         assert by[("plain", q.question_id)]["token_ids"] == hf_greedy(loaded, prompt, 10)
     eq = greedy_equality(pd.DataFrame(records), "plain").set_index("config")
     assert (eq["identical_share"] == 1.0).all() and (eq["compared"] == len(QUESTIONS)).all()
+
+
+def test_sampled_configurations_draw_seeded_samples_that_do_not_depend_on_the_order(tmp_path):
+    """samples=3: three answers per (question, turn), each seeded by (question, turn, sample) and recorded; a
+    second turn follows its own sample's first answer; the same samples come back whatever ran before them."""
+    from bench.runner import sample_seed
+    from medusa_runtime.acceptance import AcceptConfig
+    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    sampled = MethodConfig("plain T0.8", "plain", temperature=0.8, samples=3)
+    rc = ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2)
+    records = replay(loaded, heads, [CONFIGS[1], sampled], QUESTIONS[:2], rc, tmp_path / "a.jsonl", progress=False)
+    mine = [r for r in records if r["config"] == "plain T0.8"]
+    assert sorted((r["question_id"], r["turn"], r["repeat"]) for r in mine) == \
+        [(q.question_id, t, s) for q in QUESTIONS[:2] for t in range(2) for s in range(3)]
+    assert all(r["seed"] == sample_seed(r["question_id"], r["turn"], r["repeat"]) for r in mine)
+    assert all(r["seed"] is None for r in records if r["config"] == "plain")
+    # the sample, drawn again by hand from its seed: the runtime's plain sampling of that prompt
+    by = {(r["question_id"], r["turn"], r["repeat"]): r for r in mine}
+    dec = MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=0.8),
+                        DecodeConfig(max_new_tokens=6, seed=0))
+    for (qid, turn, s), r in by.items():
+        q = next(x for x in QUESTIONS if x.question_id == qid)
+        earlier = [by[(qid, t, s)]["answer"] for t in range(turn)]  # its own sample's first answer
+        dec.generator.manual_seed(r["seed"])
+        assert dec.generate(runner.chat_ids(loaded, q.turns[: turn + 1], earlier)).token_ids == r["token_ids"]
+    assert len({tuple(r["token_ids"]) for r in mine if r["turn"] == 0}) > 2  # the samples differ
+    # another neighbour and order: the same samples
+    again = replay(loaded, heads, [sampled, CONFIGS[0]], QUESTIONS[:2], rc, tmp_path / "b.jsonl", progress=False)
+    assert {(r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in again if r["config"] == "plain T0.8"} \
+        == {k: r["token_ids"] for k, r in by.items()}
