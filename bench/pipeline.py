@@ -341,7 +341,7 @@ def sampled_configurations(typical: Path | None, peers: list[int], temperature: 
     acc, front = obj["acceptance"], obj["acceptance"].get("pareto") or []
     out.append({"name": f"medusa sample T{temperature}", "method": "medusa", "accept": "sample", "tree": str(typical),
                 **base})
-    points = [("typical", str(typical), acc["posterior_threshold"], acc["posterior_alpha"])]
+    points = [(f"typical T{temperature}", str(typical), acc["posterior_threshold"], acc["posterior_alpha"])]
     if front:
         from treesearch.tree import make_tree, save_tree
 
@@ -350,8 +350,8 @@ def sampled_configurations(typical: Path | None, peers: list[int], temperature: 
             f = typical.with_name(f"tree-typical-{label.replace(' ', '-')}.json")
             save_tree(make_tree(p["medusa_choices"], name=f.stem), f, predicted_tau=p["tau"],
                       predicted_speedup=p["speedup"], predicted_regret=p["regret"])
-            points.append((f"typical, {label}", str(f), p["posterior_threshold"], p["posterior_alpha"]))
-    out += [{"name": f"{name} T{temperature}", "method": "medusa", "accept": "typical", "tree": tree,
+            points.append((f"typical T{temperature} ({label})", str(f), p["posterior_threshold"], p["posterior_alpha"]))
+    out += [{"name": name, "method": "medusa", "accept": "typical", "tree": tree,
              "posterior_threshold": eps, "posterior_alpha": delta, **base} for name, tree, eps, delta in points]
     return out
 

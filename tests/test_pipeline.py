@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,29 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     two, four, again = studies[:3], studies[3:8], studies[8:]  # per run: one study per fold, and the typical one
     assert two[0] != four[0] and len(set(two + four)) == len(two + four)
     assert again == two
+
+
+def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp_path):
+    """Plain sampling, exact tree sampling and three typical points (least regret, chosen, fastest), each a
+    valid runtime configuration on the peers' questions with its samples; without a typical search only
+    plain sampling."""
+    from bench.pipeline import sampled_configurations
+    from bench.runner import MethodConfig
+    from treesearch.tree import load_tree
+
+    front = [{"medusa_choices": [[0]], "tau": 1.4, "speedup": 1.2, "regret": 0.01, "posterior_threshold": 0.3,
+              "posterior_alpha": 0.9},
+             {"medusa_choices": [[0], [1], [0, 0]], "tau": 1.8, "speedup": 1.5, "regret": 0.2,
+              "posterior_threshold": 0.1, "posterior_alpha": 0.1}]
+    typical = tmp_path / "tree-typical.json"
+    typical.write_text(json.dumps({"schema": "medusa-tree/1", "name": "t", "medusa_choices": [[0], [0, 0]],
+                                   "acceptance": {"posterior_threshold": 0.2, "posterior_alpha": 0.5,
+                                                  "pareto": front}}))
+    configs = [MethodConfig(**c) for c in sampled_configurations(typical, [81, 90], temperature=0.7, samples=3)]
+    assert [c.name for c in configs] == ["plain T0.7", "medusa sample T0.7", "typical T0.7",
+                                         "typical T0.7 (least regret)", "typical T0.7 (fastest)"]
+    assert all(c.temperature == 0.7 and c.samples == 3 and c.question_ids == (81, 90) for c in configs)
+    assert [c.accept for c in configs[1:]] == ["sample", "typical", "typical", "typical"]
+    assert load_tree(configs[3].tree).paths == ((0,),) and load_tree(configs[4].tree).num_nodes == 4
+    assert (configs[2].posterior_threshold, configs[4].posterior_alpha) == (0.2, 0.1)
+    assert [c["name"] for c in sampled_configurations(tmp_path / "missing.json", [81])] == ["plain T0.7"]
