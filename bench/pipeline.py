@@ -284,6 +284,7 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
     cache.run("search-typical", {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
+                                 "front": "regret and total_regret",
                                  "trials": prof.search_trials, "exclude": fold0}, [typical],
               lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
                            str(prof.search_budget), "--trials", str(prof.search_trials), "--accept", "typical",

@@ -161,10 +161,12 @@ def plot_typical_measured(front: list[dict], measured: list[dict], out_dir: str 
     """The typical search's predicted front (speed-up over plain against regret per token) beside what the
     replay measured for the sampled configurations (``measured``: config, regret, speedup, lo, hi)."""
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    if front:
-        pts = sorted(front, key=lambda p: p["regret"])
-        ax.plot([p["regret"] for p in pts], [p["speedup"] for p in pts], marker="o", ms=4, color="tab:gray",
-                label="predicted front (replay of calibration rollouts)")
+    if front:  # regret of the whole answer: accepted drafts and the sampled tokens (older files: drafts only)
+        total = all("total_regret" in p for p in front)
+        pts = sorted(front, key=lambda p: p["total_regret" if total else "regret"])
+        ax.plot([p["total_regret" if total else "regret"] for p in pts], [p["speedup"] for p in pts], marker="o",
+                ms=4, color="tab:gray", label="predicted front (replay of calibration rollouts)"
+                + ("" if total else ": drafts' regret only"))
     markers = "sD^v<>ph*"
     for i, m in enumerate(measured):
         ax.errorbar([m["regret"]], [m["speedup"]], yerr=[[m["speedup"] - m["lo"]], [m["hi"] - m["speedup"]]],

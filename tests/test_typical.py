@@ -59,14 +59,15 @@ def random_typical(seed: int, sequences: int = 4, length: int = 40, heads: int =
         logp = -rng.exponential(1.5, size=(m - 1, heads, topk)).astype(np.float32)
         q = np.arange(m - 1)[:, None] + np.arange(heads)[None, :] + 1
         logp[q >= m] = -np.inf
-        out.append(TypicalSeq(logp, rng.uniform(0, 4, m).astype(np.float32), np.zeros(m, np.float32)))
+        out.append(TypicalSeq(logp, rng.uniform(0, 4, m).astype(np.float32),
+                              -rng.exponential(0.5, m).astype(np.float32)))
     return out
 
 
-def brute_force_walk(tree, seqs, eps: float, delta: float) -> tuple[float, float]:
+def brute_force_walk(tree, seqs, eps: float, delta: float) -> tuple[float, float, float]:
     """Independent reference: enumerate the tree's paths at every step, test each node by the formula."""
     steps = tokens = 0
-    regret = 0.0
+    regret = sampled = 0.0
     for seq in seqs:
         n = seq.logp.shape[0]
         t = 0
@@ -88,8 +89,9 @@ def brute_force_walk(tree, seqs, eps: float, delta: float) -> tuple[float, float
             steps += 1
             tokens += 1 + len(best)
             regret += sum(float(seq.greedy_logp[t + j + 1] - seq.logp[t, j, r]) for j, r in enumerate(best))
+            sampled += float(seq.greedy_logp[t]) + float(seq.entropy[t])  # this step's root was a sample
             t += 1 + len(best)
-    return tokens / steps, regret / tokens
+    return tokens / steps, regret / tokens, sampled / tokens
 
 
 @pytest.mark.parametrize("tree_name", ["chain:3", "random", "vicuna_7b_stage2"])
@@ -100,8 +102,9 @@ def test_typical_replay_against_brute_force(tree_name, eps, delta):
     topk = max(4, tree.max_rank + 1)
     seqs = random_typical(1, heads=heads, topk=topk)
     got = typical_walk(tree, seqs, TypicalParams(eps, delta))
-    tau, regret = brute_force_walk(tree, seqs, eps, delta)
+    tau, regret, sampled = brute_force_walk(tree, seqs, eps, delta)
     assert got.tau == pytest.approx(tau) and got.regret == pytest.approx(regret, abs=1e-9)
+    assert got.sampling_regret == pytest.approx(sampled, rel=1e-6) and got.total_regret > got.regret
     assert got.tau > 1.0  # the cases accept something
 
 

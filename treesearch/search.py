@@ -84,6 +84,7 @@ class TreeScore:
     tokens_per_s: float | None
     typical: TypicalParams | None = None  # thresholds (typical acceptance only)
     regret: float | None = None  # typical: quality proxy, nats per token lost against the base model's choice
+    sampling_regret: float | None = None  # typical: the sampled tokens' expected regret, per token (see typical.py)
     lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
     gate: float = 0.0  # confidence gate on the tree's levels (0: off)
 
@@ -160,7 +161,8 @@ def score_typical(tree: Tree, stats: AcceptanceStats, params: TypicalParams, lat
                   context: int | None) -> TreeScore:
     """Tau and regret by replaying typical acceptance on the fitting rollouts (``treesearch.typical``)."""
     walk = typical_walk(tree, _typical_stats(stats).rollouts, params)
-    return _with_speed(tree, walk.tau, latency, context, typical=params, regret=walk.regret)
+    return _with_speed(tree, walk.tau, latency, context, typical=params, regret=walk.regret,
+                       sampling_regret=walk.sampling_regret)
 
 
 class TreeObjective:
@@ -456,6 +458,7 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
                                     "predicted_regret": round(best.regret, 6), "max_regret": cfg.max_regret,
                                     "pareto": [{"medusa_choices": s.tree.as_lists(), "tau": round(s.tau, 6),
                                                 "speedup": s.speedup, "regret": round(s.regret, 6),
+                                                "total_regret": round(s.regret + (s.sampling_regret or 0.0), 6),
                                                 "posterior_threshold": s.typical.posterior_threshold,
                                                 "posterior_alpha": s.typical.posterior_alpha}
                                                for s in result.pareto]}

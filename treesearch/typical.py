@@ -84,6 +84,14 @@ class TypicalResult:
     deviation: float  # share of committed tokens that differ from the base model's own choice
     steps: int
     tokens: int
+    # each step also commits one token *sampled* from p (the next root): its expected regret against the base
+    # model's own token, E_x~p[log p(own) - log p(x)] = log p(own) + H(p), per committed token; with ``regret``
+    # it is what a typical-acceptance answer's tokens give up in all (0 for greedy decoding)
+    sampling_regret: float = 0.0
+
+    @property
+    def total_regret(self) -> float:
+        return self.regret + self.sampling_regret
 
 
 # ---------------------------------------------------------------------------- replay
@@ -134,19 +142,21 @@ def accepted_per_position(seq: TypicalSeq, tree: Tree, params: TypicalParams) ->
 def typical_walk(tree: Tree, seqs: Sequence[TypicalSeq], params: TypicalParams) -> TypicalResult:
     """Replay typical-acceptance decoding along each rollout (see the module doc)."""
     steps = tokens = 0
-    regret = dev = 0.0
+    regret = dev = sampled = 0.0
     for seq in seqs:
         depth, reg, devs = accepted_per_position(seq, tree, params)
+        root = seq.greedy_logp + seq.entropy  # [M]: expected regret of sampling rollout token q from p
         t, n = 0, len(depth)
         while t < n:
             steps += 1
             tokens += 1 + int(depth[t])
             regret += float(reg[t])
             dev += float(devs[t])
+            sampled += float(root[t])  # the step's root, at rollout index t, was sampled by the step before
             t += 1 + int(depth[t])
     if not steps:
         raise StatsError("no typical rollouts to replay")
-    return TypicalResult(tokens / steps, regret / tokens, dev / tokens, steps, tokens)
+    return TypicalResult(tokens / steps, regret / tokens, dev / tokens, steps, tokens, sampled / tokens)
 
 
 # ---------------------------------------------------------------------------- JSON
