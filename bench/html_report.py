@@ -55,7 +55,8 @@ FIGURES = (
     Figure("pareto_typical", "Typical acceptance: speed against regret",
            "Trees and thresholds searched for typical acceptance: predicted speed-up against the predicted "
            "regret (nats/token of the base model's log-likelihood given up)."),
-    Figure("search_history", "Search history", "The tree search's trials: predicted speed-up per trial."),
+    Figure("search_history", "Search history", "The typical-acceptance search's trials: predicted speed-up over "
+           "plain decoding per trial, the best so far, and the official mc_sim_7b_63 tree as a baseline trial."),
     Figure("speedup_vs_budget", "Speed-up against tree budget", "Best predicted speed-up per tree-size budget."),
     Figure("training_curves", "Training of the shipped heads", "Loss and head-0 accuracy over training steps."),
 )
@@ -159,8 +160,9 @@ def _ll_table(quality: dict | None) -> str:
                     for c in checks)
     return ("<p>Under the base model (proxies): mean log-likelihood per answer token, and regret per token (log "
             "p<sub>T</sub> of the base model's own argmax minus that of the token, at the configuration's "
-            "temperature: 0 for greedy decoding). Every greedy configuration of the runtime shares plain "
-            "decoding's answers.</p>" + _table(pd.DataFrame(rows))
+            "temperature: about 0 for greedy decoding, where the runtime's bfloat16 forward and transformers' round a "
+            "few near-ties differently). Every greedy configuration of the runtime shares plain decoding's "
+            "answers.</p>" + _table(pd.DataFrame(rows))
             + (f"<p>Exact tree sampling against plain sampling:</p><ul>{lines}</ul>" if lines else ""))
 
 

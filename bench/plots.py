@@ -56,8 +56,8 @@ def plot_search(result, stats: AcceptanceStats, latency: LatencyProfile | None, 
         if h.get("baseline"):
             ax.scatter([h["number"]], [h["value"]], marker="*", s=120, color="black", label=h["baseline"])
     ax.set_xlabel("trial")
-    ax.set_ylabel(result.objective)
-    ax.set_title(f"Optuna study {result.study_name!r}")
+    ax.set_ylabel(f"predicted {result.objective}" + (" over plain decoding" if result.objective == "speedup" else ""))
+    ax.set_title(f"search history ({len(hist)} trials; Optuna study in the tree file)")
     ax.legend(fontsize=8)
     written += _save(fig, out_dir, "search_history")
 

@@ -27,6 +27,8 @@ def _setting(v) -> str:
     """A configuration's setting for the table: '-' for none, 'a-b' where the folds' picks differ."""
     if v is None or v == 0:
         return "-"
+    if isinstance(v, float) and v.is_integer():  # counts come back from JSON as floats where a column had NaN
+        v = int(v)
     return f"{min(v)}-{max(v)}" if isinstance(v, list) else str(v)
 
 
@@ -38,16 +40,19 @@ def render(report: dict) -> str:
     lines = [f"`nox -s bench` on {m.get('cpu_model') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores; decode steps on the C "
              f"forward: {m.get('lean_c_forward', '?')}), {report.get('created', '?')[:10]}: "
              f"{q.get('questions', '?')}, {len(q.get('replayed', []))} questions replayed in {len(q.get('folds', []))} "
-             f"folds ({q.get('max_new_tokens', '?')} new tokens, greedy, bf16), calibrated on {q.get('calibration', '?')}.",
+             f"folds ({q.get('max_new_tokens', '?')} new tokens, bf16), calibrated on {q.get('calibration', '?')}.",
              "",
-             "| configuration | tree nodes | lookup | questions | tokens/s | tau | predicted tau | "
+             "| configuration | decoding | tree nodes | lookup | questions | tokens/s | tau | predicted tau | "
              "speed-up vs plain (95 %) | predicted | outputs = plain |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in report["configs"]:
         ci = c.get("speedup_vs_plain_ci") or [None, None]
         name = f"**{c['config']}**" if c.get("searched") else c["config"]
         same = c.get("identical_to_plain")
-        lines.append(f"| {name} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
+        t = c.get("temperature") or 0
+        decoding = c.get("accept") or "greedy"
+        decoding += f", T {t:g}" if t else ""
+        lines.append(f"| {name} | {decoding} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
                      f"{c.get('questions', '-')} | {_num(c.get('tokens_per_s'), '.1f')} | "
                      f"{_num(c.get('tau'))} | {_num(c.get('predicted_tau'))} | {_num(c.get('speedup_vs_plain'))}x "
                      f"({_num(ci[0])}-{_num(ci[1])}) | {_num(c.get('predicted_speedup_vs_plain'))} | "
@@ -55,13 +60,20 @@ def render(report: dict) -> str:
     lines.append("")
     if "searched" in v:
         lines.append(f"The search's pick (**searched**, chosen per fold without that fold's questions) ran at "
-                     f"{v['searched_vs_fastest']:.3f}x the fastest configuration measured ({v['fastest']}).")
+                     f"{v['searched_vs_fastest']:.3f}x the fastest lossless (greedy) configuration measured "
+                     f"({v['fastest']}).")
     if v.get("predictions"):
         lines.append(f"Predicted against measured, for the {v['predictions']} configurations run on every replayed "
                      f"question: worst tau error {100 * v['worst_tau_error']:.1f} % (tolerance "
                      f"{100 * v['tau_tolerance']:.0f} %), worst speed-up error {100 * v['worst_speedup_error']:.1f} % "
                      f"(tolerance {100 * v['speedup_tolerance']:.0f} %); predictions priced with "
                      f"{q.get('predictions_priced_with', 'the latency profile measured before the replay')}.")
+    for c in report.get("distribution_checks") or []:
+        if c.get("p_value") is not None:
+            lines.append(f"{c['config']} against {c['reference']} ({c['questions']} questions, {c['answers']} answers): "
+                         f"log-likelihood per token differs by {c['mean_difference']:+.3f} nats, p = {c['p_value']:.2f} "
+                         f"({'indistinguishable' if c['indistinguishable'] else 'different'}; the test detects "
+                         f"{c['detectable_at_80_power']:.2f} nats/token with 80 % power).")
     return "\n".join(lines)
 
 

@@ -137,7 +137,9 @@ def report(out: Path) -> list[Path]:
         section = scorecard_section(card, verdict) + f"\nPredicted speeds are priced with {questions['predictions_priced_with']}.\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions,
-                                                    "quality": quality_of(out, card)},
+                                                    "quality": quality_of(out, card),
+                                                    "distribution_checks": (_read(out / "quality.json") or {}).get(
+                                                        "distribution_checks")},
                                     out / "report.json"))
     written += _typical_measured(out, df, plots)
     shipped = _training_json()

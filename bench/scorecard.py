@@ -167,5 +167,6 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
     obj = {"schema": REPORT_SCHEMA, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": meta.get("machine") or {"platform": platform.platform(), "node": platform.node()},
            "versions": meta.get("versions", {}), "questions": meta.get("questions", {}),
-           "verdict": {k: clean(v) for k, v in summary.items()}, "configs": configs}
+           "verdict": {k: clean(v) for k, v in summary.items()}, "configs": configs,
+           "distribution_checks": meta.get("distribution_checks") or []}
     return write_json_atomic(out, obj)
