@@ -82,6 +82,7 @@ class BenchOptions:
     device: str = "cpu"  # cpu | cuda | cuda:N
     compare_heads: str | None = None  # heads whose chains are replayed beside --heads' (each on its own base)
     judge: str | None = None  # FastChat single grading by this model (an OpenAI-compatible endpoint's, or local:M)
+    max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
 
     def model_args(self) -> tuple[str, ...]:
         """What every stage's command gets to load the same model the same way."""
@@ -408,7 +409,13 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
 
 
 def run(opts: BenchOptions) -> None:
-    prof = PROFILES[opts.profile] if opts.folds is None else replace(PROFILES[opts.profile], folds=opts.folds)
+    prof = PROFILES[opts.profile]
+    if opts.folds is not None:
+        prof = replace(prof, folds=opts.folds)
+    if opts.max_new_tokens is not None:
+        if opts.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+        prof = replace(prof, max_new_tokens=opts.max_new_tokens)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = StageCache(out)
@@ -527,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="another head set whose chains are replayed beside the main heads' (a folder, medusa1, "
                              "none; auto: the shipped Medusa-1 heads when the shipped default is Medusa-2)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="new tokens per replayed turn and calibration rollout (default: the profile's; FastChat "
+                             "answers MT-Bench with up to 1024 for its judge)")
     parser.add_argument("--judge", default=None,
                         help="grade every configuration's answers (FastChat single mode) with this model: a model "
                              "behind an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY) or local:MODEL")
@@ -536,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
-                            compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge)
+                            compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
+                            max_new_tokens=args.max_new_tokens)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),

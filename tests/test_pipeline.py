@@ -86,7 +86,7 @@ def test_folds_option_reaches_the_workload_and_bad_counts_fail_in_one_line(tmp_p
         pass
 
     def workload(opts, prof, out):
-        seen["folds"] = prof.folds
+        seen["folds"], seen["tokens"] = prof.folds, prof.max_new_tokens
         raise Stop
 
     monkeypatch.setattr(pipeline, "stage_heads", lambda opts, out, cache: tmp_path)
@@ -97,6 +97,12 @@ def test_folds_option_reaches_the_workload_and_bad_counts_fail_in_one_line(tmp_p
     with pytest.raises(Stop):
         pipeline.main(["--out", str(tmp_path / "b")])
     assert seen["folds"] == pipeline.PROFILES["quick"].folds == 10
+    assert seen["tokens"] == pipeline.PROFILES["quick"].max_new_tokens
+    with pytest.raises(Stop):  # FastChat's answer length for its judge
+        pipeline.main(["--max-new-tokens", "1024", "--out", str(tmp_path / "d")])
+    assert seen["tokens"] == 1024
+    assert pipeline.main(["--max-new-tokens", "0", "--out", str(tmp_path / "e")]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
     monkeypatch.undo()
     assert pipeline.main(["--folds", "0", "--out", str(tmp_path / "c")]) == 2
     assert "folds must be within" in capsys.readouterr().err
