@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from treesearch.tree import write_json_atomic
+from treesearch.typical import SEARCH_TEMPERATURE
 
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
 # (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
@@ -36,9 +37,11 @@ from treesearch.tree import write_json_atomic
 # 7: the C forward on AMX tiles. 8: heads level by level in the C library. 9: profile: monotone verify rows,
 # prefill as paid inside decode runs. 10: calibration rollouts by the runtime's own decoding, ratios within rounds.
 # 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
-# path on weights packed in blocks of 4 rows (a plain step ~30 % faster).
-RUNTIME_REVISION = 12
-TYPICAL_TEMPERATURE = 0.7  # calibration also stores what a typical-acceptance search at this temperature needs
+# path on weights packed in blocks of 4 rows (a plain step ~30 % faster). 13: sampled steps draw by inverting the
+# CDF (1 ms a step less); the profile times what typical acceptance adds to a step.
+RUNTIME_REVISION = 13
+# calibration stores what a typical-acceptance search at this temperature needs; the profile times its steps
+TYPICAL_TEMPERATURE = SEARCH_TEMPERATURE
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 

@@ -137,14 +137,19 @@ def accept_typical(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuff
     """Accept x after node u when p_u(x) > min(epsilon, delta * exp(-H(p_u))), p at temperature T."""
     if cfg.temperature == 0:
         return accept_greedy(tokens, logits, buffers)
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # [N, V]
-    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)  # [N]
-    threshold = torch.minimum(torch.full_like(entropy, cfg.posterior_threshold),
-                              cfg.posterior_alpha * torch.exp(-entropy))  # [N]
-    parents = buffers.parent[1:]
-    p_tok = probs[parents, tokens[1:]]  # [N-1]: probability of each candidate under its parent
-    ok = p_tok > threshold[parents]
-    path = _longest_path(ok, buffers, score=torch.log(p_tok.clamp_min(1e-30)))
+    parents = buffers.parent[1:]  # [N-1]
+    if parents.numel():
+        # only nodes with children need their distribution: one log-softmax per parent, not per node
+        uniq, inv = torch.unique(parents, return_inverse=True)  # [P] parent nodes, [N-1] -> index into them
+        logp = torch.log_softmax(logits[uniq].float() / cfg.temperature, dim=-1)  # [P, V]
+        entropy = -(logp.exp() * logp).sum(-1)  # [P]
+        threshold = torch.minimum(torch.full_like(entropy, cfg.posterior_threshold),
+                                  cfg.posterior_alpha * torch.exp(-entropy))  # [P]
+        lp_tok = logp[inv, tokens[1:]]  # [N-1]: log p of each candidate under its parent
+        ok = lp_tok.exp() > threshold[inv]
+        path = _longest_path(ok, buffers, score=lp_tok)
+    else:
+        path = [0]
     return Accepted(path, _sample(warp(logits[path[-1]], cfg), gen))
 
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from treesearch.cost import LatencyProfile, head_rows
 from treesearch.optimal import IndependentModel, optimal_tree
 from treesearch.tree import chain, load_tree
+from treesearch.typical import SEARCH_TEMPERATURE
 
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
@@ -235,10 +236,13 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
                     "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
                     "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
-                    "lookup = drafting and extending the n-gram index, per step"}
+                    "lookup = drafting and extending the n-gram index, per step; sampling_extra = typical "
+                    f"acceptance at T {SAMPLING_TEMPERATURE} over greedy acceptance, per step, by verified nodes"}
+    sampling = _sampling_extra_ms(loaded.vocab_size, [trees.get(n) or _shape_tree(n, heads.num_heads)
+                                                      for n in loop_sizes], heads.num_heads, cfg)
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
-                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned)
+                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
 
 
 def _wide_trees(heads: MedusaHeads) -> list:
@@ -319,6 +323,35 @@ def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, s
             index.extend([root, phrase[(i + 1) % len(phrase)]])
 
     return _median_ms(run, lambda: None, max(3, cfg.repeats), 1) / steps
+
+
+SAMPLING_TEMPERATURE = SEARCH_TEMPERATURE  # sampled steps are timed at the typical search's temperature
+
+
+def _sampling_extra_ms(vocab: int, trees: list, num_heads: int, cfg: ProfileConfig
+                       ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(verified nodes, ms) that typical acceptance at a temperature adds to a step over greedy acceptance: the
+    tempered softmax and entropy of every node, the test, the next token's draw (1 node: plain sampling's
+    draw against an argmax). Random logits [N, V] as the verify returns them; medians of rounds; compute
+    only, so it does not move with the memory bandwidth."""
+    from .acceptance import AcceptConfig, accept, accept_greedy
+    from .tree_buffers import build_tree_buffers, plain_buffers
+
+    gen = torch.Generator().manual_seed(2)
+    typical = AcceptConfig(rule="typical", temperature=SAMPLING_TEMPERATURE)
+    cases = [(1, plain_buffers())] + [(t.num_nodes, build_tree_buffers(t, num_heads, t.max_rank + 1)) for t in trees]
+    fns = []
+    for n, buffers in cases:
+        logits = torch.randn(n, vocab, generator=gen) * 4
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        fns += [lambda t=tokens, lg=logits, b=buffers: accept(t, lg, b, typical, gen),
+                lambda t=tokens, lg=logits, b=buffers: accept_greedy(t, lg, b)]
+    times = _interleaved_ms(fns, lambda: None, max(5, cfg.repeats), cfg.warmup)
+    extra = {}
+    for (n, _), sampled, greedy in zip(cases, times[0::2], times[1::2]):
+        extra.setdefault(n, []).append(max(0.0, sampled - greedy))
+    sizes = sorted(extra)
+    return tuple(sizes), tuple(float(np.median(extra[n])) for n in sizes)
 
 
 def _fit_heads(trees, times: list[float], path_conditioned: bool) -> tuple[float, float, float]:

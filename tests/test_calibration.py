@@ -107,6 +107,8 @@ def test_profile_smoke():
     assert prof.bookkeeping_nodes == (1, 4, 16) and all(x > 0 for x in prof.bookkeeping_by_nodes_ms)
     assert prof.prefill_tokens == (16, 32) and all(x > 0 for x in prof.prefill_ms) and prof.lookup_ms > 0
     assert len(prof.heads_fit) == 3 and prof.heads_time(load_tree("chain:3")) > 0
+    # what a typical-acceptance step adds, by verified nodes (plain sampling's draw at 1)
+    assert prof.sampling_nodes == (1, 4, 16) and all(x >= 0 for x in prof.sampling_extra_ms)
 
 
 def test_verify_rows_are_made_non_decreasing_as_isotonic_regression_does():

@@ -55,6 +55,10 @@ class LatencyProfile:
     # heads time fitted on trees of many shapes: ms = intercept + per_level * depth + per_row * head rows
     heads_fit: tuple[float, ...] = ()  # (intercept, per_level, per_row); () when not fitted
     heads_path_conditioned: bool = False  # path-conditioned heads score one row per parent (else one per head)
+    # a sampled step (typical acceptance at a temperature) over a greedy one: tempered softmax and entropy per
+    # node, the test, the draw of the next token (ms, by verified nodes; () when not measured: counted as 0)
+    sampling_nodes: tuple[int, ...] = ()
+    sampling_extra_ms: tuple[float, ...] = ()
 
     def _by_context(self, values: np.ndarray, context: int | None) -> np.ndarray:
         """values [contexts, ...] at ``context``: linear between measured contexts, the last segment extended
@@ -91,6 +95,12 @@ class LatencyProfile:
         if not self.bookkeeping_nodes:
             return self.bookkeeping_ms
         return float(np.interp(num_nodes, self.bookkeeping_nodes, self.bookkeeping_by_nodes_ms))
+
+    def sampling_extra(self, num_nodes: int) -> float:
+        """What typical acceptance adds to a step that verified ``num_nodes`` nodes (0 where not measured)."""
+        if not self.sampling_nodes:
+            return 0.0
+        return float(np.interp(num_nodes, self.sampling_nodes, self.sampling_extra_ms))
 
     def prefill(self, prompt_tokens: int) -> float:
         """The prompt forward (ms): linear between the timed lengths, the end segments extended (0 if not timed)."""
@@ -138,8 +148,11 @@ class Prediction:
     speedup: float  # over the runtime's plain decoding
 
 
-def predict(profile: LatencyProfile, tau: float, num_nodes: int, context: int | None = None) -> Prediction:
-    step = profile.step_ms(num_nodes, context)
+def predict(profile: LatencyProfile, tau: float, num_nodes: int, context: int | None = None,
+            sampled: bool = False) -> Prediction:
+    """tau at a step of ``num_nodes`` against plain (greedy) decoding; ``sampled``: the step samples (typical
+    acceptance), so it pays the profile's sampling extra too."""
+    step = profile.step_ms(num_nodes, context) + (profile.sampling_extra(num_nodes) if sampled else 0.0)
     tps = 1000.0 * tau / step
     plain = 1000.0 / profile.plain(context)
     return Prediction(tau, step, tps, plain, tps / plain)
@@ -152,7 +165,8 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
             "heads_by_nodes_ms": list(p.heads_by_nodes_ms), "bookkeeping_nodes": list(p.bookkeeping_nodes),
             "bookkeeping_by_nodes_ms": list(p.bookkeeping_by_nodes_ms), "prefill_tokens": list(p.prefill_tokens),
             "prefill_ms": list(p.prefill_ms), "lookup_ms": p.lookup_ms, "heads_fit": list(p.heads_fit),
-            "heads_path_conditioned": p.heads_path_conditioned}
+            "heads_path_conditioned": p.heads_path_conditioned, "sampling_nodes": list(p.sampling_nodes),
+            "sampling_extra_ms": list(p.sampling_extra_ms)}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -179,6 +193,8 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         lookup = float(obj.get("lookup_ms", 0.0))
         heads_fit = tuple(float(x) for x in obj.get("heads_fit", ()))
         path_conditioned = bool(obj.get("heads_path_conditioned", False))
+        sampling_nodes = tuple(int(n) for n in obj.get("sampling_nodes", ()))
+        sampling_extra = tuple(float(x) for x in obj.get("sampling_extra_ms", ()))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -192,7 +208,8 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency 'heads_nodes' must be ascending, distinct and >= 2, with one non-negative "
                          "'heads_by_nodes_ms' time each")
     for name, xs, ys, low in (("bookkeeping_nodes", book_nodes, book_by_nodes, 1),
-                              ("prefill_tokens", prefill_tokens, prefill, 1)):
+                              ("prefill_tokens", prefill_tokens, prefill, 1),
+                              ("sampling_nodes", sampling_nodes, sampling_extra, 1)):
         if len(xs) != len(ys) or list(xs) != sorted(set(xs)) or any(n < low for n in xs) or any(y < 0 for y in ys):
             raise StatsError(f"latency '{name}' must be ascending, distinct and >= {low}, with one non-negative "
                              "time each")
@@ -202,10 +219,10 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
             "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
-            "lookup_ms", "heads_fit", "heads_path_conditioned"}
+            "lookup_ms", "heads_fit", "heads_path_conditioned", "sampling_nodes", "sampling_extra_ms"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
-                          heads_fit, path_conditioned)
+                          heads_fit, path_conditioned, sampling_nodes, sampling_extra)
 
 
 def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
@@ -214,10 +231,10 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
     Profiles on other grids are refused (StatsError)."""
     first = profiles[0]
     grid = (first.nodes, first.contexts, first.heads_nodes, first.bookkeeping_nodes, first.prefill_tokens,
-            len(first.heads_fit), first.heads_path_conditioned)
+            len(first.heads_fit), first.heads_path_conditioned, first.sampling_nodes)
     for p in profiles[1:]:
         if (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
-                p.heads_path_conditioned) != grid:
+                p.heads_path_conditioned, p.sampling_nodes) != grid:
             raise StatsError("latency profiles measured on different grids cannot be averaged")
 
     def mean(values):  # values: one float, or nested tuples of floats, per profile
@@ -227,7 +244,7 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
         return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
     fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
-              "prefill_ms", "lookup_ms", "heads_fit")
+              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms")
     averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
     meta = {**first.meta, "averaged_profiles": len(profiles)}
     return replace(first, meta=meta, **averaged)

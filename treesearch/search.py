@@ -135,7 +135,7 @@ def _typical_stats(stats: AcceptanceStats):
 def _with_speed(tree: Tree, tau: float, latency: LatencyProfile | None, context: int | None, **extra) -> TreeScore:
     if latency is None:
         return TreeScore(tree, tau, None, None, **extra)
-    pred = predict(latency, tau, tree.num_nodes, context)
+    pred = predict(latency, tau, tree.num_nodes, context, sampled=extra.get("typical") is not None)
     return TreeScore(tree, tau, pred.speedup, pred.tokens_per_s, **extra)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from .stats import StatsError
 from .tree import Tree, check_fits
 
+SEARCH_TEMPERATURE = 0.7  # the temperature the bench calibrates, profiles and searches typical acceptance at
 
 @dataclass(frozen=True)
 class TypicalParams:
