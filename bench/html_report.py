@@ -133,9 +133,14 @@ def _configs_table(report: dict) -> str:
     if not rows:
         return ""
     df = pd.DataFrame(rows)
-    for col in ("lookup", "tree_nodes"):  # counts, not measurements
+    def count(v):  # a count as an integer; the folds' picks may differ: then their sorted list, as a range
+        if isinstance(v, list):
+            return f"{min(v):g}-{max(v):g}"
+        return "-" if v is None or v != v else f"{v:g}"
+
+    for col in ("lookup", "tree_nodes"):
         if col in df:
-            df[col] = df[col].astype("Int64")
+            df[col] = df[col].map(count)
     for col in ("speedup_vs_plain_ci", "tau_ci", "predicted_tau_ci"):
         if col in df:
             df[col] = df[col].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if isinstance(c, list) else "-")

@@ -74,3 +74,15 @@ def test_category_intervals_are_paired_bootstraps_that_hold_the_point(tmp_path):
     assert {c for c, _ in ci} == {"generate", "medusa chain:2"}
     for (cfg, cat), (lo, hi) in ci.items():
         assert lo <= table.loc[(cfg, cat), "speedup_vs_plain"] <= hi
+
+
+def test_configuration_table_shows_counts_and_the_folds_ranges(tmp_path):
+    """report.json's lookup and tree_nodes are counts, or lists where the folds' picks differ: the page shows
+    integers and ranges (a list once broke the page's table)."""
+    from bench.html_report import write_html
+
+    (tmp_path / "report.json").write_text(json.dumps({"configs": [
+        {"config": "plain", "lookup": 0, "tree_nodes": None, "tokens_per_s": 100.0},
+        {"config": "searched", "lookup": [4, 6], "tree_nodes": [1.0, 3.0], "tokens_per_s": 140.0}]}))
+    page = write_html(tmp_path, {}, {"model": "m"}).read_text()
+    assert "<td>4-6</td>" in page and "<td>1-3</td>" in page and "<td>0</td>" in page
