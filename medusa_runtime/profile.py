@@ -24,6 +24,7 @@ from treesearch.optimal import IndependentModel, optimal_tree
 from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
 
+from .acceptance import AcceptConfig
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
@@ -206,8 +207,15 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
         [chain(d) for d in range(1, heads.num_heads + 1)] + _wide_trees(heads)
     loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
         [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
+    # the same steps sampled (plain sampling, typical acceptance on the shapes), in the same rounds
+    typical = AcceptConfig(rule="typical", temperature=SAMPLING_TEMPERATURE)
+    sampled = [MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=SAMPLING_TEMPERATURE),
+                             _loop_cfg(seed=0))] + \
+        [MedusaDecoder(loaded, heads, t, typical, _loop_cfg(t.max_rank + 1, seed=0)) for t in loop_trees[:len(loop_sizes)]]
     mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
-    times = _loop_rounds(loops, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg, bar=bar)
+    times = _loop_rounds(loops + sampled, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg,
+                         bar=bar)
+    times, sampled_times = times[:len(loops)], times[len(loops):]
     bar.close()
     verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], times)
     plain_rest = times[0].rest
@@ -236,10 +244,11 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
                     "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
                     "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
-                    "lookup = drafting and extending the n-gram index, per step; sampling_extra = typical "
-                    f"acceptance at T {SAMPLING_TEMPERATURE} over greedy acceptance, per step, by verified nodes"}
-    sampling = _sampling_extra_ms(loaded.vocab_size, [trees.get(n) or _shape_tree(n, heads.num_heads)
-                                                      for n in loop_sizes], heads.num_heads, cfg)
+                    "lookup = drafting and extending the n-gram index, per step; sampling_extra = a sampled step "
+                    f"at T {SAMPLING_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
+                    "the greedy step of the same size, both in real decode loops of the same rounds"}
+    # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
+    sampling = (tuple(book_sizes), tuple(max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)))
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
                           tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
@@ -294,8 +303,8 @@ def _non_decreasing(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
-def _loop_cfg(topk: int = 10) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False)
+def _loop_cfg(topk: int = 10, seed: int | None = None) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False, seed=seed)
 
 
 def _prefill_ms(loaded: LoadedModel, lengths: tuple[int, ...], gen: torch.Generator, sync, cfg: ProfileConfig
@@ -326,32 +335,6 @@ def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, s
 
 
 SAMPLING_TEMPERATURE = SEARCH_TEMPERATURE  # sampled steps are timed at the typical search's temperature
-
-
-def _sampling_extra_ms(vocab: int, trees: list, num_heads: int, cfg: ProfileConfig
-                       ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """(verified nodes, ms) that typical acceptance at a temperature adds to a step over greedy acceptance: the
-    tempered softmax and entropy of every node, the test, the next token's draw (1 node: plain sampling's
-    draw against an argmax). Random logits [N, V] as the verify returns them; medians of rounds; compute
-    only, so it does not move with the memory bandwidth."""
-    from .acceptance import AcceptConfig, accept, accept_greedy
-    from .tree_buffers import build_tree_buffers, plain_buffers
-
-    gen = torch.Generator().manual_seed(2)
-    typical = AcceptConfig(rule="typical", temperature=SAMPLING_TEMPERATURE)
-    cases = [(1, plain_buffers())] + [(t.num_nodes, build_tree_buffers(t, num_heads, t.max_rank + 1)) for t in trees]
-    fns = []
-    for n, buffers in cases:
-        logits = torch.randn(n, vocab, generator=gen) * 4
-        tokens = torch.randint(0, vocab, (n,), generator=gen)
-        fns += [lambda t=tokens, lg=logits, b=buffers: accept(t, lg, b, typical, gen),
-                lambda t=tokens, lg=logits, b=buffers: accept_greedy(t, lg, b)]
-    times = _interleaved_ms(fns, lambda: None, max(5, cfg.repeats), cfg.warmup)
-    extra = {}
-    for (n, _), sampled, greedy in zip(cases, times[0::2], times[1::2]):
-        extra.setdefault(n, []).append(max(0.0, sampled - greedy))
-    sizes = sorted(extra)
-    return tuple(sizes), tuple(float(np.median(extra[n])) for n in sizes)
 
 
 def _fit_heads(trees, times: list[float], path_conditioned: bool) -> tuple[float, float, float]:
