@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .acceptance import AcceptConfig
 from .decode import DecodeConfig, MedusaDecoder
+from .lookup import LookupConfig
 from .model import LoadedModel
 
 
@@ -39,12 +40,15 @@ class ServeConfig:
     max_tokens: int = 1024  # the default and the ceiling of a request's max_tokens (FastChat's judge asks 2048)
     tree: str | None = None  # the heads' tree (None: plain decoding)
     topk: int = 10
+    lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be within 0-65535, got {self.port}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.lookup < 0:
+            raise ValueError(f"lookup must be >= 0, got {self.lookup}")
 
 
 class RequestError(ValueError):
@@ -81,7 +85,8 @@ class ChatService:
             rule = "greedy" if temperature == 0 else "sample"
             self._decoders[key] = MedusaDecoder(self.loaded, self.heads, self.cfg.tree if self.heads else None,
                                                 AcceptConfig(rule=rule, temperature=temperature),
-                                                DecodeConfig(topk=self.cfg.topk, seed=seed))
+                                                DecodeConfig(topk=self.cfg.topk, seed=seed,
+                                                             lookup=LookupConfig(self.cfg.lookup)))
         return self._decoders[key]
 
     def complete(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None) -> Completion:

@@ -109,6 +109,7 @@ def test_profile_smoke():
     assert len(prof.heads_fit) == 3 and prof.heads_time(load_tree("chain:3")) > 0
     # what a typical-acceptance step adds, by verified nodes (plain sampling's draw at 1)
     assert prof.sampling_nodes == (1, 4, 16) and all(x >= 0 for x in prof.sampling_extra_ms)
+    assert list(prof.sampling_extra_ms) == sorted(prof.sampling_extra_ms)  # more parents never cost less
 
 
 def test_verify_rows_are_made_non_decreasing_as_isotonic_regression_does():
