@@ -38,7 +38,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # prefill as paid inside decode runs. 10: calibration rollouts by the runtime's own decoding, ratios within rounds.
 # 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster). 13: sampled steps draw by inverting the
-# CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: ... inside real decode loops.
+# CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
+# real decode loops.
 RUNTIME_REVISION = 14
 # calibration stores what a typical-acceptance search at this temperature needs; the profile times its steps
 TYPICAL_TEMPERATURE = SEARCH_TEMPERATURE
