@@ -76,18 +76,18 @@ class ChatService:
         if not getattr(loaded.tokenizer, "chat_template", None):
             raise ValueError(f"model {loaded.name} has no chat template, which a chat endpoint needs")
         self.loaded, self.heads, self.cfg = loaded, heads, cfg
-        self._decoders: dict[tuple[float, int | None], MedusaDecoder] = {}
+        self._decoders: dict[float, MedusaDecoder] = {}  # by temperature (buffers built once each)
         self._lock = threading.Lock()
 
-    def _decoder(self, temperature: float, seed: int | None) -> MedusaDecoder:
-        key = (temperature, seed)
-        if key not in self._decoders:
+    def _decoder(self, temperature: float) -> MedusaDecoder:
+        if temperature not in self._decoders:
             rule = "greedy" if temperature == 0 else "sample"
-            self._decoders[key] = MedusaDecoder(self.loaded, self.heads, self.cfg.tree if self.heads else None,
-                                                AcceptConfig(rule=rule, temperature=temperature),
-                                                DecodeConfig(topk=self.cfg.topk, seed=seed,
-                                                             lookup=LookupConfig(self.cfg.lookup)))
-        return self._decoders[key]
+            tree = self.cfg.tree if self.heads is not None else None
+            self._decoders[temperature] = MedusaDecoder(self.loaded, self.heads, tree,
+                                                        AcceptConfig(rule=rule, temperature=temperature),
+                                                        DecodeConfig(topk=self.cfg.topk,
+                                                                     lookup=LookupConfig(self.cfg.lookup)))
+        return self._decoders[temperature]
 
     def complete(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None) -> Completion:
         tok = self.loaded.tokenizer
@@ -99,8 +99,10 @@ class ChatService:
                                kind="context_length_exceeded")
         n = min(max_tokens, room)
         with self._lock:
-            dec = self._decoder(temperature, seed)
+            dec = self._decoder(temperature)
             dec.config = replace(dec.config, max_new_tokens=n)  # the buffers do not depend on the length
+            if seed is not None:  # the same seed, the same sample (whatever was asked before)
+                dec.generator.manual_seed(seed)
             result = dec.generate(ids)
         new = result.token_ids
         eos = set(self.loaded.eos_token_ids)
@@ -200,6 +202,10 @@ def make_server(service: ChatService) -> ThreadingHTTPServer:
                 self._error(HTTPStatus.BAD_REQUEST, "the body is not JSON")
             except RequestError as exc:
                 self._error(exc.status, str(exc), exc.kind)
+            except Exception as exc:  # noqa: BLE001 - the client gets a JSON error, the server keeps serving
+                self.log_error("request failed: %s", exc)
+                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"decoding failed: {str(exc).splitlines()[0]}",
+                            "server_error")
             else:
                 self._send(HTTPStatus.OK, completion_body(completion, cfg.name))
 

@@ -85,6 +85,11 @@ def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail
                              "total_tokens": len(ids) + len(plain)}
     assert body["choices"][0]["finish_reason"] == ("length" if len(plain) == 12 else "stop")
     assert resolve_heads("default", loaded.hidden_size, loaded.vocab_size) is not None and body["medusa"]["tau"] >= 1
+    # sampled with a seed: the same seed gives the same answer, whatever was asked in between
+    sampled = {"model": JUDGE, "messages": messages, "temperature": 0.9, "max_tokens": 12, "seed": 5}
+    first = _post(url, sampled)[1]["choices"][0]["message"]["content"]
+    _post(url, {**sampled, "seed": 6})
+    assert _post(url, sampled)[1]["choices"][0]["message"]["content"] == first
     for bad, code in (({"model": "other", "messages": messages}, 404), ({"model": JUDGE, "messages": []}, 400),
                       ({"model": JUDGE, "messages": messages, "n": 2}, 400),
                       ({"model": JUDGE, "messages": [{"role": "robot", "content": "x"}]}, 400)):
