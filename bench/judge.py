@@ -145,10 +145,12 @@ class LocalBackend:
     def complete(self, system: str, user: str) -> str:
         import torch
 
+        from medusa_runtime.model import chat_template_ids
+
         tok = self.loaded.tokenizer
-        ids = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                      add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = torch.tensor([list(ids["input_ids"] if isinstance(ids, dict) else ids)], device=self.loaded.device)
+        ids = torch.tensor([chat_template_ids(self.loaded, [{"role": "system", "content": system},
+                                                            {"role": "user", "content": user}])],
+                           device=self.loaded.device)
         out = self.loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
                                          do_sample=False, top_p=None, top_k=None, temperature=None)
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -24,7 +24,7 @@ from medusa_runtime.acceptance import AcceptConfig
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import MedusaHeads
 from medusa_runtime.lookup import LookupConfig
-from medusa_runtime.model import LoadedModel, software_versions
+from medusa_runtime.model import LoadedModel, chat_template_ids, software_versions
 
 from .mtbench import Question
 
@@ -164,8 +164,7 @@ def chat_ids(loaded: LoadedModel, turns: Sequence[str], answers: Sequence[str]) 
         messages.append({"role": "user", "content": turn})
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i]})
-    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return chat_template_ids(loaded, messages)
 
 
 def _key(r: dict) -> tuple:

@@ -33,7 +33,7 @@ from .engine import make_engine
 from .heads import MedusaHeads
 from .heads_native import NativeHeadLevels, native_support
 from .lookup import LookupConfig, NgramIndex, with_lookup_chain
-from .model import LoadedModel
+from .model import LoadedModel, chat_template_ids
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
@@ -397,7 +397,5 @@ def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"model {loaded.name} has no chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_template_ids(loaded, [{"role": "user", "content": prompt}])
     return list(tok(prompt, add_special_tokens=True)["input_ids"])

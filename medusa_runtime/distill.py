@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .calibrate import greedy_rollouts
-from .model import LoadedModel, cache_root, weights_fingerprint
+from .model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
 from .prompts import Prompt
 
 
@@ -37,11 +37,6 @@ class Example:
     reply_start: int  # first reply token; the loss only sees reply tokens
     prompt_index: int
     turn: int
-
-
-def _chat_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
-    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def cache_file(loaded: LoadedModel, cfg: DistillConfig) -> Path:
@@ -106,7 +101,7 @@ def build_distill_data(loaded: LoadedModel, prompts: Sequence[Prompt], cfg: Dist
     path = cache_file(loaded, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_cache(path)
-    first = {p.turns[:1]: _chat_ids(loaded, [{"role": "user", "content": p.turns[0]}]) for p in prompts}
+    first = {p.turns[:1]: chat_template_ids(loaded, [{"role": "user", "content": p.turns[0]}]) for p in prompts}
     _generate_turn(loaded, first, cfg, path, done, "self-distillation turn 1", progress)
     examples = [Example(*done[p.turns[:1]], i, 0) for i, p in enumerate(prompts)]
     if cfg.follow_ups:
@@ -115,7 +110,7 @@ def build_distill_data(loaded: LoadedModel, prompts: Sequence[Prompt], cfg: Dist
             if len(p.turns) > 1:
                 ids, start = done[p.turns[:1]]
                 reply = loaded.tokenizer.decode(ids[start:], skip_special_tokens=True)
-                second[p.turns[:2]] = _chat_ids(loaded, [{"role": "user", "content": p.turns[0]},
+                second[p.turns[:2]] = chat_template_ids(loaded, [{"role": "user", "content": p.turns[0]},
                                                          {"role": "assistant", "content": reply},
                                                          {"role": "user", "content": p.turns[1]}])
         _generate_turn(loaded, second, cfg, path, done, "self-distillation turn 2", progress)

@@ -82,6 +82,13 @@ class LoadedModel:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def chat_template_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` (role, content) through the model's chat template, ready for the
+    assistant's reply (generation prompt added)."""
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def cache_root() -> Path:
     """``$MEDUSA_BENCH_CACHE`` or ``~/.cache/medusa-bench``."""
     env = os.environ.get("MEDUSA_BENCH_CACHE")

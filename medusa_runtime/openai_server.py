@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from .acceptance import AcceptConfig
 from .decode import DecodeConfig, MedusaDecoder
 from .lookup import LookupConfig
-from .model import LoadedModel
+from .model import LoadedModel, chat_template_ids
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class ChatService:
 
     def complete(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None) -> Completion:
         tok = self.loaded.tokenizer
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = chat_template_ids(self.loaded, messages)
         room = self.loaded.max_length - len(ids)
         if room < 1:
             raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.loaded.max_length}",
