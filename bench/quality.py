@@ -19,6 +19,14 @@ def token_agreement(answer: Sequence[int], reference: Sequence[int]) -> float:
     return same / max(len(reference), len(answer))
 
 
+def _answer_logits(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [A, V] float32 that predict each answer token, the answer's ids [A, 1]) from one forward."""
+    ids = torch.tensor([list(prompt) + list(answer)], device=loaded.device)
+    logits = loaded.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [A, V]
+    return logits, torch.tensor(list(answer), device=loaded.device)[:, None]
+
+
 @torch.inference_mode()
 def answer_scores(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[int], temperature: float = 0.0
                   ) -> tuple[float, float]:
@@ -29,9 +37,7 @@ def answer_scores(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[i
     greedy decoder picks (ties aside)."""
     if not answer:
         return 0.0, 0.0
-    ids = torch.tensor([list(prompt) + list(answer)], device=loaded.device)
-    logits = loaded.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [A, V]
-    target = torch.tensor(list(answer), device=loaded.device)[:, None]
+    logits, target = _answer_logits(loaded, prompt, answer)
     ll = torch.log_softmax(logits, dim=-1).gather(1, target)
     warped = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
     regret = warped.max(dim=-1, keepdim=True).values - warped.gather(1, target)
@@ -43,11 +49,8 @@ def mean_log_likelihood(loaded: LoadedModel, prompt: Sequence[int], answer: Sequ
     """Mean log p(answer token | prompt, earlier answer tokens) under the base model."""
     if not answer:
         return float("nan")
-    ids = torch.tensor([list(prompt) + list(answer)], device=loaded.device)
-    logits = loaded.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [A, V]
-    logp = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(list(answer), device=loaded.device)
-    return float(logp.gather(1, target[:, None]).mean())
+    logits, target = _answer_logits(loaded, prompt, answer)
+    return float(torch.log_softmax(logits, dim=-1).gather(1, target).mean())
 
 
 @dataclass(frozen=True)
