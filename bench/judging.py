@@ -36,6 +36,7 @@ from bench.judge import (
     parse_rating,
 )
 from bench.mtbench import Question, mtbench_dir
+from medusa_runtime.fsutil import atomic_file
 from treesearch.tree import write_json_atomic
 
 JUDGE_SCHEMA, QUALITY_SCHEMA = "medusa-judge/1", "medusa-quality/1"
@@ -78,10 +79,8 @@ def write_model_answers(answers: dict[tuple[str, int], list[str]], folder: Path)
                                    "choices": [{"index": 0, "turns": turns}], "tstamp": time.time()}) + "\n"
                        for qid, turns in sorted(rows))
         path = folder / "model_answer" / f"{mid}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            tmp.write_text(text)
         written.append(path)
     return written
 
@@ -112,10 +111,8 @@ def write_model_judgments(graded: Sequence[dict], judge_name: str, folder: Path)
     """FastChat's ``model_judgment/<judge>_single.jsonl`` (the fields its gen_judgment writes)."""
     keep = ("question_id", "model", "judge", "user_prompt", "judgment", "score", "turn", "tstamp")
     path = folder / "model_judgment" / f"{fastchat_id(judge_name)}_single.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps({k: g[k] for k in keep}) + "\n" for g in graded))
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(json.dumps({k: g[k] for k in keep}) + "\n" for g in graded))
     return path
 
 
@@ -176,16 +173,15 @@ def answer_quality(loaded, records: Sequence[dict], questions: Sequence[Question
     with that sample's own earlier answers, as replayed. Each distinct (prompt, answer, temperature) is scored
     once (the lossless configurations share plain decoding's answers)."""
     from bench.quality import answer_scores
-    from bench.runner import chat_ids
+    from bench.runner import _key, chat_ids
 
     by_id = {q.question_id: q for q in questions}
-    done = {(r["config"], r.get("config_hash"), r["question_id"], r["turn"], r.get("repeat", 0)): r for r in records}
+    done = {_key(r): r for r in records}
     seen: dict[tuple, tuple[float, float]] = {}
     rows = []
     for r in tqdm(records, desc="answer quality", unit="answer", disable=not progress):
         q = by_id[r["question_id"]]
-        earlier = [done[(r["config"], r.get("config_hash"), r["question_id"], t, r.get("repeat", 0))]["answer"]
-                   for t in range(r["turn"])]
+        earlier = [done[_key({**r, "turn": t})]["answer"] for t in range(r["turn"])]
         prompt, answer = tuple(chat_ids(loaded, q.turns[: r["turn"] + 1], earlier)), tuple(r["token_ids"])
         t = float(r.get("temperature") or 0.0)
         if (prompt, answer, t) not in seen:
