@@ -120,7 +120,8 @@ def report(out: Path) -> list[Path]:
     written += plot_speedup_by_category(lossless, "generate", plots, category_intervals(greedy, "generate"))
     written += plot_speedup_by_category(lossless, "plain", plots, category_intervals(greedy, "plain"))
     written += plot_tau_by_category(lossless, plots)
-    judged = _judge_scores(out)
+    judged = _read(out / "judge" / "judge_scores.json")
+    quality = _read(out / "quality.json")
     if judged is not None and any(c["score"] is not None for c in judged["configs"].values()):
         scores = pd.Series({cfg: c["score"] for cfg, c in judged["configs"].items()}, dtype=float)
         written += plot_speedup_vs_quality(table, scores, "plain", f"judge score (1-10, {judged['judge']})",
@@ -137,11 +138,10 @@ def report(out: Path) -> list[Path]:
         section = scorecard_section(card, verdict) + f"\nPredicted speeds are priced with {questions['predictions_priced_with']}.\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions,
-                                                    "quality": quality_of(out, card),
-                                                    "distribution_checks": (_read(out / "quality.json") or {}).get(
-                                                        "distribution_checks")},
+                                                    "quality": quality_of(card, quality, judged),
+                                                    "distribution_checks": (quality or {}).get("distribution_checks")},
                                     out / "report.json"))
-    written += _typical_measured(out, df, plots)
+    written += _typical_measured(out, df, quality, plots)
     shipped = _training_json()
     if shipped is not None:
         from bench.plots import plot_training
@@ -149,29 +149,30 @@ def report(out: Path) -> list[Path]:
         written += plot_training(shipped.parent, plots)
     overall = table[table["category"] == "overall"][["config", "tokens", "seconds", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
+    by_category = table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index()
+    by_category.columns.name = None
     md = (section + "\n## Overall\n\n" + to_markdown(overall)
           + "\n\n## Speedup over transformers generate, per category\n\n"
-          + to_markdown(table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index())
+          + to_markdown(by_category)
           + "\n\n## Greedy outputs identical to generate (identical) and to the runtime's plain decoding "
             "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out))
     (out / "summary.md").write_text(md)
     print(md)
     from bench.html_report import write_html
 
-    by_category = table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index()
-    by_category.columns.name = None
     page = write_html(out, {"Overall": overall, "Speed-up over transformers generate, per category": by_category,
                             "Greedy outputs identical to generate and to the runtime's plain decoding (proxies)":
-                            eq_both}, _records_meta(records), judge=judged, quality=_read(out / "quality.json"))
+                            eq_both}, _records_meta(records), judge=judged, quality=quality)
     return [out / "summary.md", page, *[p for p in written if p.suffix in (".png", ".json")]]
 
 
-def _typical_measured(out: Path, df: pd.DataFrame, plots: Path) -> list[Path]:
-    """Sampled configurations' measured speed-up (paired over questions) and regret, beside the predicted front."""
+def _typical_measured(out: Path, df: pd.DataFrame, quality_file: dict | None, plots: Path) -> list[Path]:
+    """Sampled configurations' measured speed-up (paired over questions) and regret (quality.json), beside the
+    predicted front."""
     from bench.plots import plot_typical_measured
     from bench.scorecard import paired_speedup
 
-    quality = (_read(out / "quality.json") or {}).get("configs", {})
+    quality = (quality_file or {}).get("configs", {})
     sampled = [c for c, q in quality.items() if q.get("temperature", 0) > 0 and c in set(df["config"])]
     if not sampled:
         return []
@@ -188,15 +189,11 @@ def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _judge_scores(out: Path) -> dict | None:
-    return _read(out / "judge" / "judge_scores.json")
-
-
-def quality_of(out: Path, card: pd.DataFrame) -> dict[str, dict]:
+def quality_of(card: pd.DataFrame, quality_file: dict | None, judge_file: dict | None) -> dict[str, dict]:
     """report.json's ``quality`` per configuration: the lossless check (share identical to plain decoding), the
     log-likelihood proxy (quality.json) and the judge's scores (judge/judge_scores.json) where the run has them."""
-    ll = (_read(out / "quality.json") or {}).get("configs", {})
-    judged = (_judge_scores(out) or {}).get("configs", {})
+    ll = (quality_file or {}).get("configs", {})
+    judged = (judge_file or {}).get("configs", {})
     out_q = {}
     for r in card.to_dict("records"):
         cfg, same = r["config"], r.get("identical_to_plain")
