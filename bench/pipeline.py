@@ -41,8 +41,6 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
 # real decode loops.
 RUNTIME_REVISION = 14
-# calibration stores what a typical-acceptance search at this temperature needs; the profile times its steps
-TYPICAL_TEMPERATURE = SEARCH_TEMPERATURE
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
@@ -220,11 +218,11 @@ def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: St
     key = {"heads": folder_hash(heads), "data": data, "data_sha": file_hash(Path(data)),
            "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype, "model": opts.model,
            "device": opts.device,
-           "typical_t": TYPICAL_TEMPERATURE, "runtime": RUNTIME_REVISION}
+           "typical_t": SEARCH_TEMPERATURE, "runtime": RUNTIME_REVISION}
     cache.run("calibrate", key, [acc],
               lambda: _cli("calibrate", "--heads", str(heads), *opts.model_args(), "--data", data,
                            "--max-new-tokens", str(prof.max_new_tokens), "--heldout", "0", "--out", str(acc),
-                           "--typical-temperature", str(TYPICAL_TEMPERATURE), "--plots", str(out / "plots")))
+                           "--typical-temperature", str(SEARCH_TEMPERATURE), "--plots", str(out / "plots")))
     return acc
 
 
@@ -334,7 +332,7 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
 SAMPLES = 2  # answers drawn per (question, turn) by each sampled configuration, each with its own recorded seed
 
 
-def sampled_configurations(typical: Path | None, peers: list[int], temperature: float = TYPICAL_TEMPERATURE,
+def sampled_configurations(typical: Path | None, peers: list[int], temperature: float = SEARCH_TEMPERATURE,
                            samples: int = SAMPLES) -> list[dict]:
     """At ``temperature``, on the peers' questions: plain sampling (the reference), exact tree sampling (its
     outputs distributed as plain sampling's) and typical acceptance at three points of the typical search's

@@ -208,8 +208,8 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
         [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
     # the same steps sampled (plain sampling, typical acceptance on the shapes), in the same rounds
-    typical = AcceptConfig(rule="typical", temperature=SAMPLING_TEMPERATURE)
-    sampled = [MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=SAMPLING_TEMPERATURE),
+    typical = AcceptConfig(rule="typical", temperature=SEARCH_TEMPERATURE)
+    sampled = [MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=SEARCH_TEMPERATURE),
                              _loop_cfg(seed=0))] + \
         [MedusaDecoder(loaded, heads, t, typical, _loop_cfg(t.max_rank + 1, seed=0)) for t in loop_trees[:len(loop_sizes)]]
     mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
@@ -245,7 +245,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                     "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
                     "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
                     "lookup = drafting and extending the n-gram index, per step; sampling_extra = a sampled step "
-                    f"at T {SAMPLING_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
+                    f"at T {SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                     "the greedy step of the same size, both in real decode loops of the same rounds"}
     # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
     # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, as the verify rows are, since more
@@ -335,9 +335,6 @@ def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, s
             index.extend([root, phrase[(i + 1) % len(phrase)]])
 
     return _median_ms(run, lambda: None, max(3, cfg.repeats), 1) / steps
-
-
-SAMPLING_TEMPERATURE = SEARCH_TEMPERATURE  # sampled steps are timed at the typical search's temperature
 
 
 def _fit_heads(trees, times: list[float], path_conditioned: bool) -> tuple[float, float, float]:

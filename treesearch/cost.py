@@ -55,8 +55,8 @@ class LatencyProfile:
     # heads time fitted on trees of many shapes: ms = intercept + per_level * depth + per_row * head rows
     heads_fit: tuple[float, ...] = ()  # (intercept, per_level, per_row); () when not fitted
     heads_path_conditioned: bool = False  # path-conditioned heads score one row per parent (else one per head)
-    # a sampled step (typical acceptance at a temperature) over a greedy one: tempered softmax and entropy per
-    # node, the test, the draw of the next token (ms, by verified nodes; () when not measured: counted as 0)
+    # what a sampled step (typical acceptance at the search's temperature) costs over the greedy step of the same
+    # size, timed in real decode loops (ms, by verified nodes; () when not measured: counted as 0)
     sampling_nodes: tuple[int, ...] = ()
     sampling_extra_ms: tuple[float, ...] = ()
 

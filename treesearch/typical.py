@@ -37,6 +37,7 @@ from .tree import Tree, check_fits
 
 SEARCH_TEMPERATURE = 0.7  # the temperature the bench calibrates, profiles and searches typical acceptance at
 
+
 @dataclass(frozen=True)
 class TypicalParams:
     posterior_threshold: float = 0.09  # epsilon: hard ceiling of the threshold
