@@ -187,21 +187,43 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_export_heads(args: argparse.Namespace) -> int:
     import torch
 
+    from medusa_runtime import serving
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
-    from medusa_runtime.serving import VLLM_SPEC_FILE, export_vllm
 
     loaded = load_model(args.model, "float32", "cpu", log=_log)
     heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, args.model)
     if heads is None:
         raise ValueError("--heads none: there are no heads to export")
-    out = export_vllm(heads, loaded.model.get_output_embeddings().weight, args.out, args.num_speculative_tokens,
-                      getattr(torch, args.dtype))
-    spec = json.loads((out / VLLM_SPEC_FILE).read_text())
-    text = (f"written: {out} (vLLM Medusa model folder: config.json, model.safetensors)\n"
-            f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
-            f"not a tree:\n  vllm serve BASE_MODEL --speculative-config '{json.dumps(spec)}'")
-    _result(args, {"out": str(out), "speculative_config": spec}, text)
+    if engine_refused := serving.engine_refusal(heads, "vLLM" if args.format == "vllm" else "TGI"):
+        raise ValueError(engine_refused)  # before merging an adapter and writing a base for nothing
+    adapted = _adapted(loaded, args.heads)
+    base = adapted if adapted is not loaded else None  # Medusa-2 heads: the engine must serve the adapted base
+    lm = adapted.model.get_output_embeddings().weight
+    dtype = getattr(torch, args.dtype)
+    base_line = (f"the adapted base (Medusa-2 heads): {args.out}/{serving.BASE_DIR}" if base is not None
+                 else "the base: BASE_MODEL, the model the heads were trained on")
+    if args.format == "vllm":
+        out = serving.export_vllm(heads, lm, args.out, args.num_speculative_tokens, dtype, base=base)
+        spec = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
+        model = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else "BASE_MODEL"
+        text = (f"written: {out} (vLLM Medusa model folder: config.json, model.safetensors); {base_line}\n"
+                f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
+                f"not a tree:\n  vllm serve {model} --speculative-config '{json.dumps(spec)}'")
+        _result(args, {"out": str(out), "speculative_config": spec, "base": None if base is None else model}, text)
+        return 0
+    k = args.num_speculative_tokens or heads.num_heads
+    if not 1 <= k <= heads.num_heads:  # TGI refuses --speculate above medusa_num_heads
+        raise ValueError(f"TGI drafts one token per head: --num-speculative-tokens must be 1..{heads.num_heads}, got {k}")
+    notes: list[str] = []
+    base_model = args.base_model or (str(loaded.model.config._name_or_path) if args.model == "default" else args.model)
+    out = serving.export_tgi(heads, lm, args.out, base_model, dtype, warn=notes.append, base=base)
+    cfg = json.loads((out / "config.json").read_text())
+    text = (f"written: {out} (TGI Medusa folder, layout {serving.tgi_layout(heads).upper()}: config.json, "
+            f"{serving.TGI_WEIGHTS}); base: {cfg['base_model_name_or_path']}\n" + "".join(f"note: {n}\n" for n in notes)
+            + f"TGI drafts the heads' top-1 chain ({k} tokens per step), not a tree:\n"
+            f"  text-generation-launcher --model-id {out.resolve()} --speculate {k}")
+    _result(args, {"out": str(out), "layout": serving.tgi_layout(heads), "config": cfg, "notes": notes}, text)
     return 0
 
 
@@ -293,10 +315,12 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
     questions = spread_over_categories(load_suite(args.questions, log=_log), args.limit)
     original = load_model(args.reference, args.dtype, args.device, log=_log)
-    trained = load_model(args.model, args.dtype, args.device, log=_log)
+    # the retrained model: a folder (Medusa-2 on the whole base), or --model with --heads' adapter merged in
+    trained = _adapted(load_model(args.model, args.dtype, args.device, log=_log), args.heads)
     prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
     res = fidelity(original, trained, prompts, args.max_new_tokens, args.batch_size)
-    obj = {"schema": "medusa-fidelity/1", "model": args.model, "reference": args.reference, "dtype": args.dtype,
+    obj = {"schema": "medusa-fidelity/1", "model": trained.name, "reference": args.reference, "dtype": args.dtype,
+           "heads": args.heads,
            "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
            "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
            "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
@@ -935,6 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
     _add_model_args(p)
     p.add_argument("--reference", default="default", help="the original model")
+    p.add_argument("--heads", default=None,
+                   help="Medusa-2 heads whose base adapter is merged into --model first (a folder, default)")
     p.add_argument("--questions", default=None, help="question JSONL (default: MT-Bench, offline)")
     p.add_argument("--limit", type=int, default=20, help="first turns, spread over the categories")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -1059,13 +1085,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: the heads folder written by export-heads (the speculative config's 'model')")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM)")
-    p.add_argument("--format", default="vllm", choices=["vllm"])
+    p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM, TGI)")
+    p.add_argument("--format", default="vllm", choices=["vllm", "tgi"])
     p.add_argument("--model", default="default", help="the base model the heads belong to")
     p.add_argument("--heads", default="default", help="heads folder (either format) or 'default'")
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="the top-1 chain's length vLLM drafts (default: every head)")
+                   help="the top-1 chain's length the engine drafts (default: every head)")
+    p.add_argument("--base-model", default=None,
+                   help="tgi: the base TGI loads, written into config.json (default: --model; Medusa-2 heads: "
+                        "the adapted base the export writes to OUT/base)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the written weights")
     p.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -1,4 +1,5 @@
-"""Heads in the layouts serving engines load: a vLLM Medusa model folder, and the refusals that go with it.
+"""Heads in the layouts serving engines load: a vLLM Medusa model folder, a text-generation-inference (TGI)
+Medusa folder, and the refusals that go with them.
 
 vLLM's Medusa draft model (``vllm/model_executor/models/medusa.py``, config class
 ``vllm/transformers_utils/configs/medusa.py``) is, per head i::
@@ -15,6 +16,20 @@ The folder holds ``config.json`` (``model_type: medusa``, ``num_heads``, ``num_h
 ``lm_head``, as this project's shared format does) and ``token_map`` (the draft vocabulary's token
 ids) where the heads carry one.
 
+TGI (``server/text_generation_server/models/__init__.py``: a model folder whose ``config.json`` has
+``medusa_num_heads`` is Medusa heads for ``base_model_name_or_path``, weights ``medusa_lm_head.safetensors``;
+``layers/speculative.py``: a config with an ``architectures`` entry is *not* taken for Medusa;
+``layers/medusa.py``) loads the heads one of two ways, trying the first::
+
+    V1  per head i: x = h; for j < L: x = x + SiLU(W_ij x + b_ij)    # keys "{i}.{j}.linear.weight|bias"
+                    logits_i = O_i x                                  # key  "{i}.{L}.weight" [V, H]
+    V2  L = 1 only, one SiLU layer per head, logits through the base lm_head (keys "{i}.0.linear.*")
+
+(V1 is the official Medusa checkpoint layout.) It speculates the argmax of each head, a top-1 chain of
+``--speculate`` (default: every) head, over the whole vocabulary: there is no token map, so heads with a
+draft vocabulary are written with all rows, and TGI may propose a token outside that vocabulary where
+this runtime would not.
+
 Root- or path-conditioned heads read the step's root and parent tokens inside their first block; no
 engine implements that, so they are refused with the reason rather than exported as heads that
 would propose other tokens than they were trained to.
@@ -22,8 +37,10 @@ would propose other tokens than they were trained to.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +51,20 @@ from .heads import HeadsError, MedusaHeads
 
 VLLM_WEIGHTS = "model.safetensors"
 VLLM_SPEC_FILE = "speculative_config.json"
+TGI_WEIGHTS = "medusa_lm_head.safetensors"  # the one file TGI's get_model lists as the speculator's weights
+
+
+BASE_DIR = "base"  # the adapted base written beside Medusa-2 heads (engines load the base by path)
+
+
+def write_base(model, tokenizer, folder: Path, dtype: torch.dtype) -> None:
+    """A transformers model folder an engine loads as the base: Medusa-2 heads decode on the base with
+    their adapter merged, so an engine must serve that base, not the original."""
+    if next(model.parameters()).dtype != dtype:  # on a copy: the caller's model keeps its dtype
+        model = copy.deepcopy(model).to(dtype)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
 
 
 def engine_refusal(heads: MedusaHeads, engine: str) -> str | None:
@@ -83,9 +114,10 @@ def vllm_speculative_config(folder: str | os.PathLike[str], num_tokens: int) -> 
 
 
 def export_vllm(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.PathLike[str],
-                num_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+                num_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16, base=None) -> Path:
     """Write the vLLM Medusa folder (atomically) with its ``speculative_config.json``; refuse what vLLM
-    cannot run. ``num_tokens``: the chain's length (default: every head)."""
+    cannot run. ``num_tokens``: the chain's length (default: every head). ``base``: a LoadedModel written
+    to ``base/`` (the adapted base of Medusa-2 heads, which ``vllm serve`` must be given)."""
     reason = engine_refusal(heads, "vLLM")
     if reason:
         raise HeadsError(reason)
@@ -98,4 +130,59 @@ def export_vllm(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.P
         (tmp / "config.json").write_text(json.dumps(vllm_config(heads, dtype), indent=1) + "\n")
         spec = vllm_speculative_config(Path(out_dir).resolve(), k)
         (tmp / VLLM_SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+        if base is not None:
+            write_base(base.model, base.tokenizer, tmp / BASE_DIR, dtype)
+    return Path(out_dir)
+
+
+def tgi_layout(heads: MedusaHeads) -> str:
+    """``v2`` (residual blocks only, the base lm_head scores: small) where TGI's MedusaHeadV2 takes the heads
+    (shared projection, one layer), else ``v1`` (each head with its own [V, H] projection)."""
+    return "v2" if heads.proj is None and heads.config.num_layers == 1 else "v1"
+
+
+def tgi_state_dict(heads: MedusaHeads, lm_weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors TGI reads: the blocks under ``{i}.{j}.linear``, and for the V1 layout each head's
+    full-vocabulary projection under ``{i}.{L}.weight`` (a copy of the base lm_head for shared heads)."""
+    layers = heads.config.num_layers
+    out: dict[str, torch.Tensor] = {}
+    v1 = tgi_layout(heads) == "v1"
+    proj = heads.projection(lm_weight, use_draft_vocab=False)  # [V, H] shared, [K, V, H] own
+    for i, blocks in enumerate(heads.blocks):
+        for j, block in enumerate(blocks):
+            out[f"{i}.{j}.linear.weight"] = block.linear.weight.detach().to(dtype)
+            out[f"{i}.{j}.linear.bias"] = block.linear.bias.detach().to(dtype)
+        if v1:
+            out[f"{i}.{layers}.weight"] = (proj if proj.dim() == 2 else proj[i]).detach().to(dtype)
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def tgi_config(heads: MedusaHeads, base_model: str) -> dict:
+    """``config.json`` as TGI reads it; no ``architectures`` key (TGI would take the folder for another
+    kind of speculator)."""
+    cfg = heads.config
+    return {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+            "base_model_name_or_path": base_model, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+
+
+def export_tgi(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.PathLike[str], base_model: str,
+               dtype: torch.dtype = torch.float16, warn: Callable[[str], None] | None = None, base=None) -> Path:
+    """Write the TGI Medusa folder (atomically): ``config.json`` and ``medusa_lm_head.safetensors``;
+    refuse what TGI cannot run. ``base_model``: what TGI loads as the base (a hub id or a folder);
+    ``base``: a LoadedModel written to ``base/`` and named as the base instead (Medusa-2 heads' adapted base)."""
+    reason = engine_refusal(heads, "TGI")
+    if reason:
+        raise HeadsError(reason)
+    if base is not None:
+        base_model = str((Path(out_dir) / BASE_DIR).resolve())
+    if not base_model:
+        raise HeadsError("TGI loads the base from the heads' config: name it (--base-model HUB_ID_OR_FOLDER)")
+    if heads.draft_vocab is not None and warn is not None:
+        warn(f"TGI scores the whole vocabulary (no token map): the heads' {heads.draft_vocab.numel()}-token draft "
+             "vocabulary is dropped, so TGI may propose tokens outside it")
+    with atomic_dir(out_dir) as tmp:
+        save_file(tgi_state_dict(heads, lm_weight, dtype), str(tmp / TGI_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(tgi_config(heads, base_model), indent=1) + "\n")
+        if base is not None:
+            write_base(base.model, base.tokenizer, tmp / BASE_DIR, dtype)
     return Path(out_dir)

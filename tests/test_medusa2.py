@@ -159,3 +159,33 @@ def test_drift_is_zero_for_the_untrained_adapter(tiny_examples, tmp_path, monkey
     d = medusa2.drift(top, prefix, last, labels, loaded.model.get_output_embeddings().weight.detach())
     assert d["tokens"] == sum(int(head_targets(lab[None], 1)[0].sum()) for lab in labels)
     assert abs(d["kl_per_token"]) < 1e-3 and abs(d["ll_drop_per_token"]) < 1e-2
+
+
+@pytest.mark.parametrize("engine", ["vllm", "tgi"])
+def test_engine_exports_carry_the_adapted_base(tiny_examples, tmp_path, monkeypatch, engine):
+    """Medusa-2 heads decode on the base with their adapter merged: an export for an engine writes that
+    base as a transformers folder (``base/``) the engine loads, equal to the adapted base, and a TGI
+    config names it as the base."""
+    from transformers import AutoModelForCausalLM
+
+    from medusa_runtime import serving
+
+    monkeypatch.setenv("MEDUSA_BENCH_CACHE", str(tmp_path / "cache"))
+    loaded, _, examples, _ = tiny_examples
+    _train(loaded, examples[:12], _cfg(epochs=1), tmp_path / "run")
+    folder = tmp_path / "run" / "heads"
+    adapted = medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None)
+    heads = load_heads(folder, loaded.hidden_size, loaded.vocab_size)
+    lm = adapted.model.get_output_embeddings().weight
+    out = tmp_path / engine
+    if engine == "vllm":
+        serving.export_vllm(heads, lm, out, dtype=torch.float32, base=adapted)
+    else:
+        serving.export_tgi(heads, lm, out, "ignored", dtype=torch.float32, base=adapted)
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["base_model_name_or_path"] == str((out / serving.BASE_DIR).resolve())
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out / serving.BASE_DIR)).eval()
+    ids = torch.tensor([examples[0].input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, adapted.model(ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(reloaded(ids).logits, loaded.model(ids).logits, atol=1e-4)  # not the original

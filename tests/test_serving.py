@@ -6,7 +6,12 @@ as ``nn.Linear(H, H, bias=config.medusa_fc_bias)``, ``lm_heads.{i}`` or, with ``
 and its config ``vllm/transformers_utils/configs/medusa.py`` (keys holding "num" and "heads"/"layers"
 renamed to ``num_heads`` / ``num_hidden_layers``). TensorRT-LLM: ``--medusa_choices`` read with
 ``ast.literal_eval`` (examples/medusa/run.py) and ``MedusaDecodingConfig`` (tensorrt_llm/llmapi/llm_args.py:
-``decoding_type``, ``max_draft_len``, ``num_medusa_heads``, ``medusa_choices``).
+``decoding_type``, ``max_draft_len``, ``num_medusa_heads``, ``medusa_choices``). TGI:
+``server/text_generation_server/models/__init__.py`` (``medusa_num_heads`` in config.json marks a Medusa
+folder for ``base_model_name_or_path``, weights ``medusa_lm_head.safetensors``),
+``layers/speculative.py`` (an ``architectures`` entry means another speculator; else MedusaHeadV1, and on
+any failure MedusaHeadV2) and ``layers/medusa.py`` (V1: ``{i}.{j}.linear`` residual blocks and ``{i}.{L}``
+projection per head; V2: ``medusa_num_layers == 1`` asserted, ``{i}.0.linear``, the base lm_head).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import yaml
 from safetensors.torch import load_file
 
 from medusa_runtime.heads import HeadsConfig, HeadsError, MedusaHeads, fresh_heads
-from medusa_runtime.serving import VLLM_SPEC_FILE, VLLM_WEIGHTS, export_vllm
+from medusa_runtime.serving import TGI_WEIGHTS, VLLM_SPEC_FILE, VLLM_WEIGHTS, export_tgi, export_vllm
 from treesearch.export import export_tree, to_trtllm_config
 from treesearch.tree import TreeError, chain, load_tree, make_tree
 
@@ -125,13 +130,77 @@ def test_conditioned_heads_and_bad_chain_lengths_are_refused(tmp_path):
         export_vllm(fresh_heads(2, 1, HIDDEN, VOCAB), lm, tmp_path / "x", num_tokens=3)
 
 
-def test_export_heads_cli_refuses_the_shipped_conditioned_heads_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export-heads", "--format", "vllm", "--heads", "default",
+@pytest.mark.parametrize("fmt", ["vllm", "tgi"])
+def test_export_heads_cli_refuses_the_shipped_conditioned_heads_in_one_line(tmp_path, fmt):
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export-heads", "--format", fmt, "--heads", "default",
                            "--out", str(tmp_path / "v")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("medusa-bench: error: these heads are path-conditioned") and "--condition none" in last
     assert not (tmp_path / "v").exists()
+
+
+def _tgi_load(folder, lm_weight: torch.Tensor, speculate: int | None = None):
+    """TGI's loading path for a Medusa folder, from its source (see the module docstring): returns the
+    layout it lands on and its draft function (hidden [H] -> the argmax token of each speculated head)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    assert "medusa_num_heads" in cfg and cfg["base_model_name_or_path"]  # get_model's test and the base it loads
+    assert "architectures" not in cfg  # SpeculativeHead.load: with it, TGI takes the folder for another speculator
+    k = cfg["medusa_num_heads"] if speculate is None else speculate
+    assert k <= cfg["medusa_num_heads"]  # get_model raises otherwise
+    sd = load_file(str(folder / TGI_WEIGHTS))
+    layers = cfg["medusa_num_layers"]
+    v1 = [f"{i}.{j}.linear.{w}" for i in range(k) for j in range(layers) for w in ("weight", "bias")]
+    v1 += [f"{i}.{layers}.weight" for i in range(k)]
+    layout = "v1" if all(name in sd for name in v1) else "v2"  # V1.load raises on a missing key -> V2
+    if layout == "v2":
+        assert layers == 1  # MedusaHeadV2's assert
+        assert all(f"{i}.0.linear.{w}" in sd for i in range(k) for w in ("weight", "bias"))
+
+    def drafts(hidden: torch.Tensor) -> list[int]:
+        out = []
+        for i in range(k):
+            x = hidden.float()
+            for j in range(layers):  # ResBlock: x + SiLU(linear(x))
+                x = x + F.silu(F.linear(x, sd[f"{i}.{j}.linear.weight"].float(), sd[f"{i}.{j}.linear.bias"].float()))
+            proj = sd[f"{i}.{layers}.weight"] if layout == "v1" else lm_weight  # V2: the base lm_head
+            out.append(int((x @ proj.float().T).argmax()))  # Greedy() over the speculative logits
+        return out
+
+    return layout, drafts, cfg
+
+
+@pytest.mark.parametrize("shared,layers,draft,layout", [(True, 1, None, "v2"), (True, 2, None, "v1"),
+                                                        (False, 1, None, "v1"), (True, 1, list(range(0, VOCAB, 2)), "v2")])
+def test_tgi_folder_loads_as_tgi_reads_it_and_drafts_our_top1(tmp_path, shared, layers, draft, layout):
+    loaded = tiny_llama(vocab=VOCAB)
+    lm = loaded.model.get_output_embeddings().weight
+    heads = _random_heads(shared, draft, layers=layers)
+    notes: list[str] = []
+    out = export_tgi(heads, lm, tmp_path / "tgi", "org/base-model", dtype=torch.float32, warn=notes.append)
+    got_layout, drafts, cfg = _tgi_load(out, lm)
+    assert got_layout == layout and cfg["base_model_name_or_path"] == "org/base-model"
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, layers)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", TGI_WEIGHTS]
+    full = _random_heads(shared, None, layers=layers)  # the same weights scoring the whole vocabulary
+    assert notes == ([] if draft is None else [notes[0]]) and (draft is None or "whole vocabulary" in notes[0])
+    torch.manual_seed(1)
+    for hidden in torch.randn(8, HIDDEN):
+        assert drafts(hidden) == full(hidden, loaded.model.get_output_embeddings()).argmax(-1).tolist()
+        if draft is None:
+            assert drafts(hidden) == heads(hidden, loaded.model.get_output_embeddings()).argmax(-1).tolist()
+    _, two, _ = _tgi_load(out, lm, speculate=2)  # --speculate 2: the first two heads' chain
+    assert two(hidden) == drafts(hidden)[:2]
+
+
+def test_tgi_refuses_conditioned_heads_and_a_missing_base(tmp_path):
+    lm = tiny_llama(vocab=VOCAB).model.get_output_embeddings().weight
+    heads = MedusaHeads(HeadsConfig(2, 1, HIDDEN, VOCAB, True, root_conditioned=True, path_conditioned=True))
+    with pytest.raises(HeadsError, match="path-conditioned.*TGI does not implement"):
+        export_tgi(heads, lm, tmp_path / "c", "org/base")
+    with pytest.raises(HeadsError, match="TGI loads the base from the heads' config"):
+        export_tgi(fresh_heads(2, 1, HIDDEN, VOCAB), lm, tmp_path / "b", "")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()
 
 
 def test_trtllm_choices_and_config_parse_as_the_engine_reads_them():
