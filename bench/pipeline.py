@@ -82,7 +82,7 @@ class BenchOptions:
     model: str = "default"  # 'default' (the embedded SmolLM2), a transformers causal LM folder or (online) a hub id
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N
-    compare_heads: str | None = None  # heads whose chains are replayed beside --heads' (each on its own base)
+    compare_heads: tuple[str, ...] = ()  # head sets whose chains are replayed beside --heads' (each on its own base)
     judge: str | None = None  # FastChat single grading by this model (an OpenAI-compatible endpoint's, or local:M)
     max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
 
@@ -298,13 +298,13 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
 
 
 def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads: Path | None = None,
-                          compare: str | None = None, typical: Path | None = None) -> list[dict]:
+                          compare: tuple[str, ...] = (), typical: Path | None = None) -> list[dict]:
     """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
     and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
     heads), run on that fold's questions; the official mc_sim_7b_63 tree on every question; on the peers'
-    questions also transformers' generate and prompt lookup (slow here, and not predicted). With ``compare``
-    (another head set, e.g. the Medusa-1 heads beside Medusa-2 ones): its chains of 1, 2 and all heads, on
-    the base those heads decode with (and plain decoding of that base, where it is another one)."""
+    questions also transformers' generate and prompt lookup (slow here, and not predicted). For each head set
+    in ``compare`` (e.g. the Medusa-1 heads beside Medusa-2 ones): its chains of 1, 2 and all heads, on the
+    base those heads decode with (and plain decoding of that base, where it is another one)."""
     from treesearch.search import load_recommendation
     from treesearch.stats import load_stats
 
@@ -317,8 +317,9 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
                {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
                {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
                *chains]
-    if compare is not None:
-        configs += compare_configurations(compare, heads, depths)
+    bases: set[str] = set()  # the bases whose plain decoding is in already (two Medusa-1 sets share one)
+    for other in compare:
+        configs += compare_configurations(other, heads, depths, bases)
     configs += sampled_configurations(typical, workload["peers"])
     for path, fold in zip(searches, workload["folds"]):
         pick = load_recommendation(path)
@@ -360,9 +361,11 @@ def sampled_configurations(typical: Path | None, peers: list[int], temperature: 
     return out
 
 
-def compare_configurations(compare: str, heads: Path | None, depths: list[int]) -> list[dict]:
+def compare_configurations(compare: str, heads: Path | None, depths: list[int], bases: set[str] | None = None
+                           ) -> list[dict]:
     """The other head set's chains (named ``<compare> chain:d``) and, where its base differs from that of the
-    main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference."""
+    main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference, once
+    per base (``bases``: those already in, updated)."""
     from medusa_runtime.heads import heads_folder
     from medusa_runtime.medusa2 import adapter_info
 
@@ -371,8 +374,15 @@ def compare_configurations(compare: str, heads: Path | None, depths: list[int]) 
         raise ValueError(f"--compare-heads {compare}: not a heads folder")
     out = []
     same = heads is not None and folder.resolve() == heads.resolve()
+    # a base of its own: the set carries an adapter (the main heads' base then has none or another), or the
+    # main heads carry one and this set's base is the original
     if not same and (adapter_info(folder) is not None or (heads is not None and adapter_info(heads) is not None)):
-        out.append({"name": f"plain, {compare} base", "method": "plain", "heads": compare})
+        info = adapter_info(folder)
+        base = "original" if info is None else str(info.path.resolve())
+        if bases is None or base not in bases:
+            out.append({"name": f"plain, {compare} base", "method": "plain", "heads": compare})
+        if bases is not None:
+            bases.add(base)
     return out + [{"name": f"{compare} chain:{d}", "method": "medusa", "tree": f"chain:{d}", "heads": compare}
                   for d in depths]
 
@@ -396,10 +406,9 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     from bench.runner import REPLAY_ORDER
     from medusa_runtime.heads import heads_folder
 
-    compare = heads_folder(opts.compare_heads) if opts.compare_heads else None
     key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
            "typical": file_hash(out / "tree-typical.json"),
-           "compare_heads": folder_hash(compare) if compare is not None else None,
+           "compare_heads": [folder_hash(heads_folder(c)) for c in opts.compare_heads],
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
            "order": REPLAY_ORDER}
     ids = [str(i) for i in workload["replayed"]]
@@ -483,21 +492,29 @@ def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
     return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
 
 
-def _compare_heads(spec: str, args) -> str | None:
-    """--compare-heads resolved: 'auto' replays the shipped Medusa-1 heads beside the shipped default where
-    that default is Medusa-2 (on the default model, heads not retrained); 'none' nothing."""
-    if spec == "none":
-        return None
-    if spec != "auto":
-        return spec
+def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
+    """--compare-heads resolved: 'auto' replays the other shipped sets beside the shipped default (on the
+    default model, heads not retrained): the Medusa-1 heads where the default is Medusa-2, and the
+    unconditioned heads that serving engines load; 'none' nothing."""
+    if specs in (["none"], []):
+        return ()
+    if specs != ["auto"]:
+        if "auto" in specs or "none" in specs:
+            raise ValueError("--compare-heads: 'auto' and 'none' stand alone")
+        return tuple(dict.fromkeys(specs))
     from medusa_runtime.heads import shipped_heads_dir
     from medusa_runtime.medusa2 import adapter_info
 
-    default, medusa1 = shipped_heads_dir("default"), shipped_heads_dir("medusa1")
-    shipped = args.model == "default" and args.heads == "default" and not args.retrain
-    if shipped and default is not None and medusa1 is not None and medusa1 != default and adapter_info(default):
-        return "medusa1"
-    return None
+    if not (args.model == "default" and args.heads == "default" and not args.retrain):
+        return ()
+    default = shipped_heads_dir("default")
+    out = []
+    medusa1 = shipped_heads_dir("medusa1")
+    if default is not None and medusa1 is not None and medusa1 != default and adapter_info(default):
+        out.append("medusa1")
+    if shipped_heads_dir("unconditioned") is not None:
+        out.append("unconditioned")
+    return tuple(out)
 
 
 def _write_command(out: Path, argv: list[str], opts: BenchOptions) -> None:
@@ -532,9 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="default",
                         help="'default' (the shipped heads, default model only) or a heads folder in either format; "
                              "--retrain trains heads for --model instead")
-    parser.add_argument("--compare-heads", default="auto",
-                        help="another head set whose chains are replayed beside the main heads' (a folder, medusa1, "
-                             "none; auto: the shipped Medusa-1 heads when the shipped default is Medusa-2)")
+    parser.add_argument("--compare-heads", nargs="+", default=["auto"], metavar="HEADS",
+                        help="head sets whose chains are replayed beside the main heads' (folders, medusa1, "
+                             "unconditioned; none; auto: the other shipped sets, on the default model)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="new tokens per replayed turn and calibration rollout (default: the profile's; FastChat "

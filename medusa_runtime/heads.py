@@ -380,18 +380,21 @@ def fresh_heads(num_heads: int, num_layers: int, hidden_size: int, vocab_size: i
     return MedusaHeads(HeadsConfig(num_heads, num_layers, hidden_size, vocab_size, True, base_model))
 
 
-SHIPPED = {"default": "default_heads", "medusa1": "medusa1_heads"}  # names of the shipped head sets, their folders
+# names of the shipped head sets, their folders: the default; the Medusa-1 heads kept beside Medusa-2 ones;
+# unconditioned heads, which serving engines can load (the others read root and parent tokens)
+SHIPPED = {"default": "default_heads", "medusa1": "medusa1_heads", "unconditioned": "unconditioned_heads"}
 
 
 def shipped_heads_dir(name: str = "default") -> Path | None:
     """A head set this project trained and ships for the default model (shared-lm_head format), if any:
-    ``default`` (what ``--heads default`` loads) or ``medusa1`` (Medusa-1 heads, kept beside Medusa-2 ones
-    for comparison; the default set itself where that needs no adapter, i.e. is Medusa-1)."""
+    ``default`` (what ``--heads default`` loads), ``medusa1`` (Medusa-1 heads, kept beside Medusa-2 ones
+    for comparison; the default set itself where that needs no adapter, i.e. is Medusa-1) or
+    ``unconditioned`` (heads an engine without root/parent conditioning serves)."""
     data = Path(__file__).resolve().parent / "data"
     own, default = data / SHIPPED[name] / "heads", data / SHIPPED["default"] / "heads"
     if (own / "config.json").is_file():
         return own
-    if name != "default" and (default / "config.json").is_file() and adapter_entry(default) is None:
+    if name == "medusa1" and (default / "config.json").is_file() and adapter_entry(default) is None:
         return default
     return None
 

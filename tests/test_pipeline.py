@@ -77,6 +77,28 @@ def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
     assert [c["name"] for c in same] == [f"{plain_heads} chain:1"]
     with pytest.raises(ValueError, match="not a heads folder"):
         compare_configurations(str(tmp_path / "nothing"), adapted, [1])
+    other = tmp_path / "m1b"  # a second set on the original base: its chains, but that base's plain run once
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    bases: set[str] = set()
+    first = compare_configurations(str(plain_heads), adapted, [1], bases)
+    second = compare_configurations(str(other), adapted, [1], bases)
+    assert [c["name"] for c in first + second] == [f"plain, {plain_heads} base", f"{plain_heads} chain:1",
+                                                   f"{other} chain:1"]
+
+
+def test_compare_heads_option_resolution():
+    from types import SimpleNamespace
+
+    from bench.pipeline import _compare_heads
+
+    shipped = SimpleNamespace(model="default", heads="default", retrain=False)
+    assert _compare_heads(["none"], shipped) == ()
+    assert _compare_heads(["a", "b", "a"], shipped) == ("a", "b")
+    with pytest.raises(ValueError, match="stand alone"):
+        _compare_heads(["auto", "a"], shipped)
+    assert _compare_heads(["auto"], SimpleNamespace(model="other", heads="x", retrain=False)) == ()
+    assert _compare_heads(["auto"], SimpleNamespace(model="default", heads="default", retrain=True)) == ()
 
 
 def test_folds_option_reaches_the_workload_and_bad_counts_fail_in_one_line(tmp_path, monkeypatch, capsys):
