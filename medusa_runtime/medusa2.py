@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from treesearch.fsutil import atomic_dir
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
-from .fsutil import atomic_dir
 from .heads import ADAPTER_KEY, HeadsError, adapter_entry, save_heads
 from .model import LoadedModel
 

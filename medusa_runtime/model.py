@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .fsutil import atomic_dir, atomic_file
+from treesearch.fsutil import atomic_dir, atomic_file
 
 DEFAULT_NAME = "default"
 

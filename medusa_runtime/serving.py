@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .fsutil import atomic_dir
+from treesearch.fsutil import atomic_dir
+
 from .heads import HeadsError, MedusaHeads
 
 VLLM_WEIGHTS = "model.safetensors"

@@ -32,10 +32,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from treesearch.fsutil import atomic_dir, atomic_file
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
-from .fsutil import atomic_dir, atomic_file
 from .heads import HeadsConfig, MedusaHeads, heads_folder, load_heads, resolve_heads, save_heads
 from .model import LoadedModel, cache_root, weights_fingerprint
 

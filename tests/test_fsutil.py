@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medusa_runtime.fsutil import atomic_dir, atomic_file
+from treesearch.fsutil import atomic_dir, atomic_file
 
 
 def test_atomic_file_replaces_on_success_and_keeps_target_on_failure(tmp_path):

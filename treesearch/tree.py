@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from .fsutil import atomic_file
 
 TREE_SCHEMA = "medusa-tree/1"
 
@@ -179,18 +180,7 @@ def read_json(path: str | os.PathLike[str], error: type[ValueError], what: str) 
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private (0600); results get the usual mode
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    """``obj`` as indented JSON, swapped in whole (see ``fsutil.atomic_file``)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    return Path(path)

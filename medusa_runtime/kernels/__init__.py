@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
 
-from ..fsutil import atomic_file
+from treesearch.fsutil import atomic_file
 
 SOURCE = Path(__file__).with_name("lean_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")

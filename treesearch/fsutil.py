@@ -1,4 +1,5 @@
-"""Atomic writes: build a file or folder beside its target, then swap it in with one rename."""
+"""Atomic writes for every stage (the bottom layer, so that treesearch, the runtime and the bench share them):
+build a file or folder beside its target, then swap it in with one rename."""
 
 from __future__ import annotations
 
