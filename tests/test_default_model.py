@@ -81,6 +81,33 @@ def test_shipped_heads_draft_vocabulary_bf16_projection(default_model, mt_bench_
     assert res.token_ids == hf_greedy(default_model, prompt, 24) and res.stats.tau > 1.0
 
 
+def test_shipped_medusa2_heads_decode_exactly_on_their_adapted_base(default_model, mt_bench_first_turns):
+    """The shipped default is Medusa-2: its adapter matches the default base and merges into layers 26-29
+    only; greedy Medusa decoding on the adapted base equals that base's own greedy decoding (transformers'
+    generate in float32, the runtime's plain decoding in bf16); the Medusa-1 set beside it needs no adapter."""
+    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.medusa2 import adapter_info, apply_heads_adapter
+
+    folder = shipped_heads_dir("default")
+    info = adapter_info(folder)
+    assert info is not None and info.layers == (26, 27, 28, 29) and info.base_model == "default"
+    assert adapter_info(shipped_heads_dir("medusa1")) is None
+    adapted = apply_heads_adapter(default_model, folder, log=lambda m: None)
+    assert adapted.name == f"default+adapter:{info.base_digest[:8]}"
+    original = dict(default_model.model.named_parameters())
+    changed = {n.split(".")[2] for n, p in adapted.model.named_parameters() if not torch.equal(p, original[n])}
+    assert changed == {"26", "27", "28", "29"}  # model.layers.<i>...: the adapted layers, nothing else
+    heads = resolve_heads("default", adapted.hidden_size, adapted.vocab_size)
+    bf16 = apply_heads_adapter(load_model("default", "bfloat16", log=lambda m: None), folder, log=lambda m: None)
+    for index in (3, 45):  # writing, math
+        prompt = encode_prompt(adapted, mt_bench_first_turns[index]["turns"][0], chat=True)
+        res = MedusaDecoder(adapted, heads, "chain:3", config=DecodeConfig(max_new_tokens=32)).generate(prompt)
+        assert res.token_ids == hf_greedy(adapted, prompt, 32)
+        fast = MedusaDecoder(bf16, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=32)).generate(prompt)
+        plain = MedusaDecoder(bf16, None, None, config=DecodeConfig(max_new_tokens=32)).generate(prompt)
+        assert fast.token_ids == plain.token_ids and fast.stats.tau > 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", ["mc_sim_7b_63", "vicuna_7b_stage1"])
 def test_all_mt_bench_first_turns_greedy_exact(default_model, mt_bench_first_turns, tree):
