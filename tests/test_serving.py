@@ -237,3 +237,34 @@ def test_vllm_tree_export_is_the_top1_chain_and_says_so():
     assert notes and "top-1 chain only" in notes[0]
     with pytest.raises(TreeError, match="no rank-0 chain"):
         to_vllm(make_tree([[1]]))
+
+
+def test_shipped_unconditioned_heads_export_for_tgi_and_vllm(tmp_path):
+    """The shipped set that engines can serve: exported by the command for both engines, read as each engine
+    reads it, drafting what the runtime's heads draft (TGI: over the whole vocabulary, which it always scores)."""
+    from pathlib import Path
+
+    from bench.cli import main
+    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.model import load_model
+
+    loaded = load_model("default", "float32", log=lambda m: None)
+    lm_head = loaded.model.get_output_embeddings()
+    heads = resolve_heads("unconditioned", loaded.hidden_size, loaded.vocab_size)
+    assert not heads.root_conditioned and heads.config.num_layers == 1 and heads.draft_vocab is not None
+    assert main(["export-heads", "--format", "tgi", "--heads", "unconditioned", "--dtype", "float32",
+                 "--out", str(tmp_path / "tgi")]) == 0
+    layout, tgi_drafts, cfg = _tgi_load(tmp_path / "tgi", lm_head.weight)
+    assert layout == "v2" and Path(cfg["base_model_name_or_path"], "config.json").is_file()  # a base TGI can load
+    assert main(["export-heads", "--format", "vllm", "--heads", "unconditioned", "--dtype", "float32",
+                 "--out", str(tmp_path / "vllm")]) == 0
+    vcfg = _vllm_config_parse(json.loads((tmp_path / "vllm" / "config.json").read_text()))
+    sd = load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS))
+    assert vcfg["truncated_vocab_size"] == 4096 and tuple(sd["token_map"].shape) == (4096,)
+    full = resolve_heads("unconditioned", loaded.hidden_size, loaded.vocab_size)
+    full.set_draft_vocab(None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for hidden in torch.randn(4, loaded.hidden_size) * 2:
+            assert _vllm_drafts(sd, vcfg, hidden) == heads(hidden, lm_head).argmax(-1).tolist()
+            assert tgi_drafts(hidden) == full(hidden, lm_head).argmax(-1).tolist()
