@@ -376,8 +376,8 @@ def compare_configurations(compare: str, heads: Path | None, depths: list[int], 
     same = heads is not None and folder.resolve() == heads.resolve()
     # a base of its own: the set carries an adapter (the main heads' base then has none or another), or the
     # main heads carry one and this set's base is the original
-    if not same and (adapter_info(folder) is not None or (heads is not None and adapter_info(heads) is not None)):
-        info = adapter_info(folder)
+    info = adapter_info(folder)
+    if not same and (info is not None or (heads is not None and adapter_info(heads) is not None)):
         base = "original" if info is None else str(info.path.resolve())
         if bases is None or base not in bases:
             out.append({"name": f"plain, {compare} base", "method": "plain", "heads": compare})

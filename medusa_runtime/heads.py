@@ -225,7 +225,10 @@ class MedusaHeads(nn.Module):
 # ---------------------------------------------------------------------------- checkpoint I/O
 
 
-def _state_dict_for(heads: MedusaHeads, fmt: str, lm_head: nn.Module | None) -> dict[str, torch.Tensor]:
+def checkpoint_state_dict(heads: MedusaHeads, fmt: str, lm_weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The tensors of a heads checkpoint in ``fmt``: the blocks under ``{i}.{j}.linear.weight|bias`` (and the
+    root / parent matrices of conditioned heads); ``official`` adds each head's projection ``{i}.{L}.weight``
+    (a copy of ``lm_weight``, the base lm_head, for shared heads)."""
     out: dict[str, torch.Tensor] = {}
     cfg = heads.config
     for i, blocks in enumerate(heads.blocks):
@@ -239,8 +242,8 @@ def _state_dict_for(heads: MedusaHeads, fmt: str, lm_head: nn.Module | None) -> 
         if fmt == "official":
             if heads.proj is not None:
                 out[f"{i}.{cfg.num_layers}.weight"] = heads.proj[i].detach()
-            elif lm_head is not None:  # shared heads written in the official layout get lm_head copies
-                out[f"{i}.{cfg.num_layers}.weight"] = lm_head.weight.detach()
+            elif lm_weight is not None:  # shared heads written in the official layout get lm_head copies
+                out[f"{i}.{cfg.num_layers}.weight"] = lm_weight.detach()
             else:
                 raise HeadsError("writing shared heads in the official format needs the base lm_head")
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -259,7 +262,8 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
         raise HeadsError("root-conditioned heads have no official-format layout (the official code would "
                          "ignore their root weights); save them as 'shared'")
     with atomic_dir(out_dir) as tmp:
-        save_file(_state_dict_for(heads, fmt, lm_head), str(tmp / "medusa_lm_head.safetensors"))
+        save_file(checkpoint_state_dict(heads, fmt, None if lm_head is None else lm_head.weight),
+                  str(tmp / "medusa_lm_head.safetensors"))
         meta = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
                 "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size,
                 "vocab_size": cfg.vocab_size, "medusa_format": fmt}

@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 
 from treesearch.fsutil import atomic_dir
 
-from .heads import HeadsError, MedusaHeads
+from .heads import HeadsError, MedusaHeads, checkpoint_state_dict
 
 VLLM_WEIGHTS = "model.safetensors"
 VLLM_SPEC_FILE = "speculative_config.json"
@@ -143,19 +143,10 @@ def tgi_layout(heads: MedusaHeads) -> str:
 
 
 def tgi_state_dict(heads: MedusaHeads, lm_weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors TGI reads: the blocks under ``{i}.{j}.linear``, and for the V1 layout each head's
-    full-vocabulary projection under ``{i}.{L}.weight`` (a copy of the base lm_head for shared heads)."""
-    layers = heads.config.num_layers
-    out: dict[str, torch.Tensor] = {}
-    v1 = tgi_layout(heads) == "v1"
-    proj = heads.projection(lm_weight, use_draft_vocab=False)  # [V, H] shared, [K, V, H] own
-    for i, blocks in enumerate(heads.blocks):
-        for j, block in enumerate(blocks):
-            out[f"{i}.{j}.linear.weight"] = block.linear.weight.detach().to(dtype)
-            out[f"{i}.{j}.linear.bias"] = block.linear.bias.detach().to(dtype)
-        if v1:
-            out[f"{i}.{layers}.weight"] = (proj if proj.dim() == 2 else proj[i]).detach().to(dtype)
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    """The tensors TGI reads: this project's checkpoint layouts are TGI's (``shared`` = V2, blocks only;
+    ``official`` = V1, each head's full-vocabulary projection beside its blocks), in ``dtype``."""
+    fmt = "shared" if tgi_layout(heads) == "v2" else "official"
+    return {k: v.to(dtype) for k, v in checkpoint_state_dict(heads, fmt, lm_weight).items()}
 
 
 def tgi_config(heads: MedusaHeads, base_model: str) -> dict:
