@@ -228,3 +228,57 @@ def test_sampled_configurations_draw_seeded_samples_that_do_not_depend_on_the_or
     again = replay(loaded, heads, [sampled, CONFIGS[0]], QUESTIONS[:2], rc, tmp_path / "b.jsonl", progress=False)
     assert {(r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in again if r["config"] == "plain T0.8"} \
         == {k: r["token_ids"] for k, r in by.items()}
+
+
+def test_verify_probes_run_between_questions_once_each_and_resume_with_the_replay(tmp_path, monkeypatch):
+    """A probe (the profile's tight verify table, timed on the real model) runs before each (question, turn,
+    repeat)'s first record, never inside one; a replay killed halfway and resumed leaves exactly one probe per
+    key; the report's pricing then uses them all."""
+    from bench.probes import ProbeLog, priced_by_probes, read_probes
+    from medusa_runtime.profile import VerifyTable
+    from treesearch.cost import LatencyProfile
+
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    nodes, contexts = (1, 2, 4), (8, 16)
+    prof = LatencyProfile(nodes, contexts, ((5.0, 6.0, 7.0), (6.0, 7.0, 8.0)), (6.0, 7.0), 1.0, 0.5,
+                          {"tight_ms": [[1.0, 1.2, 1.5], [1.1, 1.3, 1.6]]})
+    out = tmp_path / "records.jsonl"
+    table = VerifyTable(loaded, heads, nodes, contexts)
+    seen = []  # (key, records on disk when the probe ran)
+
+    def probing(log):
+        def probe(q, t, r):
+            seen.append(((q, t, r), len(load_records(out))))
+            log(q, t, r)
+        return probe
+
+    cfg = ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2)
+    real, calls = runner.make_runner, {"n": 0}
+
+    def dying(cfg_, loaded_, heads_, topk=10):
+        inner = real(cfg_, loaded_, heads_, topk)
+
+        def run(prompt, n, temperature=0.0, seed=None):
+            calls["n"] += 1
+            if calls["n"] > 3 + 7:  # 3 warm-ups, 7 records: the third (question, turn) is one record in
+                raise KeyboardInterrupt
+            return inner(prompt, n, temperature, seed)
+        return run
+
+    monkeypatch.setattr(runner, "make_runner", dying)
+    with pytest.raises(KeyboardInterrupt):
+        replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False,
+               probe=probing(ProbeLog(tmp_path / "probes.jsonl", table, prof)))
+    assert [n for _, n in seen] == [0, 3, 6]  # each before its (question, turn)'s first record
+    monkeypatch.setattr(runner, "make_runner", real)
+    replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False,
+           probe=probing(ProbeLog(tmp_path / "probes.jsonl", table, prof)))
+    probes = read_probes(tmp_path / "probes.jsonl")
+    keys = [(p["question_id"], p["turn"], p["repeat"]) for p in probes]
+    assert len(keys) == len(set(keys)) == len(QUESTIONS) * 2  # one per key, the interrupted one not retaken
+    assert all(len(p["verify_ms"]) == 2 and all(len(r) == 3 and min(r) > 0 for r in p["verify_ms"])
+               for p in probes)
+    assert len(load_records(out)) == 3 * 3 * 2
+    priced, used = priced_by_probes(prof, tmp_path / "probes.jsonl")
+    assert used == 6 and priced.meta["repriced_by_probes"] == 6 and priced.verify_ms != prof.verify_ms
