@@ -584,7 +584,7 @@ def _run_replay(args, configs, turns: int):
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                     extra={"heads": args.heads}, variants=variants, probe=_probe_log(args, loaded, heads, out_dir))
+                     extra={"heads": args.heads}, variants=variants)
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
     paths = write_tables(df, ["generate", "plain"], out_dir)
     table = summary(df, ["generate", "plain"])
@@ -596,22 +596,6 @@ def _run_replay(args, configs, turns: int):
             + to_markdown(per_cat.reset_index()) + f"\n\nwritten: {', '.join(files)}")
     obj = {"overall": overall.to_dict("records"), "by_category": table.to_dict("records"), "files": files}
     return loaded, df, text, obj
-
-
-def _probe_log(args, loaded, heads, out_dir: Path):
-    """``--probe LATENCY``: the profile's tight verify table timed before each question (``bench.probes``)."""
-    if not getattr(args, "probe", None):
-        return None
-    from bench.probes import ProbeLog
-    from medusa_runtime.profile import VerifyTable
-    from treesearch.cost import load_profile
-
-    if heads is None:
-        raise ValueError("--probe times the heads' verify trees: it needs --heads")
-    prof = load_profile(args.probe, expect_model=loaded.name)
-    if "tight_ms" not in prof.meta:
-        raise ValueError(f"{args.probe} has no tight verify table to probe against: profile again with this version")
-    return ProbeLog(out_dir / "probes.jsonl", VerifyTable(loaded, heads, prof.nodes, prof.contexts), prof)
 
 
 def select_questions(args: argparse.Namespace):
@@ -1032,9 +1016,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
-            p.add_argument("--probe", default=None, metavar="LATENCY",
-                           help="time this latency profile's verify table again before each question "
-                                "(probes.jsonl): the report prices its predictions at the replay's own speed")
         p.add_argument("--questions", default=None,
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)

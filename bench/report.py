@@ -256,21 +256,20 @@ def plot_predicted_vs_measured(card: pd.DataFrame, plots: Path) -> list[Path]:
 
 def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict] | None:
     """(scorecard, verdict, questions) of a bench run, or None outside the pipeline (no workload.json)."""
-    from bench.probes import priced_by_probes
     from bench.runner import MethodConfig
     from bench.scorecard import scorecard, verdict
     from bench.workload import fold_stats, predict_configs
-    from treesearch.cost import load_profile
+    from treesearch.cost import load_profile, mean_profile
     from treesearch.stats import load_stats
 
     files = [out / n for n in ("workload.json", "acceptance.json", "latency.json", "replay_config.json")]
     if not all(f.is_file() for f in files):
         return None
     workload, stats, latency = json.loads(files[0].read_text()), load_stats(files[1]), load_profile(files[2])
-    latency, probes = priced_by_probes(latency, out / "replay" / "probes.jsonl")
-    priced = (f"the latency profile measured before the replay, its verify forwards and plain step moved to the "
-              f"mean speed of {probes} verify probes taken before the replayed questions" if probes else
-              "the latency profile measured before the replay")
+    priced = "the latency profile measured before the replay"
+    if (out / "latency-after.json").is_file():  # the machine's speed over the replay: before and after, averaged
+        latency = mean_profile([latency, load_profile(out / "latency-after.json")])
+        priced = "the mean of the latency profiles measured before and after the replay"
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
     folds = [tuple(f) for f in workload["folds"]]
     predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)

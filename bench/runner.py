@@ -208,12 +208,10 @@ def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repe
 
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
-           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None,
-           probe: Callable[[int, int, int], None] | None = None) -> list[dict]:
+           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None
+           ) -> list[dict]:
     """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
-    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
-    ``probe(question_id, turn, repeat)`` runs before each (question, turn, repeat)'s first configuration,
-    between records, never inside one (``bench.probes``: the machine's speed where the replay spends its time)."""
+    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
@@ -241,12 +239,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
-    last = None
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
-            if probe is not None and (q.question_id, turn, rep) != last:
-                probe(q.question_id, turn, rep)
-                last = (q.question_id, turn, rep)
             # a second turn follows this repeat's (this sample's) own first answer
             earlier = [done[(c.name, c.digest, q.question_id, t, rep)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from treesearch.cost import LatencyProfile, head_rows, non_decreasing
+from treesearch.cost import LatencyProfile, head_rows
 from treesearch.optimal import IndependentModel, optimal_tree
 from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
@@ -109,7 +109,7 @@ def _rounds(count: int, repeats: int, seed: int = 0):
         yield order
 
 
-def _interleaved_samples(fns, sync, repeats: int, warmup: int, bar=None, seed: int = 0) -> np.ndarray:
+def _interleaved_samples(fns, sync, repeats: int, warmup: int, bar=None) -> np.ndarray:
     """ms of each of ``fns`` per round [pieces, rounds], timed in rounds of one call each in shuffled order:
     drift on a shared machine then hits every piece alike within a round, and ratios taken within rounds
     cancel it (see :func:`_paired`)."""
@@ -117,7 +117,7 @@ def _interleaved_samples(fns, sync, repeats: int, warmup: int, bar=None, seed: i
         for _ in range(warmup):
             fn()
     times = np.zeros((len(fns), repeats))
-    for r, order in enumerate(_rounds(len(fns), repeats, seed)):
+    for r, order in enumerate(_rounds(len(fns), repeats)):
         for i in order:
             sync()
             t0 = time.perf_counter()
@@ -172,51 +172,6 @@ def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: Profi
     return [LoopTimes(*(_central(list(col)) for col in zip(*rows)), tuple(row[2] for row in rows)) for rows in samples]
 
 
-class VerifyTable:
-    """The profile's tight verify table: one verify forward of each tree size on a real KV cache of each
-    context (random tokens), cropped back after every forward. ``steps`` lists the forwards [contexts x
-    nodes, context-major]; calling the table times them once each in shuffled order and returns ms
-    [contexts][nodes], a probe of the machine's speed now (``treesearch.cost.repriced``): the replay takes
-    one before each question, so that its predictions are priced at the speed the question ran at."""
-
-    def __init__(self, loaded: LoadedModel, heads: MedusaHeads, nodes: tuple[int, ...], contexts: tuple[int, ...],
-                 verifiers: dict[int, MedusaDecoder] | None = None, plain: MedusaDecoder | None = None,
-                 gen: torch.Generator | None = None):
-        dev = loaded.device
-        self.shape = (len(contexts), len(nodes))
-        self.sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        gen = gen or torch.Generator().manual_seed(0)
-        if verifiers is None:
-            verifiers = {}
-            for n in nodes:
-                if n > 1:
-                    t = _shape_tree(n, heads.num_heads)
-                    verifiers[n] = MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1))
-        plain = plain or MedusaDecoder(loaded, None, None)
-        self.steps = []
-        for ctx in contexts:
-            cache = plain.new_cache(ctx + max(nodes))
-            plain.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
-            for n in nodes:
-                dec = verifiers.get(n, plain)
-                tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
-
-                def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
-                    dec.verify(tokens, ctx, cache)
-                    dec.compact(cache, ctx, [])  # drop the tree again
-
-                self.steps.append(step)
-        self.calls = 0
-
-    @torch.inference_mode()
-    def __call__(self) -> list[list[float]]:
-        """One round (the first call warms every forward up once, untimed)."""
-        ms = _interleaved_samples(self.steps, self.sync, 1, 1 if self.calls == 0 else 0, seed=self.calls)
-        self.calls += 1
-        rows, cols = self.shape
-        return [[float(ms[r * cols + c, 0]) for c in range(cols)] for r in range(rows)]
-
-
 @torch.inference_mode()
 def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig = ProfileConfig(),
                     progress: bool = True) -> LatencyProfile:
@@ -230,8 +185,20 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
                disable=not progress)
 
     # 1. verify forwards: every (context, size) once per round, all contexts in the same rounds
-    table = VerifyTable(loaded, heads, cfg.nodes, cfg.contexts, verifiers=verifiers, plain=plain_dec, gen=gen)
-    tight = _interleaved_samples(table.steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
+    steps = []
+    for ctx in cfg.contexts:
+        cache = plain_dec.new_cache(ctx + max(cfg.nodes))
+        plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
+        for n in cfg.nodes:
+            dec = verifiers.get(n, plain_dec)
+            tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+
+            def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
+                dec.verify(tokens, ctx, cache)
+                dec.compact(cache, ctx, [])  # drop the tree again
+
+            steps.append(step)
+    tight = _interleaved_samples(steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
         len(cfg.contexts), len(cfg.nodes), cfg.repeats)  # [contexts, nodes, rounds] ms
 
     # 2. real decode loops, interleaved: plain decoding, the profile's shapes up to a size, and chains 1..K
@@ -270,8 +237,6 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     prefill = [p * in_loop / at_mid for p in tight_prefill]
     meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
             "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            # the tight table itself [contexts][nodes], so that later probes of it reprice the profile
-            "tight_ms": [[_central(list(tight[c, j])) for j in range(len(cfg.nodes))] for c in range(len(cfg.contexts))],
             "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
                     "once per round, mask building included, scaled per size to the verify time of real decode "
                     "loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
@@ -286,7 +251,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, as the verify rows are, since more
     # parents never cost less)
     extra = [max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)]
-    sampling = (tuple(book_sizes), tuple(float(x) for x in non_decreasing(np.asarray(extra))))
+    sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
     return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
                           tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
                           tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
@@ -325,7 +290,20 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
         row.append(level * statistics.median(looped[near]) * to_near)
     table = [[row[j] * _paired(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
              for c in range(len(cfg.contexts))]
-    return [tuple(float(x) for x in non_decreasing(np.asarray(r))) for r in table]
+    return [tuple(float(x) for x in _non_decreasing(np.asarray(r))) for r in table]
+
+
+def _non_decreasing(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a verify of more nodes
+    never costs less, so a size measured low next to a size measured high is noise both ways."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
 def _loop_cfg(topk: int = 10, seed: int | None = None) -> DecodeConfig:

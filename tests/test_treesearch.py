@@ -264,13 +264,17 @@ def test_cost_model_heads_time_by_tree_size(tmp_path):
 
 def test_cost_model_prices_what_sampling_adds_to_a_step_only_for_sampled_steps(tmp_path):
     """A typical-acceptance step pays the profile's sampling extra (interpolated by verified nodes); a greedy one
-    does not; the JSON round-trips, and an older file without it counts 0."""
+    does not; two profiles average it; the JSON round-trips, and an older file without it counts 0."""
+    from treesearch.cost import mean_profile
+
     prof = replace(_latency(), sampling_nodes=(1, 4, 16), sampling_extra_ms=(0.2, 0.6, 1.8))
     greedy, sampled = predict(prof, 2.0, 10), predict(prof, 2.0, 10, sampled=True)
     assert sampled.step_ms == pytest.approx(greedy.step_ms + 1.2) and sampled.speedup < greedy.speedup
     assert prof.sampling_extra(64) == pytest.approx(1.8) and prof.sampling_extra(1) == pytest.approx(0.2)
     back = load_profile(save_profile(prof, tmp_path / "lat.json"))
     assert back == prof
+    other = replace(prof, sampling_extra_ms=(0.4, 1.0, 2.2))
+    assert mean_profile([prof, other]).sampling_extra_ms == pytest.approx((0.3, 0.8, 2.0))
     obj = json.loads((tmp_path / "lat.json").read_text())
     for key in ("sampling_nodes", "sampling_extra_ms"):
         del obj[key]

@@ -309,31 +309,24 @@ def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
     assert len(sample_over_categories(qs, 100)) == 70
 
 
-def test_repriced_profile_moves_verify_and_plain_forward_to_the_probes_mean_speed():
-    """Closed form: probes at twice the profile's tight times (as a mean: 1x and 3x) double every verify entry;
-    the plain step gains what its 1-node forward gained, its rest kept; heads, bookkeeping, lookup and prefill
-    stay; a scale that breaks a row's order is made non-decreasing again; a profile without its tight table or
-    probes on another grid are refused."""
+def test_mean_profile_is_the_elementwise_mean_and_refuses_other_grids():
+    """Profiles before and after a replay average field by field; every priced step is then the mean of the two
+    (the cost model is linear in the profile's times), and profiles on different grids are refused."""
     from dataclasses import replace
 
-    from treesearch.cost import repriced
+    from treesearch.cost import mean_profile
     from treesearch.stats import StatsError
 
-    tight = [[5.0 + n for n in (1, 2, 4, 8, 16)] for _ in (100, 300)]
-    a = replace(_profile(), meta={"model": "tiny", "tight_ms": tight})
-    probes = [[[x * k for x in row] for row in tight] for k in (1.0, 3.0)]  # mean: 2x the tight table
-    m = repriced(a, probes)
+    a = _profile()
+    b = replace(a, verify_ms=tuple(tuple(2 * x for x in r) for r in a.verify_ms), plain_ms=(20.0, 30.0),
+                bookkeeping_by_nodes_ms=(1.0, 1.0, 1.0), prefill_ms=(6.0, 20.0), lookup_ms=0.15)
+    m = mean_profile([a, b])
     for n, c in ((1, 100), (4, 200), (16, 500)):
-        assert m.verify(n, c) == pytest.approx(2 * a.verify(n, c))
-    for i in range(2):
-        assert m.plain_ms[i] == pytest.approx(a.plain_ms[i] + a.verify_ms[i][0])  # forward doubled, rest kept
-    assert (m.heads_ms, m.bookkeeping_by_nodes_ms, m.prefill_ms, m.lookup_ms) == (
-        a.heads_ms, a.bookkeeping_by_nodes_ms, a.prefill_ms, a.lookup_ms)
-    assert m.meta["repriced_by_probes"] == 2
-    dip = [[row[0], row[1], row[2] * 0.5, row[3], row[4]] for row in tight]  # 4 nodes probed at half its time
-    for row in repriced(a, [dip]).verify_ms:
-        assert list(row) == sorted(row)
-    with pytest.raises(StatsError, match="tight verify table"):
-        repriced(_profile(), probes)
-    with pytest.raises(StatsError, match="2 contexts x 5 nodes"):
-        repriced(a, [[row[:4] for row in tight]])
+        assert m.verify(n, c) == pytest.approx((a.verify(n, c) + b.verify(n, c)) / 2)
+    assert m.plain(200) == pytest.approx((a.plain(200) + b.plain(200)) / 2)
+    assert m.bookkeeping(9) == pytest.approx((a.bookkeeping(9) + b.bookkeeping(9)) / 2)
+    assert m.prefill(55) == pytest.approx((a.prefill(55) + b.prefill(55)) / 2)
+    assert m.lookup_ms == pytest.approx(0.1) and m.meta["averaged_profiles"] == 2 and m.meta["model"] == "tiny"
+    assert mean_profile([a]) == a
+    with pytest.raises(StatsError, match="different grids"):
+        mean_profile([a, _profile(contexts=(100, 400))])

@@ -225,48 +225,29 @@ def profile_from_json(obj: Any) -> LatencyProfile:
                           heads_fit, path_conditioned, sampling_nodes, sampling_extra)
 
 
-def non_decreasing(values: np.ndarray) -> np.ndarray:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a verify of more nodes
-    never costs less, so a size measured low next to a size measured high is noise both ways."""
-    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
+def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
+    """The element-wise mean of profiles measured with the same grid (sizes, contexts, prompt lengths) at
+    different times, e.g. before and after a replay: the machine's speed over that window, its drift halved.
+    Profiles on other grids are refused (StatsError)."""
+    first = profiles[0]
+    grid = (first.nodes, first.contexts, first.heads_nodes, first.bookkeeping_nodes, first.prefill_tokens,
+            len(first.heads_fit), first.heads_path_conditioned, first.sampling_nodes)
+    for p in profiles[1:]:
+        if (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
+                p.heads_path_conditioned, p.sampling_nodes) != grid:
+            raise StatsError("latency profiles measured on different grids cannot be averaged")
 
+    def mean(values):  # values: one float, or nested tuples of floats, per profile
+        arr = np.mean(np.asarray(values, dtype=float), axis=0)
+        if arr.ndim == 0:
+            return float(arr)
+        return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
-def repriced(profile: LatencyProfile, probes: list[list[list[float]]]) -> LatencyProfile:
-    """The profile's verify forwards and plain step at the machine speed of ``probes``: verify tables
-    [contexts][nodes] (ms) timed as the profile's own tight table was (``meta['tight_ms']``, same grid) but
-    later, e.g. one before each replayed question. This VM's memory bandwidth moves between two levels for
-    minutes at a time, and a multi-row verify relative to one row costs otherwise at each (5 rows: 1.29x one
-    row at the fast level, 1.10-1.16x at the slow), so a profile timed at one level misprices a replay run at
-    the other. Each verify entry is scaled by the probes' mean over the profile's tight time at its point
-    (the in-loop correction the profile measured is kept), each row made non-decreasing again; the plain
-    step's forward moves as the 1-node verify does, its rest (the loop) is kept. Heads, bookkeeping, lookup
-    and prefill stay as profiled. StatsError when the profile lacks its tight table or the grids differ."""
-    tight = profile.meta.get("tight_ms")
-    shape = (len(profile.contexts), len(profile.nodes))
-    if tight is None or np.shape(tight) != shape:
-        raise StatsError("this latency profile has no tight verify table (profile again with this version)")
-    now = np.asarray(probes, dtype=float)
-    if now.ndim != 3 or now.shape[1:] != shape or not len(now) or (now <= 0).any():
-        raise StatsError(f"verify probes must be positive tables of {shape[0]} contexts x {shape[1]} nodes")
-    # the mean over probes, not a robust centre: the replay's tokens/s are totals over its whole time, slow
-    # spells included
-    scale = now.mean(axis=0) / np.asarray(tight, dtype=float)  # [contexts, nodes]
-    verify = np.asarray(profile.verify_ms, dtype=float) * scale
-    verify = np.stack([non_decreasing(row) for row in verify])
-    plain = np.asarray(profile.plain_ms, dtype=float)
-    if 1 in profile.nodes:  # plain = the 1-node forward + the rest of a plain step
-        one = profile.nodes.index(1)
-        plain = plain + verify[:, one] - np.asarray(profile.verify_ms, dtype=float)[:, one]
-    meta = {**profile.meta, "repriced_by_probes": len(now)}
-    return replace(profile, verify_ms=tuple(tuple(float(x) for x in r) for r in verify),
-                   plain_ms=tuple(float(x) for x in plain), meta=meta)
+    fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
+              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms")
+    averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
+    meta = {**first.meta, "averaged_profiles": len(profiles)}
+    return replace(first, meta=meta, **averaged)
 
 
 def load_profile(path: str | os.PathLike[str], expect_model: str | None = None) -> LatencyProfile:
