@@ -583,8 +583,11 @@ def _run_replay(args, configs, turns: int):
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
+    during = _profile_during(args, loaded, heads, out_dir)
     records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                     extra={"heads": args.heads}, variants=variants)
+                     extra={"heads": args.heads}, variants=variants, between=during)
+    if during is not None:
+        during.write_profile(out_dir / "latency-during.json")
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
     paths = write_tables(df, ["generate", "plain"], out_dir)
     table = summary(df, ["generate", "plain"])
@@ -596,6 +599,22 @@ def _run_replay(args, configs, turns: int):
             + to_markdown(per_cat.reset_index()) + f"\n\nwritten: {', '.join(files)}")
     obj = {"overall": overall.to_dict("records"), "by_category": table.to_dict("records"), "files": files}
     return loaded, df, text, obj
+
+
+def _profile_during(args, loaded, heads, out_dir: Path):
+    """``--profile-like LATENCY``: that profile's grid, profiled again in rounds during the replay
+    (``bench.replay_profile``), one round every ``--profile-every`` questions."""
+    if not getattr(args, "profile_like", None):
+        return None
+    from bench.replay_profile import RoundsDuringReplay
+    from medusa_runtime.profile import ProfileConfig, Profiler
+    from treesearch.cost import load_profile
+
+    if heads is None:
+        raise ValueError("--profile-like profiles the heads' trees: it needs --heads")
+    like = load_profile(args.profile_like, expect_model=loaded.name)
+    cfg = ProfileConfig(nodes=like.nodes, contexts=like.contexts, prefill=like.prefill_tokens or (), warmup=1)
+    return RoundsDuringReplay(out_dir / "profile_rounds.jsonl", Profiler(loaded, heads, cfg), args.profile_every)
 
 
 def select_questions(args: argparse.Namespace):
@@ -1016,6 +1035,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
+            p.add_argument("--profile-like", default=None, metavar="LATENCY",
+                           help="profile this latency file's grid again during the replay, in rounds between "
+                                "questions (latency-during.json): predictions priced at the replay's own speed")
+            p.add_argument("--profile-every", type=int, default=2, metavar="N",
+                           help="with --profile-like: one round before every N-th question (default 2)")
         p.add_argument("--questions", default=None,
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)

@@ -40,7 +40,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster). 13: sampled steps draw by inverting the
 # CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
 # real decode loops.
-RUNTIME_REVISION = 14
+# 15: the profile's pieces timed in rounds of all of them; the replay profiles again in rounds between questions.
+RUNTIME_REVISION = 15
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
@@ -241,22 +242,21 @@ def workload_lengths(acc: Path, max_new_tokens: int) -> tuple[tuple[int, ...], t
     return tuple(contexts), tuple(prefill)
 
 
-def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                  name: str = "profile", after: dict | None = None) -> Path:
-    """The latency profile the search prices with (``latency.json``); with ``after`` (the replay's key) the same
-    profile again once the replay is done (``latency-after.json``): the report prices its predictions with the
-    mean of the two, so that the machine's drift over the replay (this VM's speed moves 10-20 % in minutes, and
-    bandwidth-bound small steps move more than compute-bound large trees) does not pass for a model error."""
-    lat = out / ("latency.json" if after is None else "latency-after.json")
+def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path
+                  ) -> Path:
+    """The latency profile the search prices with (``latency.json``). The report prices its predictions with
+    the same grid profiled again during the replay (``stage_replay``): this VM's speed moves 10-20 % in
+    minutes, and bandwidth-bound small steps move otherwise than compute-bound large trees."""
+    lat = out / "latency.json"
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
     key = {"heads": folder_hash(heads), "nodes": prof.latency_nodes, "ctx": contexts, "prefill": prefill,
            "repeats": prof.latency_repeats, "dtype": opts.dtype, "model": opts.model, "device": opts.device,
-           "runtime": RUNTIME_REVISION, **({"after": after} if after is not None else {})}
-    cache.run(name, key, [lat],
+           "runtime": RUNTIME_REVISION}
+    cache.run("profile", key, [lat],
               lambda: _cli("profile", "--heads", str(heads), *opts.model_args(), "--nodes",
                            *map(str, prof.latency_nodes), "--contexts", *map(str, contexts), "--prefill",
                            *map(str, prefill), "--repeats", str(prof.latency_repeats), "--out", str(lat),
-                           *(("--plots", str(out / "plots")) if after is None else ())))
+                           "--plots", str(out / "plots")))
     return lat
 
 
@@ -394,9 +394,14 @@ def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
     return {**base, "method": "medusa", "tree": str(tree_file), "gate": dec.gate}
 
 
+PROFILE_EVERY = 2  # the replay takes a profile round before every 2nd question (~10 s each on the default model)
+
+
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                 searches: list[Path], workload: dict) -> dict:
-    """Every configuration, interleaved question by question; returns the stage's inputs (its cache key)."""
+                 lat: Path, searches: list[Path], workload: dict) -> dict:
+    """Every configuration, interleaved question by question, and the latency profile again in rounds between
+    the questions (``bench.replay_profile``: ``replay/latency-during.json``, what the report prices its
+    predictions with); returns the stage's inputs (its cache key)."""
     configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads, out / "tree-typical.json")
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
@@ -410,12 +415,13 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
            "typical": file_hash(out / "tree-typical.json"),
            "compare_heads": [folder_hash(heads_folder(c)) for c in opts.compare_heads],
            "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
-           "order": REPLAY_ORDER}
+           "order": REPLAY_ORDER, "profile_like": file_hash(lat), "profile_every": PROFILE_EVERY}
     ids = [str(i) for i in workload["replayed"]]
     cache.run("replay", key, [replay_dir / "summary.csv"],
               lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),
                            "--questions", str(out / "questions.jsonl"), "--ids", *ids,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--out", str(replay_dir)))
+                           "--max-new-tokens", str(prof.max_new_tokens), "--profile-like", str(lat),
+                           "--profile-every", str(PROFILE_EVERY), "--out", str(replay_dir)))
     return key
 
 
@@ -430,14 +436,14 @@ def run(opts: BenchOptions) -> None:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = StageCache(out)
+    (out / "latency-after.json").unlink(missing_ok=True)  # what earlier versions priced with: not this run's
     t_start = time.perf_counter()
     heads = stage_heads(opts, out, cache)
     workload = stage_workload(opts, prof, out)
     acc = stage_calibrate(opts, prof, out, cache, heads, workload)
     lat = stage_profile(opts, prof, out, cache, heads, acc)
     searches = stage_search(prof, out, cache, acc, lat, workload)
-    replayed = stage_replay(opts, prof, out, cache, heads, acc, searches, workload)
-    stage_profile(opts, prof, out, cache, heads, acc, name="profile-after", after=replayed)
+    replayed = stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
     stage_quality(opts, out, cache, replayed)
     from bench.report import report
 

@@ -267,7 +267,11 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
         return None
     workload, stats, latency = json.loads(files[0].read_text()), load_stats(files[1]), load_profile(files[2])
     priced = "the latency profile measured before the replay"
-    if (out / "latency-after.json").is_file():  # the machine's speed over the replay: before and after, averaged
+    during = out / "replay" / "latency-during.json"
+    if during.is_file():  # the same grid profiled in rounds between the replayed questions (bench.replay_profile)
+        latency = load_profile(during)
+        priced = f"the latency profile taken {latency.meta.get('taken', 'during the replay')}"
+    elif (out / "latency-after.json").is_file():  # older runs: before and after the replay, averaged
         latency = mean_profile([latency, load_profile(out / "latency-after.json")])
         priced = "the mean of the latency profiles measured before and after the replay"
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]

@@ -208,10 +208,13 @@ def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repe
 
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
-           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None
-           ) -> list[dict]:
+           extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None,
+           between: Callable[[int, int, int, int], None] | None = None) -> list[dict]:
     """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
-    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with."""
+    per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
+    ``between(index, question_id, turn, repeat)`` runs before each (question, turn, repeat) that has records
+    to take, ``index`` being its place in the whole matrix (the same on a resumed run): between records,
+    never inside one (``bench.replay_profile``: the latency profile taken while the replay runs)."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
@@ -238,9 +241,15 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
             "device": str(loaded.device), **(extra or {})}
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
+    groups = {(q.question_id, t, r): i for i, (q, t, r) in enumerate(
+        (q, t, r) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds))}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
+    last = None
     with path.open("a") as fh:
         for q, turn, rep, c in todo:
+            if between is not None and (q.question_id, turn, rep) != last:
+                last = (q.question_id, turn, rep)
+                between(groups[last], *last)
             # a second turn follows this repeat's (this sample's) own first answer
             earlier = [done[(c.name, c.digest, q.question_id, t, rep)]["answer"] for t in range(turn)]
             prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)

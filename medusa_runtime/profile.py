@@ -109,31 +109,6 @@ def _rounds(count: int, repeats: int, seed: int = 0):
         yield order
 
 
-def _interleaved_samples(fns, sync, repeats: int, warmup: int, bar=None) -> np.ndarray:
-    """ms of each of ``fns`` per round [pieces, rounds], timed in rounds of one call each in shuffled order:
-    drift on a shared machine then hits every piece alike within a round, and ratios taken within rounds
-    cancel it (see :func:`_paired`)."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times = np.zeros((len(fns), repeats))
-    for r, order in enumerate(_rounds(len(fns), repeats)):
-        for i in order:
-            sync()
-            t0 = time.perf_counter()
-            fns[i]()
-            sync()
-            times[i, r] = (time.perf_counter() - t0) * 1000
-        if bar is not None:
-            bar.update(1)
-    return times
-
-
-def _interleaved_ms(fns, sync, repeats: int, warmup: int, bar=None) -> list[float]:
-    """ms of each of ``fns`` (interquartile mean over rounds, see :func:`_interleaved_samples`)."""
-    return [_central(list(row)) for row in _interleaved_samples(fns, sync, repeats, warmup, bar)]
-
-
 def _paired(a: np.ndarray, b: np.ndarray) -> float:
     """a / b from samples taken in the same rounds: the interquartile mean of the rounds' own ratios, so that a
     slow spell, which slows both pieces of its round, cancels instead of landing on one of them."""
@@ -152,109 +127,150 @@ class LoopTimes:
     verify_rounds: tuple[float, ...] = ()  # the verify per step of each round (for ratios within rounds)
 
 
-def _loop_rounds(decoders: list[MedusaDecoder], prompt: torch.Tensor, cfg: ProfileConfig, bar=None
-                 ) -> list[LoopTimes]:
-    """Real decode loops, one generate per decoder per round (drift hits every decoder alike): the heads'
-    time inside a real step, after a verify has streamed the weights through the caches, is what a decode
-    pays, and a tight loop of heads alone (weights staying cached) underestimates it."""
-    samples: list[list[tuple[float, float, float, float, float]]] = [[] for _ in decoders]
-    for r, order in enumerate(_rounds(len(decoders), cfg.warmup + max(3, cfg.repeats), seed=1)):
-        for i in order:
-            st = decoders[i].generate(prompt).stats
-            if r < cfg.warmup:
-                continue
+def _sync_for(dev: torch.device):
+    """What waits for the device's queued work before a clock is read (nothing on the CPU)."""
+    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+
+class Profiler:
+    """The profile's timed pieces, built once: the tight verify forwards (every size on a real KV cache of
+    every context, cropped back after each), real decode loops (plain decoding, shapes by size, chains 1..K,
+    mc_sim_7b_63, and the same sampled), and prefills. ``round()`` times each piece once, in shuffled order
+    per group, and returns the raw samples; ``profile(rounds)`` turns any rounds into a LatencyProfile,
+    whether they were taken back to back (``profile_latency``) or one every few questions of a replay
+    (``bench.replay_profile``: the profile then sees the machine's speed where the replay spent its time)."""
+
+    def __init__(self, loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig):
+        self.loaded, self.heads, self.cfg = loaded, heads, cfg
+        dev = loaded.device
+        self.sync = _sync_for(dev)
+        gen = torch.Generator().manual_seed(0)
+        trees = {n: _shape_tree(n, heads.num_heads) for n in cfg.nodes if n > 1}
+        verifiers = {n: MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1))
+                     for n, t in trees.items()}
+        plain_dec = MedusaDecoder(loaded, None, None)
+        self.steps = []  # [contexts x nodes], context-major
+        for ctx in cfg.contexts:
+            cache = plain_dec.new_cache(ctx + max(cfg.nodes))
+            plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
+            for n in cfg.nodes:
+                dec = verifiers.get(n, plain_dec)
+                tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
+
+                def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
+                    dec.verify(tokens, ctx, cache)
+                    dec.compact(cache, ctx, [])  # drop the tree again
+
+                self.steps.append(step)
+        self.loop_sizes = sorted(n for n in cfg.loop_nodes if n > 1)
+        self.loop_trees = [trees.get(n) or _shape_tree(n, heads.num_heads) for n in self.loop_sizes] + \
+            [chain(d) for d in range(1, heads.num_heads + 1)] + _wide_trees(heads)
+        loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
+            [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in self.loop_trees]
+        # the same steps sampled (plain sampling, typical acceptance on the shapes), in the same rounds
+        typical = AcceptConfig(rule="typical", temperature=SEARCH_TEMPERATURE)
+        sampled = [MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=SEARCH_TEMPERATURE),
+                                 _loop_cfg(seed=0))] + \
+            [MedusaDecoder(loaded, heads, t, typical, _loop_cfg(t.max_rank + 1, seed=0))
+             for t in self.loop_trees[:len(self.loop_sizes)]]
+        self.decoders, self.num_loops = loops + sampled, len(loops)
+        self.mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
+        self.loop_prompt = torch.randint(0, loaded.vocab_size, (self.mid,), generator=gen).to(dev)
+        self.prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
+        self.prefill_dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
+        self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
+        self.rounds_taken = 0
+
+    def lookup_ms(self) -> float:
+        """Drafting from the n-gram index and extending it, per step (no forward: timed once, not in rounds)."""
+        return _lookup_ms(self.loaded, self.cfg)
+
+    def _timed(self, fn) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1000
+
+    @torch.inference_mode()
+    def round(self) -> dict[str, list]:
+        """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
+        prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length}."""
+        r = self.rounds_taken
+        self.rounds_taken += 1
+        tight = [0.0] * len(self.steps)
+        for i in next(_rounds(len(self.steps), 1, seed=r)):
+            tight[i] = self._timed(self.steps[i])
+        loops: list[list[float]] = [[] for _ in self.decoders]
+        for i in next(_rounds(len(self.decoders), 1, seed=10_000 + r)):
+            st = self.decoders[i].generate(self.loop_prompt).stats
             steps = max(1, st.steps)
             loop = 1000 * (st.time_total - st.time_prefill) / steps
             heads, verify = 1000 * st.time_heads / steps, 1000 * st.time_verify / steps
-            samples[i].append((loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill))
-        if bar is not None:
-            bar.update(1)
-    return [LoopTimes(*(_central(list(col)) for col in zip(*rows)), tuple(row[2] for row in rows)) for rows in samples]
+            loops[i] = [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
+        prefill = [0.0] * len(self.prefill_prompts)
+        for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
+            prefill[i] = self._timed(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p))
+        return {"tight": tight, "loops": loops, "prefill": prefill}
+
+    def profile(self, rounds: list[dict], lookup_ms: float, meta: dict | None = None) -> LatencyProfile:
+        """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta)."""
+        cfg, heads, loaded = self.cfg, self.heads, self.loaded
+        tight = np.asarray([r["tight"] for r in rounds], dtype=float).T.reshape(
+            len(cfg.contexts), len(cfg.nodes), len(rounds))  # [contexts, nodes, rounds] ms
+        times = [LoopTimes(*(_central([r["loops"][i][k] for r in rounds]) for k in range(5)),
+                           tuple(r["loops"][i][2] for r in rounds)) for i in range(len(self.decoders))]
+        times, sampled_times = times[:self.num_loops], times[self.num_loops:]
+        loop_sizes, loop_trees = self.loop_sizes, self.loop_trees
+        verify = _in_loop_verify(tight, cfg, self.mid, [1] + [t.num_nodes for t in loop_trees], times)
+        plain_rest = times[0].rest
+        # the plain step: its forward (the 1-node point of the verify table) plus the rest of a real plain step
+        plain = [row[cfg.nodes.index(1)] + plain_rest if 1 in cfg.nodes else times[0].step for row in verify]
+        shaped = times[1:1 + len(loop_sizes)]
+        by_size = [t.heads for t in shaped]
+        heads_ms = by_size[loop_sizes.index(min(loop_sizes, key=lambda n: abs(n - 16)))] if loop_sizes else 0.0
+        fit = _fit_heads(loop_trees, [t.heads for t in times[1:]], heads.path_conditioned) if loop_trees else ()
+        book_sizes = [1] + loop_sizes
+        book = [plain_rest] + [t.rest for t in shaped]
+        book_ms = book[book_sizes.index(min(book_sizes, key=lambda n: abs(n - 16)))]
+        tight_prefill = [_central([r["prefill"][i] for r in rounds]) for i in range(len(self.prefill_tokens))]
+        # back-to-back prefills find the prompt forward's weights in the caches; inside a decode run they come
+        # after steps that streamed the decode weights: scale by the loops' own prefills (at their prompt length)
+        in_loop = statistics.median(t.prefill for t in times)
+        at_mid = float(np.interp(self.mid, self.prefill_tokens, tight_prefill))
+        prefill = [p * in_loop / at_mid for p in tight_prefill]
+        meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
+                "machine": describe_machine(loaded), "device": str(loaded.device), "repeats": len(rounds),
+                "note": "ms, interquartile means of rounds, each piece once per round in shuffled order; verify: "
+                        "every (context, size) forward, mask building included, scaled per size to the verify "
+                        "time of real decode loops; plain = the 1-node forward + the rest of a real plain decode "
+                        "step; heads and bookkeeping: real decode loops (shapes by size, chains 1..K, "
+                        "mc_sim_7b_63) at the middle context, one generate per decoder per round (heads_ms, "
+                        "bookkeeping_ms: the size nearest 16; heads_fit: least squares over levels and rows); "
+                        "verify rows made non-decreasing in nodes; prefill = a generate that stops after its first "
+                        "token, scaled to the loops' own prefills; lookup = drafting and extending the n-gram "
+                        "index, per step; sampling_extra = a sampled step at T "
+                        f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
+                        "the greedy step of the same size, both in real decode loops of the same rounds",
+                **(meta or {})}
+        # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
+        # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, as the verify rows are, since
+        # more parents never cost less)
+        extra = [max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)]
+        sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
+        return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms,
+                              meta, tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book),
+                              self.prefill_tokens, tuple(prefill), lookup_ms, fit, heads.path_conditioned, *sampling)
 
 
 @torch.inference_mode()
 def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig = ProfileConfig(),
                     progress: bool = True) -> LatencyProfile:
-    dev = loaded.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    trees = {n: _shape_tree(n, heads.num_heads) for n in cfg.nodes if n > 1}
-    verifiers = {n: MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1)) for n, t in trees.items()}
-    plain_dec = MedusaDecoder(loaded, None, None)
-    bar = tqdm(total=cfg.repeats + cfg.warmup + max(3, cfg.repeats), desc="latency profile", unit="round",
-               disable=not progress)
-
-    # 1. verify forwards: every (context, size) once per round, all contexts in the same rounds
-    steps = []
-    for ctx in cfg.contexts:
-        cache = plain_dec.new_cache(ctx + max(cfg.nodes))
-        plain_dec.prefill(torch.randint(0, loaded.vocab_size, (ctx,), generator=gen).to(dev), cache)
-        for n in cfg.nodes:
-            dec = verifiers.get(n, plain_dec)
-            tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
-
-            def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
-                dec.verify(tokens, ctx, cache)
-                dec.compact(cache, ctx, [])  # drop the tree again
-
-            steps.append(step)
-    tight = _interleaved_samples(steps, sync, cfg.repeats, cfg.warmup, bar).reshape(
-        len(cfg.contexts), len(cfg.nodes), cfg.repeats)  # [contexts, nodes, rounds] ms
-
-    # 2. real decode loops, interleaved: plain decoding, the profile's shapes up to a size, and chains 1..K
-    loop_sizes = sorted(n for n in cfg.loop_nodes if n > 1)
-    loop_trees = [trees.get(n) or _shape_tree(n, heads.num_heads) for n in loop_sizes] + \
-        [chain(d) for d in range(1, heads.num_heads + 1)] + _wide_trees(heads)
-    loops = [MedusaDecoder(loaded, None, None, config=_loop_cfg())] + \
-        [MedusaDecoder(loaded, heads, t, config=_loop_cfg(t.max_rank + 1)) for t in loop_trees]
-    # the same steps sampled (plain sampling, typical acceptance on the shapes), in the same rounds
-    typical = AcceptConfig(rule="typical", temperature=SEARCH_TEMPERATURE)
-    sampled = [MedusaDecoder(loaded, None, None, AcceptConfig(rule="sample", temperature=SEARCH_TEMPERATURE),
-                             _loop_cfg(seed=0))] + \
-        [MedusaDecoder(loaded, heads, t, typical, _loop_cfg(t.max_rank + 1, seed=0)) for t in loop_trees[:len(loop_sizes)]]
-    mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
-    times = _loop_rounds(loops + sampled, torch.randint(0, loaded.vocab_size, (mid,), generator=gen).to(dev), cfg,
-                         bar=bar)
-    times, sampled_times = times[:len(loops)], times[len(loops):]
-    bar.close()
-    verify = _in_loop_verify(tight, cfg, mid, [1] + [t.num_nodes for t in loop_trees], times)
-    plain_rest = times[0].rest
-    # the plain step: its forward (the 1-node point of the verify table) plus the rest of a real plain step
-    plain = [row[cfg.nodes.index(1)] + plain_rest if 1 in cfg.nodes else times[0].step for row in verify]
-    shaped = times[1:1 + len(loop_sizes)]
-    by_size = [t.heads for t in shaped]
-    heads_ms = by_size[loop_sizes.index(min(loop_sizes, key=lambda n: abs(n - 16)))] if loop_sizes else 0.0
-    fit = _fit_heads(loop_trees, [t.heads for t in times[1:]], heads.path_conditioned) if loop_trees else ()
-    book_sizes = [1] + loop_sizes
-    book = [plain_rest] + [t.rest for t in shaped]
-    book_ms = book[book_sizes.index(min(book_sizes, key=lambda n: abs(n - 16)))]
-    prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
-    tight_prefill = _prefill_ms(loaded, prefill_tokens, gen, sync, cfg)
-    # back-to-back prefills find the prompt forward's weights in the caches; inside a decode run they come
-    # after steps that streamed the decode weights: scale by the loops' own prefills (at their prompt length)
-    in_loop = statistics.median(t.prefill for t in times)
-    at_mid = float(np.interp(mid, prefill_tokens, tight_prefill))
-    prefill = [p * in_loop / at_mid for p in tight_prefill]
-    meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
-            "machine": describe_machine(loaded), "device": str(dev), "repeats": cfg.repeats,
-            "note": "ms, interquartile means of rounds in shuffled order; verify: every (context, size) forward "
-                    "once per round, mask building included, scaled per size to the verify time of real decode "
-                    "loops; plain = the 1-node forward + the rest of a real plain decode step; heads and "
-                    "bookkeeping: real decode loops (shapes by size, chains 1..K, mc_sim_7b_63) at the middle "
-                    "context, one generate per decoder per round (heads_ms, bookkeeping_ms: the size nearest 16; "
-                    "heads_fit: least squares over levels and rows); verify rows made non-decreasing in nodes; "
-                    "prefill = a generate that stops after its first token, scaled to the loops' own prefills; "
-                    "lookup = drafting and extending the n-gram index, per step; sampling_extra = a sampled step "
-                    f"at T {SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
-                    "the greedy step of the same size, both in real decode loops of the same rounds"}
-    # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
-    # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, as the verify rows are, since more
-    # parents never cost less)
-    extra = [max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)]
-    sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
-    return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms, meta,
-                          tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book), prefill_tokens,
-                          tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
+    """Rounds back to back: ``cfg.warmup`` untimed, then ``max(3, cfg.repeats)`` timed."""
+    profiler = Profiler(loaded, heads, cfg)
+    rounds = cfg.warmup + max(3, cfg.repeats)
+    taken = [profiler.round() for _ in tqdm(range(rounds), desc="latency profile", unit="round", disable=not progress)]
+    return profiler.profile(taken[cfg.warmup:], profiler.lookup_ms())
 
 
 def _wide_trees(heads: MedusaHeads) -> list:
@@ -308,15 +324,6 @@ def _non_decreasing(values: np.ndarray) -> np.ndarray:
 
 def _loop_cfg(topk: int = 10, seed: int | None = None) -> DecodeConfig:
     return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False, seed=seed)
-
-
-def _prefill_ms(loaded: LoadedModel, lengths: tuple[int, ...], gen: torch.Generator, sync, cfg: ProfileConfig
-                ) -> list[float]:
-    """Median ms of a generate that stops after its first token (new cache, prompt forward, first token),
-    per prompt length, in rounds."""
-    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
-    prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in lengths]
-    return _interleaved_ms([lambda p=p: dec.generate(p) for p in prompts], sync, cfg.repeats, cfg.warmup)
 
 
 def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, steps: int = 200) -> float:

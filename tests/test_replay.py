@@ -228,3 +228,56 @@ def test_sampled_configurations_draw_seeded_samples_that_do_not_depend_on_the_or
     again = replay(loaded, heads, [sampled, CONFIGS[0]], QUESTIONS[:2], rc, tmp_path / "b.jsonl", progress=False)
     assert {(r["question_id"], r["turn"], r["repeat"]): r["token_ids"] for r in again if r["config"] == "plain T0.8"} \
         == {k: r["token_ids"] for k, r in by.items()}
+
+
+def test_profile_rounds_run_between_questions_and_resume_with_the_replay(tmp_path, monkeypatch):
+    """The latency profile taken during a replay: a round of the real profiler (tiny model) before every 2nd
+    (question, turn) of the matrix, never inside one; a replay killed halfway and resumed takes each round
+    once, on the same (question, turn)s as an uninterrupted one; the rounds make a profile on the given grid."""
+    from bench.replay_profile import RoundsDuringReplay, read_rounds
+    from medusa_runtime.profile import ProfileConfig, Profiler
+
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    profiler = Profiler(loaded, heads, ProfileConfig(nodes=(1, 2, 4), contexts=(8, 16), loop_nodes=(2, 4), warmup=1))
+    out, rounds_file = tmp_path / "records.jsonl", tmp_path / "profile_rounds.jsonl"
+    seen = []  # (question, turn), records on disk when the hook ran
+
+    def hooked(during):
+        def between(index, q, t, r):
+            seen.append(((q, t), len(load_records(out))))
+            during(index, q, t, r)
+        return between
+
+    cfg = ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2)
+    real, calls = runner.make_runner, {"n": 0}
+
+    def dying(cfg_, loaded_, heads_, topk=10):
+        inner = real(cfg_, loaded_, heads_, topk)
+
+        def run(prompt, n, temperature=0.0, seed=None):
+            calls["n"] += 1
+            if calls["n"] > 3 + 7:  # 3 warm-ups, 7 records: the third (question, turn) has one record
+                raise KeyboardInterrupt
+            return inner(prompt, n, temperature, seed)
+        return run
+
+    monkeypatch.setattr(runner, "make_runner", dying)
+    with pytest.raises(KeyboardInterrupt):
+        replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False,
+               between=hooked(RoundsDuringReplay(rounds_file, profiler, every=2)))
+    assert seen == [((1, 0), 0), ((1, 1), 3), ((2, 0), 6)]  # before each (question, turn)'s first record
+    assert [(r["question_id"], r["turn"]) for r in read_rounds(rounds_file)] == [(1, 0), (2, 0)]
+    monkeypatch.setattr(runner, "make_runner", real)
+    during = RoundsDuringReplay(rounds_file, profiler, every=2)
+    replay(loaded, heads, CONFIGS, QUESTIONS, cfg, out, progress=False, between=hooked(during))
+    rounds = read_rounds(rounds_file)
+    assert [(r["question_id"], r["turn"]) for r in rounds] == [(1, 0), (2, 0), (3, 0)]  # every 2nd, once each
+    assert len(load_records(out)) == 3 * 3 * 2
+    assert all(len(r["tight"]) == 2 * 3 and min(r["tight"]) > 0 and len(r["loops"]) == len(profiler.decoders)
+               for r in rounds)
+    prof = during.write_profile(tmp_path / "latency-during.json")
+    assert prof.nodes == (1, 2, 4) and prof.contexts == (8, 16) and prof.meta["repeats"] == 3
+    assert "during the replay" in prof.meta["taken"] and (tmp_path / "latency-during.json").is_file()
+    with pytest.raises(ValueError, match=">= 1"):
+        RoundsDuringReplay(rounds_file, profiler, every=0)
