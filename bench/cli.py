@@ -562,7 +562,10 @@ def _replay_inputs(args, configs) -> dict:
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
             "max_new_tokens": args.max_new_tokens, "order": REPLAY_ORDER,
-            "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()}}
+            "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()},
+            # records timed with profile rounds between them are not resumed without, nor the other way round
+            **({"profile_like": file_hash(Path(args.profile_like)), "profile_every": args.profile_every}
+               if getattr(args, "profile_like", None) else {})}
 
 
 def _run_replay(args, configs, turns: int):

@@ -40,8 +40,9 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # path on weights packed in blocks of 4 rows (a plain step ~30 % faster). 13: sampled steps draw by inverting the
 # CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
 # real decode loops.
-# 15: the profile's pieces timed in rounds of all of them; the replay profiles again in rounds between questions.
-RUNTIME_REVISION = 15
+# 15: (reverted) verify probes. 16: the profile's pieces timed in rounds of all of them; the replay profiles
+# again in rounds between questions.
+RUNTIME_REVISION = 16
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
