@@ -41,8 +41,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
 # real decode loops.
 # 15: (reverted) verify probes. 16: the profile's pieces timed in rounds of all of them; the replay profiles
-# again in rounds between questions.
-RUNTIME_REVISION = 16
+# again in rounds between questions. 17: verify rows kept as measured (5 rows verify faster than 4 here).
+RUNTIME_REVISION = 17
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 

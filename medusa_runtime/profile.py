@@ -247,15 +247,15 @@ class Profiler:
                         "step; heads and bookkeeping: real decode loops (shapes by size, chains 1..K, "
                         "mc_sim_7b_63) at the middle context, one generate per decoder per round (heads_ms, "
                         "bookkeeping_ms: the size nearest 16; heads_fit: least squares over levels and rows); "
-                        "verify rows made non-decreasing in nodes; prefill = a generate that stops after its first "
+                        "verify rows as measured (not smoothed in nodes); prefill = a generate that stops after its first "
                         "token, scaled to the loops' own prefills; lookup = drafting and extending the n-gram "
                         "index, per step; sampling_extra = a sampled step at T "
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
         # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
-        # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, as the verify rows are, since
-        # more parents never cost less)
+        # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, since more parents never cost
+        # less)
         extra = [max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)]
         sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
         return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms,
@@ -288,8 +288,10 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
     caches) a verify costs otherwise, relative to a one-row verify, than the same forward repeated in a
     tight loop; so the level and the ratio of each looped size to one row come from the loops (``loops[0]``
     is plain decoding), the ratio of a size to the nearest looped size and of a context to the loops'
-    context from the tight rounds (``tight`` [contexts, nodes, rounds]). Each context's row is then made
-    non-decreasing in nodes."""
+    context from the tight rounds (``tight`` [contexts, nodes, rounds]). Rows are kept as measured, not made
+    non-decreasing in nodes: on the development CPU the C forward verifies 5 rows faster than 3 or 4, in the
+    profile's forwards and loops and in replays alike (chain:4's verify 9.6 ms against chain:2's 10.5 in the
+    same replay), and pooling 4 and 5 priced chain:4 10 % high (docs/reports/2026-12-01-verify-probes.md)."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
     plain = np.asarray(loops[0].verify_rounds)
     level = _central(list(plain))  # one row inside a loop, at the loops' context
@@ -306,12 +308,13 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
         row.append(level * statistics.median(looped[near]) * to_near)
     table = [[row[j] * _paired(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
              for c in range(len(cfg.contexts))]
-    return [tuple(float(x) for x in _non_decreasing(np.asarray(r))) for r in table]
+    return [tuple(float(x) for x in r) for r in table]
 
 
 def _non_decreasing(values: np.ndarray) -> np.ndarray:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a verify of more nodes
-    never costs less, so a size measured low next to a size measured high is noise both ways."""
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): what a sampled step adds
+    over a greedy one grows with the parents it samples, so a size measured low next to a size measured high
+    is noise both ways."""
     blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
     for v in values:
         blocks.append([float(v), 1.0])

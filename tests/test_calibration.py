@@ -112,8 +112,8 @@ def test_profile_smoke():
     assert list(prof.sampling_extra_ms) == sorted(prof.sampling_extra_ms)  # more parents never cost less
 
 
-def test_verify_rows_are_made_non_decreasing_as_isotonic_regression_does():
-    """The profile's monotone fit of each verify row against scipy's isotonic regression (least squares)."""
+def test_sampling_extra_is_made_non_decreasing_as_isotonic_regression_does():
+    """The profile's monotone fit of what sampling adds per size against scipy's isotonic regression."""
     import numpy as np
     from scipy.optimize import isotonic_regression
 
