@@ -74,11 +74,17 @@ class RoundsDuringReplay:
         rounds = read_rounds(self.path)
         if len(rounds) < MIN_ROUNDS:
             return None
+        which = "each" if self.every == 1 else f"every {_ordinal(self.every)}"
         prof = self.profiler.profile(rounds, self.profiler.lookup_ms(), meta={
-            "taken": f"during the replay: one round before every {self.every}th (question, turn, repeat), "
-                     f"{len(rounds)} rounds"})
+            "taken": f"during the replay: {len(rounds)} rounds, one before {which} replayed (question, turn, repeat)"})
         save_profile(prof, out)
         return prof
+
+
+def _ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ... 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _key(r: dict) -> tuple[int, int, int]:
