@@ -22,24 +22,16 @@ from pathlib import Path
 
 from treesearch.cost import LatencyProfile, save_profile
 
+from .runner import load_records
+
 ROUND_SCHEMA = "medusa-profile-round/1"
 MIN_ROUNDS = 3  # fewer rounds make no profile (an interquartile mean of 1-2 samples is one sample)
 
 
 def read_rounds(path: str | Path) -> list[dict]:
-    """The rounds of a replay ([] without a file); a torn last line (a killed replay) is skipped."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    rounds = []
-    for line in p.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict) and obj.get("schema") == ROUND_SCHEMA:
-            rounds.append(obj)
-    return rounds
+    """The rounds of a replay ([] without a file); a torn last line (a killed replay) is skipped, as the
+    replay's own records are (``bench.runner.load_records``)."""
+    return [r for r in load_records(Path(path)) if isinstance(r, dict) and r.get("schema") == ROUND_SCHEMA]
 
 
 class RoundsDuringReplay:
@@ -75,7 +67,7 @@ class RoundsDuringReplay:
         if len(rounds) < MIN_ROUNDS:
             return None
         which = "each" if self.every == 1 else f"every {_ordinal(self.every)}"
-        prof = self.profiler.profile(rounds, self.profiler.lookup_ms(), meta={
+        prof = self.profiler.profile(rounds, meta={
             "taken": f"during the replay: {len(rounds)} rounds, one before {which} replayed (question, turn, repeat)"})
         save_profile(prof, out)
         return prof

@@ -78,17 +78,19 @@ def _shape_tree(num_nodes: int, depth: int):
     return tree
 
 
+def _time_ms(fn, sync) -> float:
+    """ms of one call of ``fn``, the device synchronised before and after."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - t0) * 1000
+
+
 def _median_ms(fn, sync, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return statistics.median(_time_ms(fn, sync) for _ in range(repeats))
 
 
 def _central(values: list[float]) -> float:
@@ -181,17 +183,6 @@ class Profiler:
         self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
         self.rounds_taken = 0
 
-    def lookup_ms(self) -> float:
-        """Drafting from the n-gram index and extending it, per step (no forward: timed once, not in rounds)."""
-        return _lookup_ms(self.loaded, self.cfg)
-
-    def _timed(self, fn) -> float:
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1000
-
     @torch.inference_mode()
     def round(self) -> dict[str, list]:
         """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
@@ -200,7 +191,7 @@ class Profiler:
         self.rounds_taken += 1
         tight = [0.0] * len(self.steps)
         for i in next(_rounds(len(self.steps), 1, seed=r)):
-            tight[i] = self._timed(self.steps[i])
+            tight[i] = _time_ms(self.steps[i], self.sync)
         loops: list[list[float]] = [[] for _ in self.decoders]
         for i in next(_rounds(len(self.decoders), 1, seed=10_000 + r)):
             st = self.decoders[i].generate(self.loop_prompt).stats
@@ -210,11 +201,12 @@ class Profiler:
             loops[i] = [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
-            prefill[i] = self._timed(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p))
+            prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
         return {"tight": tight, "loops": loops, "prefill": prefill}
 
-    def profile(self, rounds: list[dict], lookup_ms: float, meta: dict | None = None) -> LatencyProfile:
-        """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta)."""
+    def profile(self, rounds: list[dict], meta: dict | None = None) -> LatencyProfile:
+        """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta) and of
+        one lookup timing taken now."""
         cfg, heads, loaded = self.cfg, self.heads, self.loaded
         tight = np.asarray([r["tight"] for r in rounds], dtype=float).T.reshape(
             len(cfg.contexts), len(cfg.nodes), len(rounds))  # [contexts, nodes, rounds] ms
@@ -260,7 +252,7 @@ class Profiler:
         sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
         return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms,
                               meta, tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book),
-                              self.prefill_tokens, tuple(prefill), lookup_ms, fit, heads.path_conditioned, *sampling)
+                              self.prefill_tokens, tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
 
 
 @torch.inference_mode()
@@ -270,7 +262,7 @@ def profile_latency(loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig 
     profiler = Profiler(loaded, heads, cfg)
     rounds = cfg.warmup + max(3, cfg.repeats)
     taken = [profiler.round() for _ in tqdm(range(rounds), desc="latency profile", unit="round", disable=not progress)]
-    return profiler.profile(taken[cfg.warmup:], profiler.lookup_ms())
+    return profiler.profile(taken[cfg.warmup:])
 
 
 def _wide_trees(heads: MedusaHeads) -> list:
