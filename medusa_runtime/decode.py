@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treesearch.replay import gated_depth
 from treesearch.tree import Tree, load_tree, make_tree
 
 from .acceptance import AcceptConfig, accept, first_token
@@ -183,12 +184,12 @@ class MedusaDecoder:
 
     def _gated_depth(self, head_logits: torch.Tensor) -> int:
         """Deepest level whose top-1 chain probability (product of the heads' top-1 probabilities) passes the gate."""
-        return self._gated_depth_of(torch.softmax(head_logits.float(), dim=-1).amax(dim=-1))
+        return self._gated_depth_of(torch.softmax(head_logits.float(), dim=-1).amax(dim=-1).tolist())
 
-    def _gated_depth_of(self, top1: torch.Tensor) -> int:
-        """The same from the heads' top-1 probabilities [depth] (float32)."""
-        chain = torch.cumprod(top1, dim=0)
-        return int((chain >= self.config.gate).sum())  # cumprod is non-increasing: a prefix passes
+    def _gated_depth_of(self, top1: Sequence[float]) -> int:
+        """The same from the heads' top-1 probabilities (float32 values): the replay's own rule
+        (``treesearch.replay.gated_depth``, float32 products), on plain numbers, not a chain of tensor ops."""
+        return gated_depth(top1, len(top1), self.config.gate)
 
     # ------------------------------------------------------------------ model calls
 
@@ -254,17 +255,17 @@ class MedusaDecoder:
             parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
             if self._native is not None:
                 top, top1 = self._native.level(j, hidden, root_embedding, parents)  # [P, topk], [P]
-                chain.append(top1[0])
+                chain.append(float(top1[0]))
             else:
                 states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
                 logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
                 top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
                 if self.gated is not None:
-                    chain.append(torch.softmax(logits[0].float(), dim=-1).amax())
+                    chain.append(float(torch.softmax(logits[0].float(), dim=-1).amax()))
             if self._draft_ids is not None:
                 top = self._draft_ids[top]
             nodes[level.children] = top[level.child_parent, level.child_rank]
-        buffers = self.step_buffers = (self.gated[self._gated_depth_of(torch.stack(chain))][len(draft)]
+        buffers = self.step_buffers = (self.gated[self._gated_depth_of(chain)][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
         if not draft:
