@@ -111,10 +111,13 @@ def _rounds(count: int, repeats: int, seed: int = 0):
         yield order
 
 
-def _paired(a: np.ndarray, b: np.ndarray) -> float:
-    """a / b from samples taken in the same rounds: the interquartile mean of the rounds' own ratios, so that a
-    slow spell, which slows both pieces of its round, cancels instead of landing on one of them."""
-    return _central(list(np.asarray(a, dtype=float) / np.asarray(b, dtype=float)))
+def _ratio_of_means(a: np.ndarray, b: np.ndarray) -> float:
+    """mean(a) / mean(b) over the same rounds: what a ratio of totals (the replay's speeds are totals over
+    questions) is made of. Not the rounds' own ratios: a round's pieces do not share its slow spells here
+    (the plain and mc_sim_7b_63 loops' verify correlate 0.11 and -0.07 over a replay's 40 rounds, the plain
+    loop's varying 19 %), so the central ratio of rounds only added the skew of a noisy denominator and priced
+    mc_sim_7b_63 3-6 % slow (docs/reports/2026-12-01-ratio-of-means.md)."""
+    return float(np.mean(np.asarray(a, dtype=float)) / np.mean(np.asarray(b, dtype=float)))
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ class Profiler:
                 "machine": describe_machine(loaded), "device": str(loaded.device), "repeats": len(rounds),
                 "note": "ms, interquartile means of rounds, each piece once per round in shuffled order; verify: "
                         "every (context, size) forward, mask building included, scaled per size to the verify "
-                        "time of real decode loops; plain = the 1-node forward + the rest of a real plain decode "
+                        "time of real decode loops (ratios of means over the rounds); plain = the 1-node forward + the rest of a real plain decode "
                         "step; heads and bookkeeping: real decode loops (shapes by size, chains 1..K, "
                         "mc_sim_7b_63) at the middle context, one generate per decoder per round (heads_ms, "
                         "bookkeeping_ms: the size nearest 16; heads_fit: least squares over levels and rows); "
@@ -274,7 +277,7 @@ def _wide_trees(heads: MedusaHeads) -> list:
 
 def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],
                     loops: list[LoopTimes]) -> list[tuple[float, ...]]:
-    """The verify table [contexts][nodes] as a decode pays it, from ratios taken within rounds.
+    """The verify table [contexts][nodes] as a decode pays it, from ratios of means over the rounds.
 
     Inside a real loop (after the heads and the bookkeeping of the step, with whatever they left in the
     caches) a verify costs otherwise, relative to a one-row verify, than the same forward repeated in a
@@ -290,15 +293,15 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
     looped: dict[int, list[float]] = {}
     for n, loop in zip(loop_nodes[1:], loops[1:]):  # a size may run in more than one loop (a shape and a chain)
         if n in cfg.nodes:
-            looped.setdefault(n, []).append(_paired(np.asarray(loop.verify_rounds), plain))
+            looped.setdefault(n, []).append(_ratio_of_means(np.asarray(loop.verify_rounds), plain))
     looped[1] = [1.0]
     sizes = sorted(looped)
     row = []
     for n in cfg.nodes:
         near = min(sizes, key=lambda m: abs(m - n))
-        to_near = _paired(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)]) if near in cfg.nodes else 1.0
+        to_near = _ratio_of_means(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)]) if near in cfg.nodes else 1.0
         row.append(level * statistics.median(looped[near]) * to_near)
-    table = [[row[j] * _paired(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
+    table = [[row[j] * _ratio_of_means(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
              for c in range(len(cfg.contexts))]
     return [tuple(float(x) for x in r) for r in table]
 
