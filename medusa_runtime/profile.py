@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from tqdm.auto import tqdm
 
 from treesearch.cost import LatencyProfile, head_rows
@@ -111,7 +112,7 @@ def _rounds(count: int, repeats: int, seed: int = 0):
         yield order
 
 
-def _ratio_of_means(a: np.ndarray, b: np.ndarray) -> float:
+def _ratio_of_means(a: ArrayLike, b: ArrayLike) -> float:
     """mean(a) / mean(b) over the same rounds: what a ratio of totals (the replay's speeds are totals over
     questions) is made of. Not the rounds' own ratios: a round's pieces do not share its slow spells here
     (the plain and mc_sim_7b_63 loops' verify correlate 0.11 and -0.07 over a replay's 40 rounds, the plain
@@ -238,13 +239,13 @@ class Profiler:
                 "machine": describe_machine(loaded), "device": str(loaded.device), "repeats": len(rounds),
                 "note": "ms, interquartile means of rounds, each piece once per round in shuffled order; verify: "
                         "every (context, size) forward, mask building included, scaled per size to the verify "
-                        "time of real decode loops (ratios of means over the rounds); plain = the 1-node forward + the rest of a real plain decode "
-                        "step; heads and bookkeeping: real decode loops (shapes by size, chains 1..K, "
-                        "mc_sim_7b_63) at the middle context, one generate per decoder per round (heads_ms, "
-                        "bookkeeping_ms: the size nearest 16; heads_fit: least squares over levels and rows); "
-                        "verify rows as measured (not smoothed in nodes); prefill = a generate that stops after its first "
-                        "token, scaled to the loops' own prefills; lookup = drafting and extending the n-gram "
-                        "index, per step; sampling_extra = a sampled step at T "
+                        "time of real decode loops (ratios of means over the rounds); plain = the 1-node forward "
+                        "+ the rest of a real plain decode step; heads and bookkeeping: real decode loops (shapes "
+                        "by size, chains 1..K, mc_sim_7b_63) at the middle context, one generate per decoder per "
+                        "round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares over "
+                        "levels and rows); verify rows as measured (not smoothed in nodes); prefill = a generate "
+                        "that stops after its first token, scaled to the loops' own prefills; lookup = drafting "
+                        "and extending the n-gram index, per step; sampling_extra = a sampled step at T "
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
@@ -255,7 +256,8 @@ class Profiler:
         sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
         return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms,
                               meta, tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book),
-                              self.prefill_tokens, tuple(prefill), _lookup_ms(loaded, cfg), fit, heads.path_conditioned, *sampling)
+                              self.prefill_tokens, tuple(prefill), _lookup_ms(loaded, cfg), fit,
+                              heads.path_conditioned, *sampling)
 
 
 @torch.inference_mode()
@@ -293,13 +295,14 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
     looped: dict[int, list[float]] = {}
     for n, loop in zip(loop_nodes[1:], loops[1:]):  # a size may run in more than one loop (a shape and a chain)
         if n in cfg.nodes:
-            looped.setdefault(n, []).append(_ratio_of_means(np.asarray(loop.verify_rounds), plain))
+            looped.setdefault(n, []).append(_ratio_of_means(loop.verify_rounds, plain))
     looped[1] = [1.0]
     sizes = sorted(looped)
     row = []
     for n in cfg.nodes:
         near = min(sizes, key=lambda m: abs(m - n))
-        to_near = _ratio_of_means(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)]) if near in cfg.nodes else 1.0
+        to_near = (_ratio_of_means(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)])
+                   if near in cfg.nodes else 1.0)
         row.append(level * statistics.median(looped[near]) * to_near)
     table = [[row[j] * _ratio_of_means(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
              for c in range(len(cfg.contexts))]

@@ -124,7 +124,7 @@ def gated_depth(gate_probs: Sequence[float], depth: int, gate: float) -> int:
     passes. Scalar float32 steps: a decode step's 1-4 levels cost microseconds, not a vectorised call's tens."""
     threshold, chain, passed = np.float32(gate), np.float32(1.0), 0
     for p in gate_probs[:depth]:
-        chain = np.float32(chain * np.float32(p))
+        chain = chain * np.float32(p)  # float32 x float32: rounded to float32
         if chain < threshold:
             break
         passed += 1
