@@ -549,7 +549,7 @@ def _replay_inputs(args, configs) -> dict:
     """What records of a replay depend on besides their configuration's fields (which each record's hash
     carries): the runtime revision, model, heads' and tree files' contents, questions, lengths."""
     from bench.pipeline import RUNTIME_REVISION, file_hash, folder_hash
-    from bench.runner import REPLAY_ORDER
+    from bench.runner import REPLAY_ORDER, SEQUENTIAL_ORDER
     from medusa_runtime.heads import heads_folder
 
     def heads_key(spec):
@@ -561,7 +561,7 @@ def _replay_inputs(args, configs) -> dict:
             "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
-            "max_new_tokens": args.max_new_tokens, "order": REPLAY_ORDER,
+            "max_new_tokens": args.max_new_tokens, "order": SEQUENTIAL_ORDER if getattr(args, "sequential", False) else REPLAY_ORDER,
             "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()},
             # records timed with profile rounds between them are not resumed without, nor the other way round
             **({"profile_like": file_hash(Path(args.profile_like)), "profile_every": args.profile_every}
@@ -583,7 +583,8 @@ def _run_replay(args, configs, turns: int):
     for spec in dict.fromkeys(c.heads for c in configs if c.heads is not None):
         base = _adapted(load_model(args.model, args.dtype, args.device, log=_log), spec)
         variants[spec] = (base, resolve_heads(spec, base.hidden_size, base.vocab_size, base_model=args.model))
-    cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats)
+    cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats,
+                       lockstep=not args.sequential)
     out_dir = Path(args.out)
     isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
     during = _profile_during(args, loaded, heads, out_dir)
@@ -1050,6 +1051,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--sequential", action="store_true",
+                       help="decode each answer whole, one configuration after another (default: the runtime's "
+                            "configurations of a question one step each in turn, so drift hits all alike)")
         p.add_argument("--out", default=f"results/{name}")
         p.add_argument("--json", action="store_true", help=JSON_HELP)
         p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)

@@ -43,7 +43,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # 15: (reverted) verify probes. 16: the profile's pieces timed in rounds of all of them; the replay profiles
 # again in rounds between questions. 17: verify rows kept as measured (5 rows verify faster than 4 here).
 # 18: the gate on float32 scalars (a gated step 20 us cheaper); verify sizes priced by ratios of means over rounds.
-RUNTIME_REVISION = 18
+# 19: the replay's runtime configurations and the profile's decode loops stepped in turn (lockstep).
+RUNTIME_REVISION = 19
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 

@@ -1,8 +1,8 @@
 """One runner contract for every decoding method, and the interleaved, resumable MT-Bench replay.
 
 Every configuration becomes a callable ``run(prompt_ids, max_new_tokens) -> RunOutput``; the replay
-calls them question by question, configuration by configuration (interleaved, so machine drift
-hits all alike), after an untimed warm-up, and appends one JSON record per (configuration,
+calls them question by question, after an untimed warm-up, the runtime's configurations of a question
+one step each in turn (``medusa_runtime.lockstep``: machine drift hits all alike), and appends one JSON record per (configuration,
 question, turn, repeat) to ``records.jsonl``. Records already in the file are skipped, so an
 interrupted replay resumes where it stopped. Speed-ups are computed afterwards from the records.
 """
@@ -10,10 +10,11 @@ interrupted replay resumes where it stopped. Speed-ups are computed afterwards f
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_runtime.acceptance import AcceptConfig
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.decode import DecodeConfig, MedusaDecoder, run_to_end
 from medusa_runtime.heads import MedusaHeads
+from medusa_runtime.lockstep import lockstep
 from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.model import LoadedModel, chat_template_ids, software_versions
 
@@ -139,7 +141,8 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
         return AcceptConfig(rule=rule, temperature=temperature, posterior_threshold=cfg.posterior_threshold,
                             posterior_alpha=cfg.posterior_alpha)
 
-    def run_runtime(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> RunOutput:
+    def run_steps(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None
+                  ) -> Generator[None, None, RunOutput]:
         key = (n, temperature)
         if key not in decoders:
             decoders[key] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None,
@@ -148,13 +151,25 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
                                                        lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate))
         if seed is not None:
             decoders[key].generator.manual_seed(seed)
-        res = decoders[key].generate(prompt)
+        res = yield from decoders[key].generate_steps(prompt)
         st = res.stats
         return RunOutput(res.token_ids, st.time_total, st.steps, st.accept_lengths, st.time_prefill,
                          {"time_heads": st.time_heads, "time_verify": st.time_verify,
                           "time_bookkeeping": st.time_bookkeeping})
 
-    return run_runtime
+    return SteppedRunner(run_steps)
+
+
+@dataclass(frozen=True)
+class SteppedRunner:
+    """The runtime's runner: called, it decodes to the end; ``steps(...)`` is the same run as a generator that
+    pauses after the prefill and every step and returns the RunOutput (``medusa_runtime.lockstep``), timing only its
+    own time."""
+
+    steps: Callable[..., Generator[None, None, RunOutput]]
+
+    def __call__(self, prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> RunOutput:
+        return run_to_end(self.steps(prompt, n, temperature, seed))
 
 
 def chat_ids(loaded: LoadedModel, turns: Sequence[str], answers: Sequence[str]) -> list[int]:
@@ -190,9 +205,20 @@ class ReplayConfig:
     turns: int = 2  # 1 = first turns only
     repeats: int = 1  # timed repeats per (configuration, question, turn)
     warmup_tokens: int = 16  # untimed warm-up generation per configuration
+    # the runtime's configurations of one (question, turn, repeat) stepped in turn (medusa_runtime.lockstep); False:
+    # each answer decoded whole, one configuration after another
+    lockstep: bool = True
+
+    @property
+    def order(self) -> str:
+        """What the replay's schedule is: replay cache keys name it, so records timed under another are not
+        resumed."""
+        return REPLAY_ORDER if self.lockstep else SEQUENTIAL_ORDER
 
 
-REPLAY_ORDER = "shuffled per question"  # what run_order does: replay cache keys name it (a fixed order before)
+# what run_order and the replay do (a fixed order, then whole answers shuffled per question, before)
+REPLAY_ORDER = "lockstep per question: the runtime's configurations one step each in turn, shuffled per round"
+SEQUENTIAL_ORDER = "shuffled per question"
 
 
 def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repeat: int) -> list[MethodConfig]:
@@ -206,11 +232,24 @@ def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repe
     return order
 
 
+def _record(c: MethodConfig, q: Question, turn: int, rep: int, prompt: list[int], temperature: float,
+            seed: int | None, out: RunOutput, answer: str) -> dict:
+    """One answer's record (the replay adds the provenance: versions, model, device, heads)."""
+    return {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method, "tree": c.tree,
+            "accept": c.accept, "temperature": temperature, "lookup_tokens": c.lookup_tokens, "gate": c.gate,
+            "question_id": q.question_id, "category": q.category, "turn": turn, "repeat": rep, "seed": seed,
+            "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids), "steps": out.steps,
+            "accept_lengths": out.accept_lengths, "wall_time": out.wall_time, "prefill_time": out.prefill_time,
+            **out.split, "token_ids": out.token_ids, "answer": answer}
+
+
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
            extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None,
            between: Callable[[int, int, int, int], None] | None = None) -> list[dict]:
-    """Run every configuration on every question (interleaved), appending records; resumable. ``variants``:
+    """Run every configuration on every question (interleaved: per (question, turn, repeat) transformers'
+    methods one whole answer after another in a shuffled order, then the runtime's configurations stepped in
+    turn, ``medusa_runtime.lockstep``, unless ``cfg.lockstep`` is off), appending records; resumable. ``variants``:
     per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
     ``between(index, question_id, turn, repeat)`` runs before each (question, turn, repeat) that has records
     to take, ``index`` being its place in the whole matrix (the same on a resumed run): between records,
@@ -244,32 +283,35 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     groups = {(q.question_id, t, r): i for i, (q, t, r) in enumerate(
         (q, t, r) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds))}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")
-    last = None
     with path.open("a") as fh:
-        for q, turn, rep, c in todo:
-            if between is not None and (q.question_id, turn, rep) != last:
-                last = (q.question_id, turn, rep)
-                between(groups[last], *last)
-            # a second turn follows this repeat's (this sample's) own first answer
-            earlier = [done[(c.name, c.digest, q.question_id, t, rep)]["answer"] for t in range(turn)]
-            prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
-            temperature = c.temperature_for(q.category)
-            seed = sample_seed(q.question_id, turn, rep) if temperature > 0 else None
-            out = runners[c.digest](prompt, cfg.max_new_tokens, temperature, seed)
-            rec = {"schema": RECORD_SCHEMA, "config": c.name, "config_hash": c.digest, "method": c.method,
-                   "tree": c.tree, "accept": c.accept, "temperature": temperature,
-                   "lookup_tokens": c.lookup_tokens, "gate": c.gate,
-                   "question_id": q.question_id, "category": q.category,
-                   "turn": turn, "repeat": rep, "seed": seed, "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids),
-                   "steps": out.steps, "accept_lengths": out.accept_lengths, "wall_time": out.wall_time,
-                   "prefill_time": out.prefill_time, **out.split,
-                   "token_ids": out.token_ids,
-                   "answer": loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True), **meta,
-                   **own_meta.get(c.digest, {})}
+
+        def write(c: MethodConfig, q: Question, turn: int, rep: int, prompt: list[int], temperature: float,
+                  seed: int | None, out: RunOutput) -> None:
+            rec = _record(c, q, turn, rep, prompt, temperature, seed, out,
+                          loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            rec.update(meta, **own_meta.get(c.digest, {}))
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
             done[_key(rec)] = rec
             records.append(rec)
             bar.update(1)
+
+        for group, items in itertools.groupby(todo, key=lambda item: (item[0].question_id, item[1], item[2])):
+            if between is not None:
+                between(groups[group], *group)
+            stepped, inputs = {}, {}
+            for q, turn, rep, c in items:
+                # a second turn follows this repeat's (this sample's) own first answer
+                earlier = [done[(c.name, c.digest, q.question_id, t, rep)]["answer"] for t in range(turn)]
+                prompt = chat_ids(loaded, q.turns[: turn + 1], earlier)
+                temperature = c.temperature_for(q.category)
+                seed = sample_seed(q.question_id, turn, rep) if temperature > 0 else None
+                run = runners[c.digest]
+                if cfg.lockstep and isinstance(run, SteppedRunner):
+                    stepped[c.digest] = run.steps(prompt, cfg.max_new_tokens, temperature, seed)
+                    inputs[c.digest] = (c, q, turn, rep, prompt, temperature, seed)
+                else:  # transformers' methods (or a sequential replay): whole answers in the shuffled order
+                    write(c, q, turn, rep, prompt, temperature, seed, run(prompt, cfg.max_new_tokens, temperature, seed))
+            lockstep(stepped, "/".join(map(str, group)), lambda digest, out: write(*inputs[digest], out))
     bar.close()
     return records

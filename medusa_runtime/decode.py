@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,8 @@ from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
 # as ``cache=`` is not filled; the old keyword is the one that works (engine 'hf'), so its notice is silenced.
 warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,15 @@ class GenerateStats:
 class GenerateResult:
     token_ids: list[int]  # new tokens only
     stats: GenerateStats
+
+
+def run_to_end(steps: Generator[None, None, R]) -> R:
+    """Drive a generator that pauses between steps (``MedusaDecoder.generate_steps``) to its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class MedusaDecoder:
@@ -287,8 +299,16 @@ class MedusaDecoder:
 
     # ------------------------------------------------------------------ the loop
 
-    @torch.inference_mode()
     def generate(self, input_ids: Sequence[int] | torch.Tensor) -> GenerateResult:
+        """Decode ``input_ids`` to the end: the new tokens and where the time went."""
+        return run_to_end(self.generate_steps(input_ids))
+
+    @torch.inference_mode()
+    def generate_steps(self, input_ids: Sequence[int] | torch.Tensor) -> Generator[None, None, GenerateResult]:
+        """``generate`` as a generator that pauses after the prefill and after every step; its return value
+        (``StopIteration.value``) is the GenerateResult. Time spent paused is not this run's: the stats
+        count only its own time, so a caller may step several decoders in turn (``bench.runner.lockstep``:
+        configurations compared on the same moments of a noisy machine)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).flatten()
         if ids.numel() == 0:
             raise ValueError("the prompt is empty")
@@ -312,8 +332,12 @@ class MedusaDecoder:
         ngrams = NgramIndex(cfg.lookup, ids.tolist()) if cfg.lookup.num_tokens else None
         self._sync()
         stats.time_prefill = time.perf_counter() - t_start
+        paused = 0.0  # seconds between a yield and the resume: another run's time
 
         while True:
+            t_pause = time.perf_counter()
+            yield
+            paused += time.perf_counter() - t_pause
             # stop checks: the pending root is always emitted when we stop
             if root in self.eos or len(out) + 1 >= cfg.max_new_tokens or cur_len + depth >= max_len:
                 out.append(root)
@@ -360,7 +384,7 @@ class MedusaDecoder:
                 stats.stop_reason = stop
                 break
         self._sync()
-        stats.time_total = time.perf_counter() - t_start
+        stats.time_total = time.perf_counter() - t_start - paused
         stats.new_tokens = len(out)
         return GenerateResult(out, stats)
 

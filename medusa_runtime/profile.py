@@ -30,6 +30,7 @@ from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
 from .kernels import cpuinfo_line
+from .lockstep import lockstep
 from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel
 
@@ -142,7 +143,7 @@ class Profiler:
     """The profile's timed pieces, built once: the tight verify forwards (every size on a real KV cache of
     every context, cropped back after each), real decode loops (plain decoding, shapes by size, chains 1..K,
     mc_sim_7b_63, and the same sampled), and prefills. ``round()`` times each piece once, in shuffled order
-    per group, and returns the raw samples; ``profile(rounds)`` turns any rounds into a LatencyProfile,
+    per group (the decode loops one step each in turn, ``medusa_runtime.lockstep``), and returns the raw samples; ``profile(rounds)`` turns any rounds into a LatencyProfile,
     whether they were taken back to back (``profile_latency``) or one every few questions of a replay
     (``bench.replay_profile``: the profile then sees the machine's speed where the replay spent its time)."""
 
@@ -197,12 +198,18 @@ class Profiler:
         for i in next(_rounds(len(self.steps), 1, seed=r)):
             tight[i] = _time_ms(self.steps[i], self.sync)
         loops: list[list[float]] = [[] for _ in self.decoders]
-        for i in next(_rounds(len(self.decoders), 1, seed=10_000 + r)):
-            st = self.decoders[i].generate(self.loop_prompt).stats
+
+        def loop_times(i: int, res) -> None:
+            st = res.stats
             steps = max(1, st.steps)
             loop = 1000 * (st.time_total - st.time_prefill) / steps
             heads, verify = 1000 * st.time_heads / steps, 1000 * st.time_verify / steps
             loops[i] = [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
+
+        # the loops stepped in turn, as the replay steps its configurations: every size meets the same
+        # moments of the machine, so their ratios in a round carry little of its drift
+        lockstep({i: dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)},
+                 f"profile/{r}", loop_times)
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
@@ -243,7 +250,7 @@ class Profiler:
                         "+ the rest of a real plain decode step; heads and bookkeeping: real decode loops (shapes "
                         "by size, chains 1..K, mc_sim_7b_63) at the middle context, one generate per decoder per "
                         "round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares over "
-                        "levels and rows); verify rows as measured (not smoothed in nodes); prefill = a generate "
+                        "levels and rows); the loops of a round stepped in turn (one step of each, shuffled per round); verify rows as measured (not smoothed in nodes); prefill = a generate "
                         "that stops after its first token, scaled to the loops' own prefills; lookup = drafting "
                         "and extending the n-gram index, per step; sampling_extra = a sampled step at T "
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "

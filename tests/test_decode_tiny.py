@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -118,6 +119,34 @@ def test_plain_and_fresh_heads_equal_generate(variant):
     heads = fresh_heads(4, 1, loaded.hidden_size, loaded.vocab_size)
     medusa = MedusaDecoder(loaded, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=30, engine=engine)).generate(prompt)
     assert medusa.token_ids == ref
+
+
+def test_stepped_generate_equals_generate_and_counts_only_its_own_time():
+    """generate_steps pauses after the prefill and after every step; driven with sleeps between the resumes it
+    decodes exactly what generate does (greedy, and sampled under the same seed), and the sleeps are not in
+    its time."""
+    loaded = tiny_llama()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    for accept in (AcceptConfig(), AcceptConfig(rule="sample", temperature=0.9)):
+        dec = MedusaDecoder(loaded, heads, "chain:2", accept, DecodeConfig(max_new_tokens=20, seed=3))
+        whole = dec.generate([5, 9, 2])
+        dec.generator.manual_seed(3)
+        run, pauses, sleep = dec.generate_steps([5, 9, 2]), 0, 0.01
+        t0 = time.perf_counter()
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                stepped = done.value
+                break
+            pauses += 1
+            time.sleep(sleep)
+        elapsed = time.perf_counter() - t0
+        assert stepped.token_ids == whole.token_ids and stepped.stats.accept_lengths == whole.stats.accept_lengths
+        assert pauses == stepped.stats.steps + 1  # after the prefill, then after each step
+        st = stepped.stats
+        assert st.time_prefill + st.time_heads + st.time_verify + st.time_bookkeeping <= st.time_total
+        assert st.time_total <= elapsed - 0.9 * sleep * pauses  # time.sleep sleeps at least its argument
 
 
 def test_context_limit_stops_cleanly():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -12,6 +13,7 @@ from bench.analyze import greedy_equality, summary
 from bench.mtbench import Question, load_questions
 from bench.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.heads import fresh_heads
+from medusa_runtime.lockstep import lockstep
 
 from .conftest import DATA, tiny_chat_model
 
@@ -76,6 +78,91 @@ def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monk
     rec = on_disk[0]
     for key in ("config_hash", "category", "new_tokens", "steps", "accept_lengths", "wall_time", "answer", "versions"):
         assert key in rec
+
+
+def test_lockstep_takes_one_step_of_each_live_run_per_round():
+    """Round k takes step k of every run that has one, in an order shuffled per round (seeded); each result is
+    handed over as its run finishes, so a failure later loses none that finished."""
+    def run(name, n, log, fail=False):
+        for i in range(n):
+            log.append((name, i))
+            yield
+        if fail:
+            raise RuntimeError("died")
+        return name * 2
+
+    lengths = {"a": 3, "b": 1, "c": 5, "d": 3}
+    log, finished = [], []
+    lockstep({k: run(k, n, log) for k, n in lengths.items()}, "q1", lambda k, v: finished.append((k, v)))
+    rounds = [[k for k, i in log if i == r] for r in range(5)]
+    assert [i for _, i in log] == sorted(i for _, i in log)  # no run takes step k+1 before all took step k
+    assert [sorted(r) for r in rounds] == [["a", "b", "c", "d"]] * 1 + [["a", "c", "d"]] * 2 + [["c"]] * 2
+    assert finished[0] == ("b", "bb") and finished[-1] == ("c", "cc") and dict(finished) == {k: k * 2 for k in lengths}
+    orders = set()
+    for seed in range(20):
+        log = []
+        lockstep({k: run(k, 2, log) for k in "abcd"}, f"q{seed}", lambda k, v: None)
+        orders |= {tuple(k for k, _ in log[:4]), tuple(k for k, _ in log[4:])}
+    assert len(orders) > 10  # shuffled per round and per seed (24 orders of 4)
+    log, finished = [], []
+    with pytest.raises(RuntimeError):
+        lockstep({"ok": run("ok", 1, log), "bad": run("bad", 2, log, fail=True)}, "s", lambda k, v: finished.append(k))
+    assert finished == ["ok"]
+
+
+def test_lockstep_replay_equals_sequential_and_resumes_after_a_kill_mid_step(tmp_path, monkeypatch):
+    """The runtime's configurations stepped in turn decode exactly what whole answers one after another do
+    (greedy and seeded sampling); killed in the middle of a question's steps, the replay keeps what had
+    finished and the resumed run records every (configuration, question, turn, repeat) once."""
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    configs = CONFIGS + [MethodConfig("sampled", "medusa", tree="chain:2", accept="sample", temperature=0.7,
+                                      samples=2)]
+
+    def key(r):
+        return (r["config"], r["question_id"], r["turn"], r["repeat"])
+
+    def tokens(path):
+        return {key(r): r["token_ids"] for r in load_records(path)}
+
+    seq, lock = tmp_path / "seq.jsonl", tmp_path / "lock.jsonl"
+    cfg = ReplayConfig(max_new_tokens=8, turns=2, warmup_tokens=2)
+    replay(loaded, heads, configs, QUESTIONS, replace(cfg, lockstep=False), seq, progress=False)
+    real, steps, trace = runner.make_runner, {"n": 0}, []
+
+    def dying(cfg_, loaded_, heads_, topk=10):
+        inner = real(cfg_, loaded_, heads_, topk)
+        if not isinstance(inner, runner.SteppedRunner):
+            return inner
+
+        def wrapped(*a):
+            gen = inner.steps(*a)
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as done:
+                    return done.value
+                steps["n"] += 1
+                trace.append(cfg_.name)
+                if steps["n"] == 60:  # well inside the replay, in the middle of a question's steps: "dies"
+                    raise KeyboardInterrupt
+                yield
+
+        return runner.SteppedRunner(wrapped)
+
+    monkeypatch.setattr(runner, "make_runner", dying)
+    with pytest.raises(KeyboardInterrupt):
+        replay(loaded, heads, configs, QUESTIONS, cfg, lock, progress=False)
+    partial = load_records(lock)
+    assert 0 < len(partial) < len(load_records(seq))
+    # stepped in turn: some configuration's steps have another's between them (whole answers never do)
+    assert any(a == c != b for a, b, c in zip(trace, trace[1:], trace[2:]))
+    monkeypatch.setattr(runner, "make_runner", real)
+    replay(loaded, heads, configs, QUESTIONS, cfg, lock, progress=False)
+    on_disk = load_records(lock)
+    assert on_disk[:len(partial)] == partial
+    assert len(on_disk) == len({key(r) for r in on_disk}) == 3 * 2 * 3 + 3 * 2 * 2  # 3 configs once, one twice
+    assert tokens(lock) == tokens(seq)
 
 
 def test_fastchat_temperature_policy(tmp_path):
