@@ -44,7 +44,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # again in rounds between questions. 17: verify rows kept as measured (5 rows verify faster than 4 here).
 # 18: the gate on float32 scalars (a gated step 20 us cheaper); verify sizes priced by ratios of means over rounds.
 # 19: the replay's runtime configurations and the profile's decode loops stepped in turn (lockstep).
-RUNTIME_REVISION = 19
+# 20: software prefetch of the weights from 3 rows (was 5); a replay's profile rounds set aside with its records.
+RUNTIME_REVISION = 20
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
@@ -484,12 +485,16 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: di
 
 def isolate_records(folder: Path, key: str) -> None:
     """Records resume only within one set of replay inputs (``replay`` and ``speed`` call this): records made
-    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``, never mixed in."""
+    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``,
+    never mixed in, and so are the latency profile's rounds taken during them (``profile_rounds.<key>.jsonl``):
+    a new replay prices its predictions with rounds of its own."""
     folder.mkdir(parents=True, exist_ok=True)
-    marker, records = folder / "inputs.key", folder / "records.jsonl"
+    marker = folder / "inputs.key"
     old = marker.read_text().strip() if marker.is_file() else "unknown"
-    if old != key and records.is_file():
-        records.rename(folder / f"records.{old}.jsonl")
+    if old != key:
+        for name in ("records", "profile_rounds"):
+            if (folder / f"{name}.jsonl").is_file():
+                (folder / f"{name}.jsonl").rename(folder / f"{name}.{old}.jsonl")
     marker.write_text(key + "\n")
 
 

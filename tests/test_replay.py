@@ -211,7 +211,7 @@ def test_question_loading(tmp_path):
 
 def test_records_resume_only_under_the_same_inputs(tmp_path):
     """A replay or speed run into a folder of older records (another runtime revision, heads or tree file)
-    moves them aside instead of resuming them."""
+    moves them aside instead of resuming them, and the profile rounds taken during them with them."""
     import argparse
 
     from bench.cli import _replay_inputs
@@ -232,15 +232,18 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     out = tmp_path / "run"
     isolate_records(out, first)
     (out / "records.jsonl").write_text('{"config": "plain"}\n')
+    (out / "profile_rounds.jsonl").write_text('{"question_id": 1}\n')
     isolate_records(out, key())  # same inputs: the records stay to be resumed
     assert (out / "records.jsonl").read_text() == '{"config": "plain"}\n'
+    assert (out / "profile_rounds.jsonl").is_file()
     tree.write_text('{"medusa_choices": [[0], [1]]}')  # same path, other tree
     assert key() != first
     (heads_dir / "draft_vocab.json").write_text("[1, 2]")  # same folder, other heads
     changed = key()
     isolate_records(out, changed)
-    assert not (out / "records.jsonl").exists()
+    assert not (out / "records.jsonl").exists() and not (out / "profile_rounds.jsonl").exists()
     assert (out / f"records.{first}.jsonl").read_text() == '{"config": "plain"}\n'
+    assert (out / f"profile_rounds.{first}.jsonl").read_text() == '{"question_id": 1}\n'
     assert (out / "inputs.key").read_text().strip() == changed
     args.max_new_tokens = 128
     assert key() != changed

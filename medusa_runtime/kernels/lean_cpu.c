@@ -92,11 +92,13 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 }
 
 #if LEAN_AVX512BF16
-/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of more than 4 rows
- * only. Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants interleaved in one
- * process): up to 4 rows the hardware prefetcher alone streams best (1 row 8.5 ms against 8.7-9.3 with any
- * software prefetch); from 8 rows on, where the dot products take longer than the weights' transfer, 8-32 KB
- * ahead into L2 does (8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9 without). */
+/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of 3 rows or more
+ * (ROWS4_PREFETCH_FROM). Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants
+ * interleaved in one process): for 1 row the hardware prefetcher alone streams best (8.5 ms against 8.7-9.3
+ * with any software prefetch), for 2 rows it is a draw (10.60 / 11.26 ms with it against 11.33 / 11.13
+ * without, two runs); from 3 rows on, where the dot products take longer than the weights' transfer, 16 KB
+ * ahead into L2 pays (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 / 12.60-13.53 without,
+ * context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9; docs/reports/2026-12-02-lockstep.md). */
 #ifndef ROWS4_PREFETCH
 #define ROWS4_PREFETCH 16384
 #endif
@@ -239,12 +241,16 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
                 }
 }
 
+#ifndef ROWS4_PREFETCH_FROM  /* the fewest rows a call prefetches the weights for (see ROWS4_PREFETCH) */
+#define ROWS4_PREFETCH_FROM 3
+#endif
+
 /* y = x W^T for x [n, in] and W packed by lean_pack_rows4. Output kinds: bf16 (rounded), bf16 plus a
  * residual (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
  * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
  * Called from inside a parallel region: the output rows are shared out in blocks of 4. */
 static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
-    int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32, prefetch = n > 4;
+    int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32, prefetch = n >= ROWS4_PREFETCH_FROM;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         int o0 = 4 * b, cnt = out - o0 < 4 ? out - o0 : 4;
