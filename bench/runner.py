@@ -225,8 +225,8 @@ def run_order(configs: Sequence[MethodConfig], question_id: int, turn: int, repe
     """The configurations in the order one (question, turn, repeat) runs them: shuffled, seeded by those three,
     as the latency profile's rounds are. In a fixed order each configuration always follows the same
     neighbour, and a heavy one (a 64-node tree, seconds of compute-bound verify) may leave the machine slower
-    or faster for the next; shuffling spreads that over all of them (on the development VM it did not
-    remove chain:1's verify running ~10 % above plain's in the replay: docs/reports/2026-12-01-drift-probe-and-draft-vocab.md)."""
+    or faster for the next; shuffling spreads that over all of them. Within the order, the runtime's
+    configurations run in lockstep (``replay``), transformers' methods whole."""
     order = list(configs)
     random.Random(f"{question_id}/{turn}/{repeat}").shuffle(order)
     return order

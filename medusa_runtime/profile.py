@@ -293,9 +293,11 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
     tight loop; so the level and the ratio of each looped size to one row come from the loops (``loops[0]``
     is plain decoding), the ratio of a size to the nearest looped size and of a context to the loops'
     context from the tight rounds (``tight`` [contexts, nodes, rounds]). Rows are kept as measured, not made
-    non-decreasing in nodes: on the development CPU the C forward verifies 5 rows faster than 3 or 4, in the
+    non-decreasing in nodes: on the development CPU the C forward verified 5 rows faster than 3 or 4, in the
     profile's forwards and loops and in replays alike (chain:4's verify 9.6 ms against chain:2's 10.5 in the
-    same replay), and pooling 4 and 5 priced chain:4 10 % high (docs/reports/2026-12-01-verify-probes.md)."""
+    same replay), and pooling 4 and 5 priced chain:4 10 % high (docs/reports/2026-12-01-verify-probes.md);
+    the kernel's weight prefetch, from 5 rows then, starts at 3 rows since (2026-12-02-lockstep.md), and
+    whatever dips remain are priced as measured."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
     plain = np.asarray(loops[0].verify_rounds)
     level = _central(list(plain))  # one row inside a loop, at the loops' context
