@@ -561,7 +561,8 @@ def _replay_inputs(args, configs) -> dict:
             "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
-            "max_new_tokens": args.max_new_tokens, "order": SEQUENTIAL_ORDER if getattr(args, "sequential", False) else REPLAY_ORDER,
+            "max_new_tokens": args.max_new_tokens,
+            "order": SEQUENTIAL_ORDER if getattr(args, "sequential", False) else REPLAY_ORDER,
             "trees": {c.tree: file_hash(Path(c.tree)) for c in configs if c.tree and Path(c.tree).is_file()},
             # records timed with profile rounds between them are not resumed without, nor the other way round
             **({"profile_like": file_hash(Path(args.profile_like)), "profile_every": args.profile_every}

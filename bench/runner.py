@@ -2,8 +2,8 @@
 
 Every configuration becomes a callable ``run(prompt_ids, max_new_tokens) -> RunOutput``; the replay
 calls them question by question, after an untimed warm-up, the runtime's configurations of a question
-one step each in turn (``medusa_runtime.lockstep``: machine drift hits all alike), and appends one JSON record per (configuration,
-question, turn, repeat) to ``records.jsonl``. Records already in the file are skipped, so an
+one step each in turn (``medusa_runtime.lockstep``: machine drift hits all alike), and appends one
+JSON record per (configuration, question, turn, repeat) to ``records.jsonl``. Records already in the file are skipped, so an
 interrupted replay resumes where it stopped. Speed-ups are computed afterwards from the records.
 """
 
@@ -163,8 +163,8 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
 @dataclass(frozen=True)
 class SteppedRunner:
     """The runtime's runner: called, it decodes to the end; ``steps(...)`` is the same run as a generator that
-    pauses after the prefill and every step and returns the RunOutput (``medusa_runtime.lockstep``), timing only its
-    own time."""
+    pauses after the prefill and every step and returns the RunOutput (``medusa_runtime.lockstep``), timing
+    only its own time."""
 
     steps: Callable[..., Generator[None, None, RunOutput]]
 
@@ -205,18 +205,13 @@ class ReplayConfig:
     turns: int = 2  # 1 = first turns only
     repeats: int = 1  # timed repeats per (configuration, question, turn)
     warmup_tokens: int = 16  # untimed warm-up generation per configuration
-    # the runtime's configurations of one (question, turn, repeat) stepped in turn (medusa_runtime.lockstep); False:
-    # each answer decoded whole, one configuration after another
+    # the runtime's configurations of one (question, turn, repeat) stepped in turn (medusa_runtime.lockstep);
+    # False: each answer decoded whole, one configuration after another
     lockstep: bool = True
 
-    @property
-    def order(self) -> str:
-        """What the replay's schedule is: replay cache keys name it, so records timed under another are not
-        resumed."""
-        return REPLAY_ORDER if self.lockstep else SEQUENTIAL_ORDER
 
-
-# what run_order and the replay do (a fixed order, then whole answers shuffled per question, before)
+# what run_order and the replay do (a fixed order, then whole answers shuffled per question, before); replay
+# cache keys name it, so records timed under another schedule are not resumed
 REPLAY_ORDER = "lockstep per question: the runtime's configurations one step each in turn, shuffled per round"
 SEQUENTIAL_ORDER = "shuffled per question"
 
@@ -311,7 +306,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
                     stepped[c.digest] = run.steps(prompt, cfg.max_new_tokens, temperature, seed)
                     inputs[c.digest] = (c, q, turn, rep, prompt, temperature, seed)
                 else:  # transformers' methods (or a sequential replay): whole answers in the shuffled order
-                    write(c, q, turn, rep, prompt, temperature, seed, run(prompt, cfg.max_new_tokens, temperature, seed))
+                    out = run(prompt, cfg.max_new_tokens, temperature, seed)
+                    write(c, q, turn, rep, prompt, temperature, seed, out)
             lockstep(stepped, "/".join(map(str, group)), lambda digest, out: write(*inputs[digest], out))
     bar.close()
     return records

@@ -307,7 +307,7 @@ class MedusaDecoder:
     def generate_steps(self, input_ids: Sequence[int] | torch.Tensor) -> Generator[None, None, GenerateResult]:
         """``generate`` as a generator that pauses after the prefill and after every step; its return value
         (``StopIteration.value``) is the GenerateResult. Time spent paused is not this run's: the stats
-        count only its own time, so a caller may step several decoders in turn (``bench.runner.lockstep``:
+        count only its own time, so a caller may step several decoders in turn (``medusa_runtime.lockstep``,
         configurations compared on the same moments of a noisy machine)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).flatten()
         if ids.numel() == 0:

@@ -143,7 +143,8 @@ class Profiler:
     """The profile's timed pieces, built once: the tight verify forwards (every size on a real KV cache of
     every context, cropped back after each), real decode loops (plain decoding, shapes by size, chains 1..K,
     mc_sim_7b_63, and the same sampled), and prefills. ``round()`` times each piece once, in shuffled order
-    per group (the decode loops one step each in turn, ``medusa_runtime.lockstep``), and returns the raw samples; ``profile(rounds)`` turns any rounds into a LatencyProfile,
+    per group (the decode loops one step each in turn, ``medusa_runtime.lockstep``), and returns the raw
+    samples; ``profile(rounds)`` turns any rounds into a LatencyProfile,
     whether they were taken back to back (``profile_latency``) or one every few questions of a replay
     (``bench.replay_profile``: the profile then sees the machine's speed where the replay spent its time)."""
 
@@ -250,7 +251,8 @@ class Profiler:
                         "+ the rest of a real plain decode step; heads and bookkeeping: real decode loops (shapes "
                         "by size, chains 1..K, mc_sim_7b_63) at the middle context, one generate per decoder per "
                         "round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares over "
-                        "levels and rows); the loops of a round stepped in turn (one step of each, shuffled per round); verify rows as measured (not smoothed in nodes); prefill = a generate "
+                        "levels and rows); the loops of a round stepped in turn (one step of each, shuffled per "
+                        "round); verify rows as measured (not smoothed in nodes); prefill = a generate "
                         "that stops after its first token, scaled to the loops' own prefills; lookup = drafting "
                         "and extending the n-gram index, per step; sampling_extra = a sampled step at T "
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
