@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import random
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,6 +128,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     joint = {"auto": None, "joint": True, "independent": False}[args.estimator]
     cfg = SearchConfig(budget=args.budget, trials=args.trials, objective=args.objective, storage=args.storage,
                        study_name=args.study, seed=args.seed, joint=joint, min_budget=args.min_budget,
+                       heartbeat=args.heartbeat, grace=args.grace_period,
                        context=args.context, baseline=args.baseline, accept=args.accept,
                        max_regret=args.max_regret, configurations=not args.trees_only, max_lookup=args.max_lookup)
     result = run_search(stats, cfg, latency, show_progress=not args.quiet)
@@ -587,12 +589,18 @@ def _run_replay(args, configs, turns: int):
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats,
                        lockstep=not args.sequential)
     out_dir = Path(args.out)
-    isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's records
-    during = _profile_during(args, loaded, heads, out_dir)
-    records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                     extra={"heads": args.heads}, variants=variants, between=during)
-    if during is not None:
-        during.write_profile(out_dir / "latency-during.json")
+    if getattr(args, "storage", None):  # the matrix shared among workers (bench.distributed)
+        records = _replay_shared(args, configs, questions, cfg, loaded, heads, variants)
+        machines = sorted({r["machine"] for r in records})
+        if len(machines) > 1:  # never one ratio over two machines' timings: a summary per machine
+            return loaded, None, *_per_machine_summaries(records, machines, out_dir)
+    else:
+        isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's
+        during = _profile_during(args, loaded, heads, out_dir)
+        records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
+                         extra={"heads": args.heads}, variants=variants, between=during)
+        if during is not None:
+            during.write_profile(out_dir / "latency-during.json")
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
     paths = write_tables(df, ["generate", "plain"], out_dir)
     table = summary(df, ["generate", "plain"])
@@ -604,6 +612,59 @@ def _run_replay(args, configs, turns: int):
             + to_markdown(per_cat.reset_index()) + f"\n\nwritten: {', '.join(files)}")
     obj = {"overall": overall.to_dict("records"), "by_category": table.to_dict("records"), "files": files}
     return loaded, df, text, obj
+
+
+def _replay_shared(args, configs, questions, cfg, loaded, heads, variants) -> list[dict]:
+    """This worker's share of a matrix queued in ``--storage`` (one question a unit), then, once every unit is
+    done, the merged records written to ``--out``/records.jsonl (every worker writes the same file)."""
+    import socket
+
+    from bench.distributed import QueueConfig, ReplayQueue
+    from bench.pipeline import StageCache
+    from bench.runner import replay
+    from treesearch.fsutil import atomic_file
+    from treesearch.search import worker_id
+
+    if getattr(args, "profile_like", None):
+        raise ValueError("--profile-like prices one machine's replay: it does not combine with --storage")
+    matrix = {**_replay_inputs(args, configs), "configs": [c.digest for c in configs], "repeats": args.repeats,
+              "turns": cfg.turns, "question_ids": [q.question_id for q in questions]}
+    qcfg = QueueConfig(args.storage, args.study_name, args.machine or socket.gethostname(), worker_id(),
+                       args.heartbeat, args.grace_period)
+    queue = ReplayQueue(qcfg, [q.question_id for q in questions], StageCache.key_of(matrix))
+    by_id, out_dir = {q.question_id: q for q in questions}, Path(args.out)
+
+    def run_unit(qid: int) -> list[dict]:
+        scratch = out_dir / "units" / f"{os.getpid()}-{qid}.jsonl"  # this unit only: a retry starts afresh
+        scratch.unlink(missing_ok=True)
+        records = replay(loaded, heads, configs, [by_id[qid]], cfg, scratch, progress=False,
+                         extra={"heads": args.heads}, variants=variants)
+        scratch.unlink()
+        return records
+
+    mine = queue.work(run_unit, progress=not args.json)
+    _log(f"this worker ({qcfg.worker} on {qcfg.machine}) replayed {mine} of {queue.units} units")
+    records = queue.merged_records()
+    with atomic_file(out_dir / "records.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def _per_machine_summaries(records: list[dict], machines: list[str], out_dir: Path) -> tuple[str, dict]:
+    """The summary tables of each machine's records on their own (``machines/<name>/``)."""
+    from bench.analyze import records_frame, summary, to_markdown, write_tables
+
+    texts, obj = [], {"machines": {}, "files": [str(out_dir / "records.jsonl")]}
+    for m in machines:
+        df = records_frame([r for r in records if r["machine"] == m])
+        paths = write_tables(df, ["generate", "plain"], out_dir / "machines" / re.sub(r"[^A-Za-z0-9._-]", "_", m))
+        table = summary(df, ["generate", "plain"])
+        overall = table[table["category"] == "overall"][["config", "tokens", "tokens_per_s", "tau",
+                                                           "speedup_vs_plain"]]
+        texts.append(f"machine {m}:\n\n" + to_markdown(overall))
+        obj["machines"][m] = overall.to_dict("records")
+        obj["files"] += [str(paths["summary_csv"]), str(paths["summary_md"])]
+    return "\n\n".join(texts) + f"\n\nwritten: {', '.join(obj['files'])}", obj
 
 
 def _profile_during(args, loaded, heads, out_dir: Path):
@@ -763,11 +824,14 @@ def cmd_judge(args: argparse.Namespace) -> int:
     if backend is None:
         _result(args, obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)")
         return 0
-    scores = json.loads(run_judge(out, records, questions, backend, progress=not args.json).read_text())
+    scores = json.loads(run_judge(out, records, questions, backend, progress=not args.json,
+                                  guided=args.guided_rating).read_text())
     table = pd_frame_of_scores(scores)
     obj.update(judge=scores["judge"], scores=scores["configs"])
-    _result(args, obj, text + f"\n\njudge {scores['judge']} (FastChat single grading, 1-10; unparsable ratings "
-            f"left out as FastChat does):\n" + to_markdown(table))
+    how = "ratings without [[x]] asked again, constrained to 1-10" if args.guided_rating else \
+        "unparsable ratings left out as FastChat does"
+    _result(args, obj, text + f"\n\njudge {scores['judge']} (FastChat single grading, 1-10; {how}):\n"
+            + to_markdown(table))
     return 0
 
 
@@ -776,7 +840,8 @@ def pd_frame_of_scores(scores: dict):
     import pandas as pd
 
     rows = [{"config": cfg, "score": s["score"], **{f"turn {t}": v for t, v in s["by_turn"].items()},
-             "judgments": s["judgments"], "unparsable": s["unparsable"]} for cfg, s in scores["configs"].items()]
+             "judgments": s["judgments"], "unparsable": s["unparsable"], "guided": s.get("guided", 0)}
+            for cfg, s in scores["configs"].items()]
     return pd.DataFrame(rows)
 
 
@@ -1045,6 +1110,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 "questions (latency-during.json): predictions priced at the replay's own speed")
             p.add_argument("--profile-every", type=int, default=2, metavar="N",
                            help="with --profile-like: one round before every N-th question (default 2)")
+            p.add_argument("--storage", default=None, metavar="URL",
+                           help="share the matrix among workers on several machines through this Optuna storage "
+                                "(postgresql://..., mysql://..., sqlite:///...): one question a unit, each claimed once")
+            p.add_argument("--study-name", default="medusa-replay", help="with --storage: the matrix's queue")
+            p.add_argument("--machine", default=None,
+                           help="with --storage: this machine's name in the records (default: the host name)")
+            p.add_argument("--heartbeat", type=int, default=5, help="with --storage: seconds between heartbeats")
+            p.add_argument("--grace-period", type=int, default=20,
+                           help="with --storage: seconds without a heartbeat before a unit goes to another worker")
         p.add_argument("--questions", default=None,
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
         p.add_argument("--categories", nargs="+", default=None)
@@ -1068,6 +1142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none: proxies only (offline); openai: OPENAI_API_KEY / OPENAI_BASE_URL; local: --judge-local")
     p.add_argument("--judge-model", default="gpt-4")
     p.add_argument("--judge-local", default="default", help="local judge model (folder or 'default')")
+    p.add_argument("--guided-rating", action="store_true",
+                   help="a judgment without [[rating]] gets one more turn whose reply is constrained to 1-10 "
+                        "(guided_choice: vLLM's or medusa-bench serve's endpoints, or the local judge); not FastChat's "
+                        "rule, counted per configuration as 'guided'")
     p.add_argument("--out", default=None)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_judge)
@@ -1082,7 +1160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--estimator", default="auto", choices=["auto", "joint", "independent"],
                    help="joint replay of rollouts (when present) or the independence model")
     p.add_argument("--storage", default="sqlite:///results/treesearch.db", help="any Optuna storage URL")
-    p.add_argument("--study", default="medusa-tree", help="study name (workers sharing it share trials)")
+    p.add_argument("--study-name", "--study", dest="study", default="medusa-tree",
+                   help="Optuna study name (workers sharing it share trials)")
+    p.add_argument("--heartbeat", type=int, default=5, help="seconds between a running trial's heartbeats")
+    p.add_argument("--grace-period", type=int, default=20,
+                   help="seconds without a heartbeat after which another worker fails the trial and runs it again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=None, help="context length for the latency model")
     p.add_argument("--baseline", default="mc_sim_7b_63", help="tree evaluated as a baseline trial ('' for none)")

@@ -180,12 +180,15 @@ def _quality(judge: dict | None, quality: dict | None) -> str:
     rows, cats = [], []
     for cfg, c in judge["configs"].items():
         rows.append({"config": cfg, "score": c["score"], **{f"turn {t}": v for t, v in c["by_turn"].items()},
-                     "judgments": c["judgments"], "unparsable": c["unparsable"]})
+                     "judgments": c["judgments"], "unparsable": c["unparsable"], "guided": c.get("guided", 0)})
         cats.append({"config": cfg, **c["by_category"]})
     bad = sum(c["unparsable"] for c in judge["configs"].values())
     total = sum(c["judgments"] for c in judge["configs"].values())
+    guided = sum(c.get("guided", 0) for c in judge["configs"].values())
+    how = (f" {guided} of {total} ratings came from a follow-up turn constrained to 1-10 (the judgment had no "
+           "[[rating]]; not FastChat's rule)." if guided else "")
     note = (f"<p>Judge <b>{_esc(judge['judge'])}</b>, FastChat single grading (1-10; math, reasoning and coding "
-            f"against the reference answers). {bad} of {total} ratings unparsable, left out of the means as "
+            f"against the reference answers).{how} {bad} of {total} ratings unparsable, left out of the means as "
             "FastChat's show_result does" + (f"; {judge['skipped_no_reference']} answers not graded (their category "
                                                "needs a reference answer the question set lacks)"
                                                if judge.get("skipped_no_reference") else "") + ".</p>")

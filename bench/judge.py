@@ -2,7 +2,11 @@
 
 * prompts: FastChat's judge prompts; math, reasoning and coding use the reference-answer variants
   (``single-math-v1``), second turns the multi-turn variants that show the whole conversation;
-* parsing: ``[[rating]]``, falling back to ``[rating]``, and -1 when neither appears;
+* parsing: ``[[rating]]``, falling back to ``[rating]``, and -1 when neither appears; optionally (not
+  FastChat's rule, and labelled so wherever it is used) a judgment with neither is followed by one more
+  turn that asks for the number alone, its reply constrained to "1".."10" (``guided_choice``, as vLLM's
+  and ``medusa-bench serve``'s endpoints accept; the local judge constrains its own decoding). A small
+  judge that never writes the format still rates every answer that way;
 * aggregation: mean score per (model, turn) and per category, ignoring -1 as FastChat does;
 * backends: any OpenAI-compatible chat endpoint (``OPENAI_API_KEY``, ``OPENAI_BASE_URL``), with
   retries and exponential backoff on 429/5xx, or a local transformers model. Every answer is
@@ -31,6 +35,9 @@ from .mtbench import Question, mtbench_dir
 NEED_REF_CATEGORIES = ("math", "reasoning", "coding")
 _SCORE = re.compile(r"\[\[(\d+\.?\d*)\]\]")
 _SCORE_BACKUP = re.compile(r"\[(\d+\.?\d*)\]")
+RATING_CHOICES = tuple(str(i) for i in range(1, 11))
+RATING_FOLLOWUP = ("Your evaluation did not give the rating in the required format. Rate the response on a scale "
+                   "of 1 to 10. Reply with the number only.")
 
 
 def parse_rating(judgment: str) -> float:
@@ -100,6 +107,15 @@ class Backend(Protocol):
 
     def complete(self, system: str, user: str) -> str: ...
 
+    def rate(self, system: str, user: str, judgment: str) -> str:
+        """The follow-up turn after ``judgment``: one of RATING_CHOICES."""
+        ...
+
+
+def rating_messages(system: str, user: str, judgment: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user},
+            {"role": "assistant", "content": judgment}, {"role": "user", "content": RATING_FOLLOWUP}]
+
 
 class OpenAIBackend:
     """Any OpenAI-compatible ``/chat/completions`` endpoint; key and base URL from the environment."""
@@ -112,9 +128,19 @@ class OpenAIBackend:
         self.retries, self.backoff, self.timeout = retries, backoff, timeout
 
     def complete(self, system: str, user: str) -> str:
-        body = json.dumps({"model": self.name, "temperature": 0, "max_tokens": 2048,
-                           "messages": [{"role": "system", "content": system},
-                                        {"role": "user", "content": user}]}).encode()
+        return self._post({"model": self.name, "temperature": 0, "max_tokens": 2048,
+                           "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+
+    def rate(self, system: str, user: str, judgment: str) -> str:
+        reply = self._post({"model": self.name, "temperature": 0, "max_tokens": 4,
+                            "messages": rating_messages(system, user, judgment), "guided_choice": list(RATING_CHOICES)})
+        if reply.strip() not in RATING_CHOICES:
+            raise RuntimeError(f"the judge endpoint ignored guided_choice (replied {reply[:40]!r}); it needs an engine "
+                               "that constrains replies (vLLM, medusa-bench serve), or no --guided-rating")
+        return reply.strip()
+
+    def _post(self, payload: dict) -> str:
+        body = json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -155,6 +181,13 @@ class LocalBackend:
                                          do_sample=False, top_p=None, top_k=None, temperature=None)
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
+    def rate(self, system: str, user: str, judgment: str) -> str:
+        from medusa_runtime.guided import guided_choice
+        from medusa_runtime.model import chat_template_ids
+
+        return guided_choice(self.loaded, chat_template_ids(self.loaded, rating_messages(system, user, judgment)),
+                             RATING_CHOICES)
+
 
 class CachedJudge:
     """Wraps a backend with an append-only JSONL cache keyed by (judge, system, user)."""
@@ -172,21 +205,39 @@ class CachedJudge:
                 except (json.JSONDecodeError, KeyError):
                     continue
 
-    def key(self, system: str, user: str) -> str:
-        return hashlib.sha256(json.dumps([self.backend.name, system, user]).encode()).hexdigest()
+    def key(self, system: str, user: str, judgment: str | None = None) -> str:
+        parts = [self.backend.name, system, user] + ([] if judgment is None else ["guided rating", judgment])
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
     def complete(self, system: str, user: str) -> str:
-        k = self.key(system, user)
+        return self._cached(self.key(system, user), lambda: self.backend.complete(system, user))
+
+    def rate(self, system: str, user: str, judgment: str) -> str:
+        """The backend's guided follow-up rating of ``judgment`` (cached like a judgment)."""
+        return self._cached(self.key(system, user, judgment), lambda: self.backend.rate(system, user, judgment))
+
+    def _cached(self, k: str, ask: Callable[[], str]) -> str:
         if k in self.cache:
             self.hits += 1
             return self.cache[k]
         self.misses += 1
-        text = self.backend.complete(system, user)
+        text = ask()
         self.file.parent.mkdir(parents=True, exist_ok=True)
         with self.file.open("a") as fh:
             fh.write(json.dumps({"key": k, "judge": self.backend.name, "judgment": text}) + "\n")
         self.cache[k] = text
         return text
+
+
+def score_judgment(judge: CachedJudge, system: str, user: str, judgment: str, guided: bool) -> tuple[float, str]:
+    """(score, how it was read): FastChat's parse ("parsed"); failing that, with ``guided``, the follow-up turn's
+    constrained rating ("guided"); else (-1, "unparsable")."""
+    score = parse_rating(judgment)
+    if score != -1:
+        return score, "parsed"
+    if guided:
+        return float(judge.rate(system, user, judgment)), "guided"
+    return -1, "unparsable"
 
 
 def grade(judge: CachedJudge, prompts: dict[str, JudgePrompt], questions: Sequence[Question],

@@ -8,7 +8,9 @@ Files (under the run folder), each written atomically and resumable:
 * ``judge/judge_cache.jsonl``: every judge reply keyed by (judge, system prompt, user prompt): a rerun, or
   configurations whose answers are identical (greedy ones are), cost no request;
 * ``judge/judge_scores.json`` (``medusa-judge/1``): per configuration the mean score overall, per turn and
-  per category (FastChat's rule: unparsable ratings, -1, left out) and how many ratings were unparsable;
+  per category (FastChat's rule: unparsable ratings, -1, left out), how many ratings were unparsable and,
+  with ``guided`` rating, how many came from the constrained follow-up turn (``bench.judge``) instead of
+  the judgment's own ``[[rating]]``;
 * ``quality.json`` (``medusa-quality/1``): per configuration the mean log-likelihood per answer token under
   the base model (each distinct (prompt, answer) scored once).
 """
@@ -33,7 +35,7 @@ from bench.judge import (
     build_judge_prompt,
     load_judge_prompts,
     load_references,
-    parse_rating,
+    score_judgment,
 )
 from bench.mtbench import Question, mtbench_dir
 from treesearch.fsutil import atomic_file
@@ -86,9 +88,10 @@ def write_model_answers(answers: dict[tuple[str, int], list[str]], folder: Path)
 
 
 def grade_answers(judge: CachedJudge, questions: Sequence[Question], answers: dict[tuple[str, int], list[str]],
-                  progress: bool = True) -> tuple[list[dict], int]:
-    """FastChat single grading of every answer turn (FastChat's record fields), and the count of turns left
-    ungraded because their category needs a reference answer that the question set lacks."""
+                  progress: bool = True, guided: bool = False) -> tuple[list[dict], int]:
+    """FastChat single grading of every answer turn (FastChat's record fields, plus ``rating``: parsed, guided
+    or unparsable), and the count of turns left ungraded because their category needs a reference answer that
+    the question set lacks."""
     folder = mtbench_dir(lambda m: None)
     prompts, refs = load_judge_prompts(folder / "judge_prompts.jsonl"), load_references(folder / "reference_gpt-4.jsonl")
     by_id = {q.question_id: q for q in questions}
@@ -101,15 +104,16 @@ def grade_answers(judge: CachedJudge, questions: Sequence[Question], answers: di
             continue
         name, system, user = build_judge_prompt(prompts, q, answers[(cfg, qid)], turn, refs.get(qid))
         text = judge.complete(system, user)
+        score, how = score_judgment(judge, system, user, text, guided)
         graded.append({"question_id": qid, "model": fastchat_id(cfg), "config": cfg, "category": q.category,
                        "judge": [judge.backend.name, name], "user_prompt": user, "judgment": text,
-                       "score": parse_rating(text), "turn": turn + 1, "tstamp": time.time()})
+                       "score": score, "rating": how, "turn": turn + 1, "tstamp": time.time()})
     return graded, skipped
 
 
 def write_model_judgments(graded: Sequence[dict], judge_name: str, folder: Path) -> Path:
     """FastChat's ``model_judgment/<judge>_single.jsonl`` (the fields its gen_judgment writes)."""
-    keep = ("question_id", "model", "judge", "user_prompt", "judgment", "score", "turn", "tstamp")
+    keep = ("question_id", "model", "judge", "user_prompt", "judgment", "score", "rating", "turn", "tstamp")
     path = folder / "model_judgment" / f"{fastchat_id(judge_name)}_single.jsonl"
     with atomic_file(path) as tmp:
         tmp.write_text("".join(json.dumps({k: g[k] for k in keep}) + "\n" for g in graded))
@@ -119,17 +123,19 @@ def write_model_judgments(graded: Sequence[dict], judge_name: str, folder: Path)
 def score_tables(graded: Sequence[dict]) -> dict[str, pd.DataFrame]:
     """FastChat's show_result means (unparsable -1 left out): per (config, turn), per config overall, per
     (config, category); and per config the judgments and how many were unparsable."""
-    df = pd.DataFrame.from_records(graded, columns=["config", "category", "turn", "score"])
+    df = pd.DataFrame.from_records(graded, columns=["config", "category", "turn", "score", "rating"])
     ok = df[df["score"] != -1]
     counts = df.groupby("config", sort=False).agg(judgments=("score", "size"),
-                                                   unparsable=("score", lambda s: int((s == -1).sum())))
+                                                   unparsable=("score", lambda s: int((s == -1).sum())),
+                                                   guided=("rating", lambda s: int((s == "guided").sum())))
     return {"by_turn": ok.groupby(["config", "turn"])["score"].mean().reset_index(),
             "overall": ok.groupby("config")["score"].mean().reset_index(),
             "by_category": ok.groupby(["config", "category"])["score"].mean().reset_index(),
             "counts": counts.reset_index()}
 
 
-def scores_json(tables: dict[str, pd.DataFrame], judge_name: str, skipped: int, configs: Sequence[str]) -> dict:
+def scores_json(tables: dict[str, pd.DataFrame], judge_name: str, skipped: int, configs: Sequence[str],
+                guided: bool = False) -> dict:
     def mean(frame: pd.DataFrame, cfg: str, key: str | None = None) -> dict | float | None:
         sub = frame[frame["config"] == cfg]
         if key is None:
@@ -143,24 +149,27 @@ def scores_json(tables: dict[str, pd.DataFrame], judge_name: str, skipped: int, 
                     "by_turn": mean(tables["by_turn"], cfg, "turn"),
                     "by_category": mean(tables["by_category"], cfg, "category"),
                     "judgments": int(counts.loc[cfg, "judgments"]) if cfg in counts.index else 0,
-                    "unparsable": int(counts.loc[cfg, "unparsable"]) if cfg in counts.index else 0}
+                    "unparsable": int(counts.loc[cfg, "unparsable"]) if cfg in counts.index else 0,
+                    "guided": int(counts.loc[cfg, "guided"]) if cfg in counts.index else 0}
     return {"schema": JUDGE_SCHEMA, "judge": judge_name, "mode": "single (FastChat)",
+            "rating": "[[rating]], else a guided follow-up (1-10)" if guided else "[[rating]] (FastChat)",
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "skipped_no_reference": skipped, "configs": out}
 
 
 def run_judge(out: Path, records: Sequence[dict], questions: Sequence[Question], backend,
-              progress: bool = True) -> Path:
-    """Grade every configuration's answers with ``backend``; write FastChat's files and judge_scores.json."""
+              progress: bool = True, guided: bool = False) -> Path:
+    """Grade every configuration's answers with ``backend``; write FastChat's files and judge_scores.json.
+    ``guided``: a judgment without a rating gets the constrained follow-up turn (see ``bench.judge``)."""
     folder = out / "judge"
     answers = answers_of(records)
     write_model_answers(answers, folder)
     judge = CachedJudge(backend, folder / "judge_cache.jsonl")
-    graded, skipped = grade_answers(judge, questions, answers, progress)
+    graded, skipped = grade_answers(judge, questions, answers, progress, guided)
     write_model_judgments(graded, backend.name, folder)
     configs = list(dict.fromkeys(cfg for cfg, _ in answers))
     return write_json_atomic(folder / "judge_scores.json", scores_json(score_tables(graded), backend.name, skipped,
-                                                                       configs))
+                                                                       configs, guided))
 
 
 # ---------------------------------------------------------------------------- the judge-free proxy

@@ -69,7 +69,9 @@ PROFILES = {
     # prediction errors cancel over the folds as a fixed configuration's do (with 5 folds on HumanEval the
     # picks differed per fold and the pick's tau came out 4.8 % high while fixed configurations were within 0.4 %)
     "quick": BenchProfile(40, 10, 1, 96, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96), 7, 64, 60, 16),
-    "full": BenchProfile(80, 5, 2, 256, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
+    # full: all of MT-Bench at FastChat's answer length (gen_model_answer's max_new_token, 1024), what its judge
+    # grades; hours on a 2-core CPU (the replay alone ~8 h at 120 tokens/s), minutes on a GPU
+    "full": BenchProfile(80, 5, 2, 1024, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
                          7, 128, 120, 80),
 }
 
@@ -89,6 +91,7 @@ class BenchOptions:
     device: str = "cpu"  # cpu | cuda | cuda:N
     compare_heads: tuple[str, ...] = ()  # head sets whose chains are replayed beside --heads' (each on its own base)
     judge: str | None = None  # FastChat single grading by this model (an OpenAI-compatible endpoint's, or local:M)
+    guided_rating: bool = False  # a judgment without [[rating]] asked again, its reply constrained to 1-10
     max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
 
     def model_args(self) -> tuple[str, ...]:
@@ -437,6 +440,8 @@ def run(opts: BenchOptions) -> None:
         if opts.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
         prof = replace(prof, max_new_tokens=opts.max_new_tokens)
+    if opts.guided_rating and not opts.judge:
+        raise ValueError("--guided-rating needs --judge (it changes how the judge's ratings are read)")
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = StageCache(out)
@@ -457,13 +462,14 @@ def run(opts: BenchOptions) -> None:
         print(f"  {p}")
 
 
-def judge_args(judge: str | None) -> tuple[str, ...]:
+def judge_args(judge: str | None, guided: bool = False) -> tuple[str, ...]:
     """The judge command's backend flags for ``--judge`` (None: no judge, the proxy only)."""
     if judge is None:
         return ("--backend", "none")
+    extra = ("--guided-rating",) if guided else ()
     if judge.startswith("local:"):
-        return ("--backend", "local", "--judge-local", judge.removeprefix("local:") or "default")
-    return ("--backend", "openai", "--judge-model", judge)
+        return ("--backend", "local", "--judge-local", judge.removeprefix("local:") or "default", *extra)
+    return ("--backend", "openai", "--judge-model", judge, *extra)
 
 
 def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: dict) -> Path:
@@ -475,11 +481,12 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: di
     quality, records = out / "quality.json", out / "replay" / "records.jsonl"
     endpoint = os.environ.get("OPENAI_BASE_URL") if opts.judge and not opts.judge.startswith("local:") else None
     key = {"records": file_hash(records), "replay": replayed, "judge": opts.judge, "endpoint": endpoint,
+           **({"guided_rating": True} if opts.guided_rating else {}),
            "model": opts.model, "dtype": opts.dtype, "device": opts.device, "runtime": RUNTIME_REVISION}
     products = [quality] + ([out / "judge" / "judge_scores.json"] if opts.judge else [])
     cache.run("quality", key, products,
               lambda: _cli("judge", "--records", str(records), "--questions", str(out / "questions.jsonl"),
-                           *opts.model_args(), *judge_args(opts.judge), "--out", str(out)))
+                           *opts.model_args(), *judge_args(opts.judge, opts.guided_rating), "--out", str(out)))
     return quality
 
 
@@ -573,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--judge", default=None,
                         help="grade every configuration's answers (FastChat single mode) with this model: a model "
                              "behind an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY) or local:MODEL")
+    parser.add_argument("--guided-rating", action="store_true",
+                        help="with --judge: a judgment without [[rating]] gets one more turn whose reply is constrained "
+                             "to 1-10 (an endpoint that takes vLLM's guided_choice, or a local judge); for small judges")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
     args = parser.parse_args(argv)
@@ -580,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
                             compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
-                            max_new_tokens=args.max_new_tokens)
+                            guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),

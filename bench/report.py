@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -100,11 +101,24 @@ def plot_speedup_vs_quality(table: pd.DataFrame, quality: pd.Series, baseline: s
     return _save(fig, out_dir, "speedup_vs_quality")
 
 
+def _machine_folder(out: Path, machine: str, records: list[dict]) -> Path:
+    """``out/machines/<machine>/`` holding that machine's records as a run folder of its own."""
+    from treesearch.fsutil import atomic_file
+
+    folder = out / "machines" / re.sub(r"[^A-Za-z0-9._-]", "_", machine)
+    with atomic_file(folder / "replay" / "records.jsonl") as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("machine") == machine))
+    return folder
+
+
 def report(out: Path) -> list[Path]:
     from bench.scorecard import write_report
 
     plots = out / "plots"
     records = load_records(out / "replay" / "records.jsonl")
+    machines = sorted({r["machine"] for r in records if r.get("machine")})
+    if len(machines) > 1:  # a replay shared among machines: one report per machine, never a ratio across two
+        return [p for m in machines for p in report(_machine_folder(out, m, records))]
     df = records_frame(records)
     table = summary(df, ["generate", "plain"])
     eq = greedy_equality(df, "generate")

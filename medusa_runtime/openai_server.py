@@ -9,7 +9,8 @@ the ``openai`` package reads):
 * ``POST /v1/chat/completions``: ``model``, ``messages`` (system/user/assistant, through the model's chat
   template), ``max_tokens`` or ``max_completion_tokens``, ``temperature`` (0: greedy, lossless Medusa
   acceptance; above 0: exact tree sampling, distributed as plain sampling), ``seed``; ``n`` must be 1 and
-  ``stream`` false. Reply: ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the
+  ``stream`` false. ``guided_choice`` (vLLM's extension: a list of strings) makes the reply one of them, by
+  greedy decoding constrained to their tokens (``medusa_runtime.guided``). Reply: ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the
   cap) and ``usage``; plus a ``medusa`` object with the steps and tau of the request.
 * ``GET /v1/models``: the one model served. Anything else: a JSON error with the HTTP status.
 
@@ -28,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .acceptance import AcceptConfig
 from .decode import DecodeConfig, MedusaDecoder
+from .guided import guided_choice
 from .lookup import LookupConfig
 from .model import LoadedModel, chat_template_ids
 
@@ -60,6 +62,15 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    max_tokens: int
+    temperature: float
+    seed: int | None = None
+    choices: tuple[str, ...] | None = None  # guided_choice: the reply is one of these
+
+
+@dataclass(frozen=True)
 class Completion:
     text: str
     prompt_tokens: int
@@ -89,16 +100,19 @@ class ChatService:
                                                                      lookup=LookupConfig(self.cfg.lookup)))
         return self._decoders[temperature]
 
-    def complete(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None) -> Completion:
+    def complete(self, req: ChatRequest) -> Completion:
         tok = self.loaded.tokenizer
-        ids = chat_template_ids(self.loaded, messages)
+        ids = chat_template_ids(self.loaded, req.messages)
         room = self.loaded.max_length - len(ids)
         if room < 1:
             raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.loaded.max_length}",
                                kind="context_length_exceeded")
-        n = min(max_tokens, room)
+        if req.choices is not None:
+            return self._choose(ids, req.choices)
+        n = min(req.max_tokens, room)
+        seed = req.seed
         with self._lock:
-            dec = self._decoder(temperature)
+            dec = self._decoder(req.temperature)
             dec.config = replace(dec.config, max_new_tokens=n)  # the buffers do not depend on the length
             if seed is not None:  # the same seed, the same sample (whatever was asked before)
                 dec.generator.manual_seed(seed)
@@ -108,6 +122,13 @@ class ChatService:
         finish = "stop" if new and new[-1] in eos or len(new) < n else "length"
         return Completion(tok.decode(new, skip_special_tokens=True), len(ids), len(new), finish, result.stats.steps,
                           result.stats.tau)
+
+    def _choose(self, ids: list[int], choices: tuple[str, ...]) -> Completion:
+        """A guided_choice request: greedy over the choices' token paths (plain forwards, no heads)."""
+        with self._lock:
+            text = guided_choice(self.loaded, ids, choices)
+        n = len(self.loaded.tokenizer.encode(text, add_special_tokens=False))
+        return Completion(text, len(ids), n, "stop", n, 1.0)
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], default=None):
@@ -119,8 +140,8 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default=None):
     return value
 
 
-def parse_request(body: object, cfg: ServeConfig) -> tuple[list[dict], int, float, int | None]:
-    """(messages, max_tokens, temperature, seed) of a chat-completions body, or a RequestError."""
+def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
+    """The request a chat-completions body makes, or a RequestError."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     model = _field(body, "model", str)
@@ -147,8 +168,11 @@ def parse_request(body: object, cfg: ServeConfig) -> tuple[list[dict], int, floa
     if not 0 <= temperature <= 2:
         raise RequestError("temperature must be within [0, 2]")
     seed = _field(body, "seed", int)
-    return [{"role": m["role"], "content": m["content"]} for m in messages], min(max_tokens, cfg.max_tokens), \
-        temperature, seed
+    choices = _field(body, "guided_choice", list)
+    if choices is not None and (not choices or not all(isinstance(c, str) and c for c in choices)):
+        raise RequestError("'guided_choice' must be a non-empty list of non-empty strings")
+    return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages],
+                       min(max_tokens, cfg.max_tokens), temperature, seed, tuple(choices) if choices else None)
 
 
 def completion_body(c: Completion, model: str) -> dict:
@@ -195,8 +219,7 @@ def make_server(service: ChatService) -> ThreadingHTTPServer:
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
-                messages, max_tokens, temperature, seed = parse_request(body, cfg)
-                completion = service.complete(messages, max_tokens, temperature, seed)
+                completion = service.complete(parse_request(body, cfg))
             except json.JSONDecodeError:
                 self._error(HTTPStatus.BAD_REQUEST, "the body is not JSON")
             except RequestError as exc:

@@ -20,7 +20,7 @@ from bench.cli import main as cli_main
 from bench.judge import aggregate, parse_rating
 from bench.judging import fastchat_id, score_tables
 from bench.mtbench import load_questions
-from bench.report import report
+from bench.report import quality_of, report
 from bench.runner import MethodConfig, ReplayConfig, replay
 from medusa_runtime.heads import fresh_heads
 from medusa_runtime.model import cache_root, download_wheel
@@ -68,6 +68,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail(server):
     from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.guided import guided_choice
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
 
@@ -90,7 +91,13 @@ def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail
     first = _post(url, sampled)[1]["choices"][0]["message"]["content"]
     _post(url, {**sampled, "seed": 6})
     assert _post(url, sampled)[1]["choices"][0]["message"]["content"] == first
+    # guided_choice (vLLM's extension): the reply is the runtime's constrained greedy choice, computed here too
+    ratings = [str(i) for i in range(1, 11)]
+    status, body = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0, "guided_choice": ratings})
+    assert status == 200 and body["choices"][0]["message"]["content"] == guided_choice(loaded, ids, ratings)
     for bad, code in (({"model": "other", "messages": messages}, 404), ({"model": JUDGE, "messages": []}, 400),
+                      ({"model": JUDGE, "messages": messages, "guided_choice": []}, 400),
+                      ({"model": JUDGE, "messages": messages, "guided_choice": ["1", 2]}, 400),
                       ({"model": JUDGE, "messages": messages, "n": 2}, 400),
                       ({"model": JUDGE, "messages": [{"role": "robot", "content": "x"}]}, 400)):
         status, err = _post(url, bad)
@@ -127,7 +134,7 @@ def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_re
     monkeypatch.setenv("OPENAI_API_KEY", "")
     before = _posts(log)
     argv = ["judge", "--records", str(out / "replay" / "records.jsonl"), "--questions", str(qfile), "--backend",
-            "openai", "--judge-model", JUDGE, "--out", str(out), "--dtype", "float32", "--json"]
+            "openai", "--judge-model", JUDGE, "--out", str(out), "--dtype", "float32", "--json", "--guided-rating"]
     assert cli_main(argv) == 0
     scores = json.loads((out / "judge" / "judge_scores.json").read_text())
     assert scores["schema"] == "medusa-judge/1" and scores["judge"] == JUDGE and scores["skipped_no_reference"] == 0
@@ -135,16 +142,27 @@ def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_re
                  .read_text().splitlines()]
     assert len(judgments) == 3 * 3 * 2  # every configuration, question and turn graded once
     for j in judgments:
-        assert j["score"] == parse_rating(j["judgment"]) and j["judge"][0] == JUDGE
-        assert ("Start of Reference Answer" in j["user_prompt"]) == (j["question_id"] != 81)
-    # the two lossless configurations answered alike, so their judgments were asked once (the cache)
+        assert j["judge"][0] == JUDGE and ("Start of Reference Answer" in j["user_prompt"]) == (j["question_id"] != 81)
+        if parse_rating(j["judgment"]) != -1:  # FastChat's rule where the judgment has a rating
+            assert j["rating"] == "parsed" and j["score"] == parse_rating(j["judgment"])
+        else:  # else the follow-up turn's rating, constrained to 1-10 by the server
+            assert j["rating"] == "guided" and j["score"] in range(1, 11)
+    assert any(j["rating"] == "guided" for j in judgments)  # this small judge does not write [[x]] by itself
+    # the two lossless configurations answered alike, so their judgments were asked once (the cache); each
+    # judgment without a rating cost one follow-up request
     cache = (out / "judge" / "judge_cache.jsonl").read_text().splitlines()
-    assert len(cache) == len({j["user_prompt"] for j in judgments}) == _posts(log) - before < len(judgments)
+    asked = {j["user_prompt"] for j in judgments} | {(j["user_prompt"], "again") for j in judgments
+                                                     if j["rating"] == "guided"}
+    assert len(cache) == len(asked) == _posts(log) - before < 2 * len(judgments)
     for cfg, s in scores["configs"].items():
         mine = [j for j in judgments if j["model"] == fastchat_id(cfg)]
-        assert s["judgments"] == len(mine) == 6 and s["unparsable"] == sum(j["score"] == -1 for j in mine)
-        ok = [j["score"] for j in mine if j["score"] != -1]
-        assert s["score"] == (pytest.approx(sum(ok) / len(ok)) if ok else None)
+        assert s["judgments"] == len(mine) == 6 and s["unparsable"] == 0
+        assert s["guided"] == sum(j["rating"] == "guided" for j in mine)
+        assert s["score"] == pytest.approx(sum(j["score"] for j in mine) / 6)
+        category = {q.question_id: q.category for q in picked}
+        for cat in set(category.values()):  # per category: the mean of its judgments
+            theirs = [j["score"] for j in mine if category[j["question_id"]] == cat]
+            assert s["by_category"][cat] == pytest.approx(sum(theirs) / len(theirs))
     answers = {p.stem: [json.loads(line) for line in p.read_text().splitlines()]
                for p in (out / "judge" / "model_answer").glob("*.jsonl")}
     assert set(answers) == {fastchat_id(c.name) for c in configs}
@@ -153,8 +171,7 @@ def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_re
     shown = _fastchat_show_result(tmp_path, out / "judge" / "model_judgment" / f"{JUDGE}_single.jsonl")
     assert "First turn" in shown and "Second turn" in shown and "Average" in shown
     for cfg, s in scores["configs"].items():
-        if s["score"] is not None:
-            assert fastchat_id(cfg) in shown
+        assert fastchat_id(cfg) in shown and f"{s['score']:.6f}"[:4] in shown
     # quality.json: the log-likelihood proxy for every configuration
     quality = json.loads((out / "quality.json").read_text())
     assert set(quality["configs"]) == {c.name for c in configs}
@@ -164,6 +181,12 @@ def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_re
     report(out)
     page = (out / "report.html").read_text()
     assert f"Judge <b>{JUDGE}</b>" in page and "Per category" in page and "unparsable" in page
+    guided = sum(s["guided"] for s in scores["configs"].values())
+    assert f"{guided} of {len(judgments)} ratings came from a follow-up turn" in page
+    card = pd.DataFrame({"config": [c.name for c in configs], "temperature": [c.temperature for c in configs]})
+    named = quality_of(card, quality, scores)  # report.json's quality object per configuration, as tools read it
+    for cfg, s in scores["configs"].items():
+        assert named[cfg]["judge_score"] == s["score"] and named[cfg]["judge_by_category"] == s["by_category"]
     check = check_page(out / "report.html")
     assert check.ok, (check.errors, check.broken)
 

@@ -15,17 +15,22 @@ jointly, ``treesearch.replay``) and priced step by step at its real context. Pla
 lookup and small trees are enqueued beside the optimum, so "use no heads" is an answer the search can
 give, and does, where the heads do not pay on the workload and machine at hand.
 
-Storage is any Optuna storage URL (SQLite in ``results/`` by default; PostgreSQL or MySQL for many
-machines); ``load_if_exists`` makes studies resumable and shareable between workers, and the study
-stops once it holds ``trials`` complete trials, whoever ran them.
+Storage is any Optuna storage URL (SQLite in ``results/`` by default; PostgreSQL, ``postgresql://...`` with
+the ``postgres`` extra, or MySQL for many machines). Studies are resumable and shared between workers: the
+worker whose ``create_study`` wins seeds the study, the others load it (``open_study``); running trials beat
+a heartbeat, and a dead worker's trial is failed and re-enqueued by the next; the study stops once it holds
+``trials`` complete trials, whoever ran them.
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import socket
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +65,8 @@ class SearchConfig:
     max_regret: float = 0.05  # typical: quality floor, nats per token, for the tree chosen from the Pareto front
     configurations: bool = True  # greedy with rollout tokens and latency: also search no heads, lookup and gate
     max_lookup: int = MAX_LOOKUP  # longest prompt-lookup chain a configuration may draft
+    heartbeat: int = 5  # seconds between a running trial's heartbeats
+    grace: int = 20  # seconds without one after which another worker fails the trial and re-enqueues it
 
     def __post_init__(self) -> None:
         if self.accept not in ("greedy", "typical"):
@@ -74,6 +81,8 @@ class SearchConfig:
             raise StatsError(f"unknown objective {self.objective!r}; use tau or speedup")
         if not 0 <= self.max_lookup <= 32:
             raise StatsError(f"max_lookup must be within 0..32, got {self.max_lookup}")
+        if self.heartbeat < 1 or self.grace <= self.heartbeat:
+            raise StatsError(f"heartbeat must be >= 1 s and the grace period longer, got {self.heartbeat} / {self.grace}")
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,7 @@ class TreeObjective:
         return tree, lookup, gate
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        trial.set_user_attr("worker", worker_id())
         if self.configurations:
             tree, lookup, gate = self.suggest_configuration(trial)
             score = self.score(tree, lookup=lookup, gate=gate)
@@ -262,19 +272,40 @@ class TreeObjective:
         return self.values(score)
 
 
-def make_storage(url: str) -> optuna.storages.BaseStorage:
-    """An RDB storage with heartbeats (so a killed worker's trial is failed, not left running) and,
-    for SQLite, a generous lock timeout so that several local workers can share one file."""
+def make_storage(url: str, heartbeat: int = 5, grace: int = 20, tries: int = 6) -> optuna.storages.BaseStorage:
+    """An RDB storage with heartbeats: a worker that dies mid-trial stops beating, and the next worker to start
+    a trial fails it (after ``grace`` seconds) and re-enqueues its parameters (RetryHeartbeatStaleTrialCallback),
+    so no trial is lost. SQLite gets a generous lock timeout, so that several local workers can share one file.
+    Workers that start together on an empty server database race to create Optuna's tables; the losers see
+    them on a retry."""
+    import sqlalchemy.exc
+
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=5, grace_period=20)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
+    for attempt in range(tries):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat,
+                                                  grace_period=grace, heartbeat_stale_trial_callback=retry)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def worker_id() -> str:
+    """Who runs a trial (host and process), as a trial's ``worker`` attribute: dashboards and tests read it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @contextmanager
 def _setup_lock(url: str) -> Iterator[None]:
-    """Serialise schema creation and study seeding between workers that share one SQLite file
-    (a server database needs no help: create the study once, then start the workers)."""
+    """Serialise schema creation between workers that share one SQLite file (SQLite has no concurrent DDL;
+    a server database needs no lock: its workers race on create_study, which one of them wins)."""
     if not url.startswith("sqlite:///") or url.endswith(":memory:"):
         yield
         return
@@ -286,6 +317,37 @@ def _setup_lock(url: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def open_study(storage: optuna.storages.BaseStorage, name: str, directions: list[str], sampler,
+               guards: dict[str, Any], seed: Callable[[optuna.Study], None], wait: float = 120.0) -> optuna.Study:
+    """The study ``name``, created and seeded exactly once however many workers open it at the same moment.
+
+    Creating a study is atomic in Optuna's storage (the name is unique), so the one worker whose
+    ``create_study`` succeeds writes the guard attributes (what the study's trials were computed from),
+    enqueues the seed trials and then marks the study ``seeded``; the others, refused with
+    DuplicatedStudyError, load it, wait for that mark and check the guards. A study from before the mark
+    (it has trials) counts as seeded."""
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler)
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    else:
+        for k, v in guards.items():
+            study.set_user_attr(k, v)
+        seed(study)
+        study.set_user_attr("seeded", len(study.trials))
+        return study
+    deadline = time.monotonic() + wait
+    while "seeded" not in study.user_attrs and not study.get_trials(deepcopy=False, states=_FINISHED):
+        if time.monotonic() > deadline:
+            raise StatsError(f"study {name!r} was created but never seeded (its first worker died while seeding?); "
+                             "delete it or use another --study-name")
+        time.sleep(0.2)
+    return study
+
+
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
 
 
 def _warm_start_params(k: int, topk: int, budget: int, accept: str) -> dict[str, float]:
@@ -311,51 +373,65 @@ def run_search(stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfil
                show_progress: bool = True) -> SearchResult:
     objective = TreeObjective(stats, cfg, latency)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=cfg.seed)
     with _setup_lock(cfg.storage):
-        storage = make_storage(cfg.storage)
-        study = optuna.create_study(study_name=cfg.study_name, storage=storage, directions=objective.directions,
-                                    sampler=optuna.samplers.TPESampler(seed=cfg.seed), load_if_exists=True)
-        _check_study_matches(study, cfg, objective, stats)
-        if not study.trials:  # first worker seeds the study: exact optimum, then the official baseline
-            warm = _warm_start_params(stats.num_heads, stats.topk, cfg.budget, cfg.accept)
-            if objective.configurations:
-                for params in _configuration_seeds(warm, cfg):
-                    study.enqueue_trial(params)
-            else:
-                study.enqueue_trial(warm)
-            if cfg.baseline:
-                typical = {k: v for k, v in warm.items() if k.startswith("posterior_")}
-                study.enqueue_trial({**typical, **({"lookup": 0} if objective.configurations else {})},
-                                    user_attrs={"baseline_tree": cfg.baseline})
-    done = _complete(study)
-    remaining = max(0, cfg.trials - done)
+        storage = make_storage(cfg.storage, cfg.heartbeat, cfg.grace)
+        study = open_study(storage, cfg.study_name, objective.directions, sampler, _guards(cfg, objective, stats),
+                           lambda st: _seed(st, cfg, objective, stats))
+    _check_study_matches(study, cfg, objective, stats)
+    logging.getLogger("optuna").setLevel(logging.WARNING)
+    stop = optuna.study.MaxTrialsCallback(cfg.trials, states=(optuna.trial.TrialState.COMPLETE,))
+    remaining = max(0, cfg.trials - _complete(study))
     if remaining:
-        logging.getLogger("optuna").setLevel(logging.WARNING)
-        stop = optuna.study.MaxTrialsCallback(cfg.trials, states=(optuna.trial.TrialState.COMPLETE,))
         study.optimize(objective, n_trials=remaining, callbacks=[stop], show_progress_bar=show_progress,
                        gc_after_trial=False)
+    # trials still waiting once the target is reached (a seed, or the retry of a dead worker's trial): run them,
+    # so that nothing enqueued is lost
+    while _waiting(study):
+        study.optimize(objective, n_trials=1, gc_after_trial=False)
     return _result(study, objective, cfg)
+
+
+def _seed(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective, stats: AcceptanceStats) -> None:
+    """The first worker's seed trials (each marked ``seed``: its index): the exact optimum (and, searching
+    configurations, plain decoding, lookup chains and small trees), then the official baseline."""
+    with warnings.catch_warnings():  # optuna-dashboard shows these names
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["speedup" if objective.objective == "speedup" else "tau"]
+                               + (["minus_regret"] if cfg.accept == "typical" else []))
+    warm = _warm_start_params(stats.num_heads, stats.topk, cfg.budget, cfg.accept)
+    seeds = [(p, {}) for p in (_configuration_seeds(warm, cfg) if objective.configurations else [warm])]
+    if cfg.baseline:
+        typical = {k: v for k, v in warm.items() if k.startswith("posterior_")}
+        seeds.append(({**typical, **({"lookup": 0} if objective.configurations else {})},
+                      {"baseline_tree": cfg.baseline}))
+    for i, (params, attrs) in enumerate(seeds):
+        study.enqueue_trial(params, user_attrs={**attrs, "seed": i})
+
+
+def _waiting(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
 
 def _complete(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
 
 
+def _guards(cfg: SearchConfig, objective: TreeObjective, stats: AcceptanceStats) -> dict[str, Any]:
+    """What a study's trials were computed from; workers with other inputs are refused."""
+    return {"objective": objective.objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
+            "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees"}
+
+
 def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective,
                          stats: AcceptanceStats) -> None:
     """Refuse to mix runs of different objectives, statistics or search spaces in one study."""
-    want = {"objective": objective.objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
-            "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees"}
     have = study.user_attrs
-    if not have:
-        for k, v in want.items():
-            study.set_user_attr(k, v)
-        return
-    for k, v in want.items():
+    for k, v in _guards(cfg, objective, stats).items():
         # studies from before 'accept' were greedy, and searched trees only
         if have.get(k, {"accept": "greedy", "space": "trees"}.get(k)) != v:
             raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
-                             "use another --study name")
+                             "use another --study-name")
 
 
 def _trial_typical(trial: optuna.trial.FrozenTrial) -> TypicalParams | None:
