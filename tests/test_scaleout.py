@@ -125,9 +125,11 @@ def test_four_search_workers_on_postgres_one_killed_mid_trial_one_late(pg, tmp_p
     assert target <= len(complete) <= target + 4
     assert not [t for t in trials if t.state in (STATE.RUNNING, STATE.WAITING)]
     # the killed worker's trial was failed by the heartbeat check and run again, with its parameters, to the end
+    # (a trial killed while it was still suggesting has some of them: the retry keeps those, suggests the rest)
     assert by_number[killed].state == STATE.FAIL
     retries = [t for t in trials if t.system_attrs.get("failed_trial") == killed]
-    assert len(retries) == 1 and retries[0].state == STATE.COMPLETE and retries[0].params == by_number[killed].params
+    assert len(retries) == 1 and retries[0].state == STATE.COMPLETE
+    assert by_number[killed].params.items() <= retries[0].params.items()
     assert [t.number for t in trials if t.state == STATE.FAIL] == [killed]  # nothing else failed
     # the seed trials were enqueued once (the first worker's create_study won; the others waited for its mark)
     study = optuna.load_study(study_name=name, storage=pg)
