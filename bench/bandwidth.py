@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa_runtime.model import LoadedModel
+from medusa_runtime.model import LoadedModel, device_sync
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,10 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7, device: str = "cpu
     dst.copy_(src)
     times = []
     for _ in range(repeats):
-        if src.is_cuda:
-            torch.cuda.synchronize()
+        device_sync(src.device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        if src.is_cuda:
-            torch.cuda.synchronize()
+        device_sync(src.device)
         times.append(time.perf_counter() - t0)
     return 2 * nbytes / statistics.median(times) / 1e9
 

@@ -16,8 +16,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from medusa_runtime.train_profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
+from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 
@@ -227,18 +229,6 @@ def cmd_export_heads(args: argparse.Namespace) -> int:
             f"  text-generation-launcher --model-id {out.resolve()} --speculate {k}")
     _result(args, {"out": str(out), "layout": serving.tgi_layout(heads), "config": cfg, "notes": notes}, text)
     return 0
-
-
-TRAIN_PROFILES = {
-    # prompts, reply tokens, epochs: 'quick' fits in 15 minutes on a 2-core CPU, data generation included;
-    # its 180 steps take a higher peak learning rate than Medusa's 1e-3 (measured on the built-in validation
-    # prompts: head 0 top-1 0.276 at 1e-3, 0.294 at 2e-3, 0.300 at 3e-3)
-    "quick": {"prompts": 360, "max_new_tokens": 128, "epochs": 6.0, "follow_ups": False, "vocab": "replies",
-              "lr": 3e-3, "condition": "path"},
-    # 'release' makes the shipped heads; 3e-3 measured better than 1e-3 on MT-Bench (head 0 top-1 0.274 vs 0.262)
-    "release": {"prompts": 0, "max_new_tokens": 256, "epochs": 4.0, "follow_ups": True, "vocab": "replies",
-                "lr": 3e-3, "condition": "path"},
-}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -949,8 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="top-k filter of the target distribution (0: off)")
-    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta")
+    p.add_argument("--posterior-threshold", type=float, default=POSTERIOR_THRESHOLD, help="typical: epsilon")
+    p.add_argument("--posterior-alpha", type=float, default=POSTERIOR_ALPHA, help="typical: delta")
     p.add_argument("--candidates", type=int, default=10, help="candidates read from each head's top-k (the tree's "
                                                                "ranks must stay below it); --top-k filters sampling")
     p.add_argument("--seed", type=int, default=None)
@@ -1067,8 +1057,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
                    help="typical: sample at the calibration's typical temperature and replay typical acceptance")
-    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical: epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical: delta")
+    p.add_argument("--posterior-threshold", type=float, default=POSTERIOR_THRESHOLD, help="typical: epsilon")
+    p.add_argument("--posterior-alpha", type=float, default=POSTERIOR_ALPHA, help="typical: delta")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (typical)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_validate)

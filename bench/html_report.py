@@ -119,7 +119,9 @@ def _verdict(report: dict) -> str:
     if "searched" in v:
         items.append(f"The search's pick runs at <b>{v['searched_vs_fastest']:.3f}x</b> the fastest"
                      + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
-    if v.get("predictions"):
+    if not v.get("predictions"):
+        items.append("No predictions in this run (nothing calibrated or searched, as in a run without heads): measured figures only.")
+    else:
         items.append(f"Predicted tau within {100 * v['tau_tolerance']:.0f} % for all {v['predictions']} checked "
                      f"configurations: <b>{'yes' if v['tau_within_tolerance'] else 'no'}</b> (worst "
                      f"{100 * (v['worst_tau_error'] or 0):.1f} %); predicted speed-up within "

@@ -156,16 +156,13 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"--heads {opts.heads}: not a heads folder (no config.json)")
         return folder
-    if opts.heads == "none":
-        raise ValueError("--heads none: the bench's calibration and search need heads; replay plain decoding and "
-                         "prompt lookup with medusa-bench speed --heads none --lookup 4")
     heads_dir = shipped_heads_dir() if opts.model == "default" else None
     if opts.retrain or heads_dir is None:
         if opts.model != "default" and not opts.retrain:
             raise ValueError(f"the shipped heads belong to the default model, not {opts.model}: pass --heads FOLDER "
                              "(heads trained for it) or --retrain")
         heads_dir = out / "heads-trained" / "heads"
-        from bench.cli import TRAIN_PROFILES
+        from medusa_runtime.train_profiles import TRAIN_PROFILES
 
         train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION,
                      "model": opts.model, "dtype": opts.dtype, "device": opts.device}
@@ -174,7 +171,7 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     return heads_dir
 
 
-def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path) -> dict:
+def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path, fits: bool = True) -> dict:
     """questions.jsonl (the set, MT-Bench schema), calibration.jsonl (the replayed questions) and workload.json:
     replayed questions, folds, calibration. Each fold is fitted on the other folds' questions only: the mean of
     the folds' predictions then speaks for the replayed set as a whole, while no prediction reads the rollout of
@@ -194,7 +191,7 @@ def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path) -> dict:
         prompts = load_prompt_source(opts.calibration)
         prompts = builtin_split(prompts, "calibration") if opts.calibration in BUILTIN_NAMES else prompts
         check_disjoint([p.turns[0] for p in prompts], replayed, opts.allow_overlap)
-    elif len(replayed) - max(len(f) for f in folds) < 16:
+    elif fits and len(replayed) - max(len(f) for f in folds) < 16:
         raise ValueError(f"{len(replayed)} replayed questions in {len(folds)} folds leave fewer than 16 to fit a fold "
                          "on; replay more questions or use more folds")
     workload = {"schema": WORKLOAD_SCHEMA, "questions": opts.questions, "questions_sha256": file_hash(qfile),
@@ -432,6 +429,36 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     return key
 
 
+LOOKUPS_WITHOUT_HEADS = (2, 4, 6, 8)  # --heads none: the runtime's prompt-lookup chains replayed
+
+
+def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache,
+                               workload: dict) -> dict:
+    """``--heads none``: what a base model without heads can run, measured: the runtime's plain decoding
+    alone and with prompt-lookup chains of 2-8 tokens, transformers' generate and prompt lookup on the
+    peers' questions, plain sampling there too; nothing to calibrate or search, so nothing predicted."""
+    peers = {"question_ids": workload["peers"]}
+    configs = [{"name": "generate", "method": "generate", **peers},
+               {"name": "plain", "method": "plain"},
+               {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **peers},
+               *({"name": f"plain +lookup{n}", "method": "plain", "lookup_tokens": n} for n in LOOKUPS_WITHOUT_HEADS),
+               *sampled_configurations(None, workload["peers"])]
+    config = {"model": opts.model, "heads": "none", "dtype": opts.dtype, "device": opts.device,
+              "max_new_tokens": prof.max_new_tokens, "turns": prof.turns, "repeats": 1, "configurations": configs}
+    cfg_file = out / "replay_config.json"
+    write_json_atomic(cfg_file, config)
+    from bench.runner import REPLAY_ORDER
+
+    key = {"config": config, "questions": workload["questions_sha256"], "replayed": workload["replayed"],
+           "runtime": RUNTIME_REVISION, "order": REPLAY_ORDER}
+    ids = [str(i) for i in workload["replayed"]]
+    cache.run("replay", key, [out / "replay" / "summary.csv"],
+              lambda: _cli("replay", "--config", str(cfg_file), "--heads", "none", *opts.model_args(),
+                           "--questions", str(out / "questions.jsonl"), "--ids", *ids,
+                           "--max-new-tokens", str(prof.max_new_tokens), "--out", str(out / "replay")))
+    return key
+
+
 def run(opts: BenchOptions) -> None:
     prof = PROFILES[opts.profile]
     if opts.folds is not None:
@@ -447,12 +474,20 @@ def run(opts: BenchOptions) -> None:
     cache = StageCache(out)
     (out / "latency-after.json").unlink(missing_ok=True)  # what earlier versions priced with: not this run's
     t_start = time.perf_counter()
-    heads = stage_heads(opts, out, cache)
-    workload = stage_workload(opts, prof, out)
-    acc = stage_calibrate(opts, prof, out, cache, heads, workload)
-    lat = stage_profile(opts, prof, out, cache, heads, acc)
-    searches = stage_search(prof, out, cache, acc, lat, workload)
-    replayed = stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
+    if opts.heads == "none":  # a base model without heads: plain decoding and prompt lookup, measured
+        if opts.retrain or opts.compare_heads:
+            raise ValueError("--heads none runs without heads: it takes neither --retrain nor --compare-heads")
+        for stale in ("acceptance.json", "latency.json"):  # a run with heads in this folder: not this one's
+            (out / stale).unlink(missing_ok=True)
+        workload = stage_workload(opts, prof, out, fits=False)
+        replayed = stage_replay_without_heads(opts, prof, out, cache, workload)
+    else:
+        heads = stage_heads(opts, out, cache)
+        workload = stage_workload(opts, prof, out)
+        acc = stage_calibrate(opts, prof, out, cache, heads, workload)
+        lat = stage_profile(opts, prof, out, cache, heads, acc)
+        searches = stage_search(prof, out, cache, acc, lat, workload)
+        replayed = stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
     stage_quality(opts, out, cache, replayed)
     from bench.report import report
 
@@ -568,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default",
                         help="'default' (the embedded SmolLM2-135M-Instruct), a transformers causal LM folder or a hub id")
     parser.add_argument("--heads", default="default",
-                        help="'default' (the shipped heads, default model only) or a heads folder in either format; "
+                        help="'default' (the shipped heads, default model only), a heads folder in either format, "
+                             "or 'none' (plain decoding and prompt lookup only, measured, nothing predicted); "
                              "--retrain trains heads for --model instead")
     parser.add_argument("--compare-heads", nargs="+", default=["auto"], metavar="HEADS",
                         help="head sets whose chains are replayed beside the main heads' (folders, medusa1, "

@@ -67,7 +67,11 @@ def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path,
 
 
 def plot_tau_by_category(table: pd.DataFrame, out_dir: Path) -> list[Path]:
-    medusa = [c for c in table["config"].unique() if c.startswith("medusa")]
+    names = table["config"].unique()
+    # the heads' configurations; in a run without heads, the lookup chains (what else verifies several tokens)
+    medusa = [c for c in names if c.startswith("medusa")] or [c for c in names if "+lookup" in c]
+    if not medusa:
+        return []
     cats = [c for c in CATEGORIES if c in set(table["category"])] + ["overall"]
     fig, ax = plt.subplots(figsize=(10, 3.5))
     width = 0.8 / max(1, len(medusa))
@@ -149,7 +153,9 @@ def report(out: Path) -> list[Path]:
     if scored is not None:
         card, verdict, questions = scored
         written += plot_predicted_vs_measured(card, plots)
-        section = scorecard_section(card, verdict) + f"\nPredicted speeds are priced with {questions['predictions_priced_with']}.\n"
+        section = scorecard_section(card, verdict) + (f"\nPredicted speeds are priced with "
+                                                      f"{questions['predictions_priced_with']}.\n"
+                                                      if verdict["predictions"] else "")
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions,
                                                     "quality": quality_of(card, quality, judged),
@@ -277,20 +283,24 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
     from treesearch.stats import load_stats
 
     files = [out / n for n in ("workload.json", "acceptance.json", "latency.json", "replay_config.json")]
-    if not all(f.is_file() for f in files):
+    if not (files[0].is_file() and files[3].is_file()):
         return None
-    workload, stats, latency = json.loads(files[0].read_text()), load_stats(files[1]), load_profile(files[2])
-    priced = "the latency profile measured before the replay"
-    during = out / "replay" / "latency-during.json"
-    if during.is_file():  # the same grid profiled in rounds between the replayed questions (bench.replay_profile)
-        latency = load_profile(during)
-        priced = f"the latency profile taken {latency.meta.get('taken', 'during the replay')}"
-    elif (out / "latency-after.json").is_file():  # older runs: before and after the replay, averaged
-        latency = mean_profile([latency, load_profile(out / "latency-after.json")])
-        priced = "the mean of the latency profiles measured before and after the replay"
+    workload = json.loads(files[0].read_text())
     configs = [MethodConfig(**c) for c in json.loads(files[3].read_text())["configurations"]]
     folds = [tuple(f) for f in workload["folds"]]
-    predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
+    if not (files[1].is_file() and files[2].is_file()):  # --heads none: nothing calibrated, nothing predicted
+        predictions, priced = {}, "nothing (a run without heads: no calibration, no search)"
+    else:
+        stats, latency = load_stats(files[1]), load_profile(files[2])
+        priced = "the latency profile measured before the replay"
+        during = out / "replay" / "latency-during.json"
+        if during.is_file():  # the same grid profiled in rounds between the replayed questions (bench.replay_profile)
+            latency = load_profile(during)
+            priced = f"the latency profile taken {latency.meta.get('taken', 'during the replay')}"
+        elif (out / "latency-after.json").is_file():  # older runs: before and after the replay, averaged
+            latency = mean_profile([latency, load_profile(out / "latency-after.json")])
+            priced = "the mean of the latency profiles measured before and after the replay"
+        predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
     card = scorecard(df, configs, predictions)
     questions = {k: workload[k] for k in ("questions", "total", "replayed", "folds", "calibration", "max_new_tokens",
                                           "turns", "peers")}
@@ -317,6 +327,10 @@ def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
     if "searched" in summary:
         lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
                      + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
+    if not summary["predictions"]:
+        lines.append("No predictions in this run (nothing calibrated or searched, as in a run without heads); measured figures only.")
+        return "\n## Configurations: measured (this replay)\n\n" + to_markdown(shown.round(3)) + "\n\n" + \
+            "\n".join(lines) + "\n"
     lines.append(f"Predictions checked ({summary['predictions']} configurations measured on every replayed question, "
                  "cross-fitted; those run on a subset are shown, not checked): tau within "
                  f"{100 * summary['tau_tolerance']:.0f} % for all: {'yes' if summary['tau_within_tolerance'] else 'no'} "

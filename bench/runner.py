@@ -26,7 +26,8 @@ from medusa_runtime.decode import DecodeConfig, MedusaDecoder, run_to_end
 from medusa_runtime.heads import MedusaHeads
 from medusa_runtime.lockstep import lockstep
 from medusa_runtime.lookup import LookupConfig
-from medusa_runtime.model import LoadedModel, chat_template_ids, software_versions
+from medusa_runtime.model import LoadedModel, chat_template_ids, device_sync, software_versions
+from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 from .mtbench import Question
 
@@ -44,8 +45,8 @@ class MethodConfig:
     tree: str | None = None  # medusa: preset, chain:N or tree file
     accept: str = "greedy"  # medusa: greedy | typical | sample
     temperature: float = 0.0
-    posterior_threshold: float = 0.09
-    posterior_alpha: float = 0.3
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
     prompt_lookup_tokens: int = 10  # prompt_lookup: transformers' prompt_lookup_num_tokens
     engine: str = "auto"  # plain / medusa: the runtime's forward engine (lean | lean-torch | hf | auto)
     lookup_tokens: int = 0  # plain / medusa: prompt-lookup draft chain in the tree (0: off)
@@ -105,11 +106,6 @@ def sample_seed(question_id: int, turn: int, sample: int) -> int:
     return int(hashlib.sha256(f"{question_id}/{turn}/{sample}".encode()).hexdigest()[:8], 16)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10) -> Runner:
     """The callable for one configuration (decoders and buffers built once, here)."""
     if cfg.method in ("generate", "prompt_lookup"):
@@ -123,11 +119,11 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
             sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} \
                 if temperature >= 1e-4 else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
             torch.manual_seed(0 if seed is None else seed)
-            _sync(loaded.device)
+            device_sync(loaded.device)
             t0 = time.perf_counter()
             out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, eos_token_id=eos,
                                         pad_token_id=eos[0] if eos else 0, **sampling, **extra)
-            _sync(loaded.device)
+            device_sync(loaded.device)
             new = out[0, len(prompt):].tolist()
             return RunOutput(new, time.perf_counter() - t0, len(new))
 

@@ -129,11 +129,16 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
     # predictions checked: those measured on every replayed question (a subset carries its own sampling noise,
     # which cross-fitting cancels only over all folds)
     predicted = card[card["predicted_tau"].notna() & (card["predicted_on"] == "every question")]
+    if predicted.empty:  # a run without predictions (no heads): no errors to check
+        predicted = predicted.assign(tau_error=pd.Series(dtype=float), speedup_error=pd.Series(dtype=float))
     out = {"fastest": fastest["config"], "fastest_tokens_per_s": float(fastest["tokens_per_s"]),
            "tau_tolerance": TAU_TOLERANCE, "speedup_tolerance": SPEEDUP_TOLERANCE,
            "predictions": int(len(predicted)),
-           "tau_within_tolerance": bool((predicted["tau_error"].abs() <= TAU_TOLERANCE).all()),
-           "speedup_within_tolerance": bool((predicted["speedup_error"].abs() <= SPEEDUP_TOLERANCE).all()),
+           # None where nothing was predicted (not a vacuous "within")
+           "tau_within_tolerance": bool((predicted["tau_error"].abs() <= TAU_TOLERANCE).all()) if len(predicted)
+           else None,
+           "speedup_within_tolerance": bool((predicted["speedup_error"].abs() <= SPEEDUP_TOLERANCE).all())
+           if len(predicted) else None,
            "worst_tau_error": float(predicted["tau_error"].abs().max()) if len(predicted) else None,
            "worst_speedup_error": float(predicted["speedup_error"].abs().max()) if len(predicted) else None}
     if not pick.empty:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
+
 from .tree_buffers import TreeBuffers
 
 RULES = ("greedy", "typical", "sample")
@@ -28,8 +30,8 @@ class AcceptConfig:
     temperature: float = 0.0  # 0 = argmax; typical and sample use it for the target distribution
     top_p: float = 1.0  # nucleus filter of the target distribution (sample, typical's next token)
     top_k: int = 0  # top-k filter of the target distribution, 0 = off
-    posterior_threshold: float = 0.09  # typical: epsilon, the hard ceiling of the threshold
-    posterior_alpha: float = 0.3  # typical: delta, scales exp(-entropy)
+    posterior_threshold: float = POSTERIOR_THRESHOLD  # typical: epsilon, the hard ceiling of the threshold
+    posterior_alpha: float = POSTERIOR_ALPHA  # typical: delta, scales exp(-entropy)
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

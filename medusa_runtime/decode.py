@@ -35,7 +35,7 @@ from .engine import make_engine
 from .heads import MedusaHeads
 from .heads_native import NativeHeadLevels, native_support
 from .lookup import LookupConfig, NgramIndex, with_lookup_chain
-from .model import LoadedModel, chat_template_ids
+from .model import LoadedModel, chat_template_ids, device_sync
 from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
 
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
@@ -206,8 +206,7 @@ class MedusaDecoder:
     # ------------------------------------------------------------------ model calls
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device_sync(self.device)
 
     def new_cache(self, capacity: int):
         """An empty KV cache with room for ``capacity`` positions (the lean engine preallocates it)."""

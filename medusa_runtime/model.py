@@ -82,6 +82,12 @@ class LoadedModel:
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (before a clock is read); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def chat_template_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
     """Token ids of chat ``messages`` (role, content) through the model's chat template, ready for the
     assistant's reply (generation prompt added)."""

@@ -32,7 +32,7 @@ from .heads import MedusaHeads
 from .kernels import cpuinfo_line
 from .lockstep import lockstep
 from .lookup import LookupConfig, NgramIndex
-from .model import LoadedModel
+from .model import LoadedModel, device_sync
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,6 @@ class LoopTimes:
     verify_rounds: tuple[float, ...] = ()  # the verify per step of each round (for ratios within rounds)
 
 
-def _sync_for(dev: torch.device):
-    """What waits for the device's queued work before a clock is read (nothing on the CPU)."""
-    return (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
 
 class Profiler:
@@ -151,7 +148,7 @@ class Profiler:
     def __init__(self, loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig):
         self.loaded, self.heads, self.cfg = loaded, heads, cfg
         dev = loaded.device
-        self.sync = _sync_for(dev)
+        self.sync = lambda: device_sync(dev)
         gen = torch.Generator().manual_seed(0)
         trees = {n: _shape_tree(n, heads.num_heads) for n in cfg.nodes if n > 1}
         verifiers = {n: MedusaDecoder(loaded, heads, t, config=DecodeConfig(topk=t.max_rank + 1))

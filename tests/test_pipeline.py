@@ -46,7 +46,7 @@ def test_a_heads_folder_is_used_as_given(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["--heads", "/nonexistent"], "--heads /nonexistent: not a heads folder"),
     (["--model", "/some/other/model"], "the shipped heads belong to the default model"),
-    (["--heads", "none"], "--heads none: the bench's calibration and search need heads"),
+    (["--heads", "none", "--retrain"], "--heads none runs without heads"),
     (["--dtype", "int8"], "invalid choice"),
 ])
 def test_bad_main_job_options_give_one_line_and_exit_2(tmp_path, args, message):
@@ -177,3 +177,39 @@ def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp
     assert load_tree(configs[3].tree).paths == ((0,),) and load_tree(configs[4].tree).num_nodes == 4
     assert (configs[2].posterior_threshold, configs[4].posterior_alpha) == (0.2, 0.1)
     assert [c["name"] for c in sampled_configurations(tmp_path / "missing.json", [81])] == ["plain T0.7"]
+
+
+def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_path, monkeypatch):
+    """--heads none end to end on a small model (a folder, as a user's): no calibration, search or profile;
+    plain decoding, its lookup chains, generate and prompt lookup replayed; report.json says nothing was
+    predicted; the page opens in the browser; every lossless configuration answers as plain decoding."""
+    from bench.browser import check_page
+    from tests.conftest import tiny_chat_model
+
+    loaded = tiny_chat_model()
+    loaded.model.config.max_position_embeddings = 2048  # room for MT-Bench prompts (rotary: no table to resize)
+    model = tmp_path / "model"
+    loaded.model.save_pretrained(model)
+    loaded.tokenizer.save_pretrained(model)
+    tiny = pipeline.BenchProfile(8, 2, 1, 8, (1,), 1, 4, 2, 4)
+    monkeypatch.setitem(pipeline.PROFILES, "quick", tiny)
+    out = tmp_path / "run"
+    pipeline.run(BenchOptions(heads="none", model=str(model), dtype="float32", out=str(out)))
+    assert not (out / "acceptance.json").exists() and not (out / "latency.json").exists()
+    assert set(json.loads((out / "stages.json").read_text())) == {"replay", "quality"}
+    rep = json.loads((out / "report.json").read_text())
+    names = {c["config"] for c in rep["configs"]}
+    assert names == {"generate", "plain", "prompt-lookup", "plain T0.7",
+                     *(f"plain +lookup{n}" for n in pipeline.LOOKUPS_WITHOUT_HEADS)}
+    assert not any(c["uses_heads"] for c in rep["configs"]) and all(c["predicted_tau"] is None for c in rep["configs"])
+    assert rep["verdict"]["predictions"] == 0 and rep["verdict"]["speedup_within_tolerance"] is None
+    records = [json.loads(line) for line in (out / "replay" / "records.jsonl").read_text().splitlines()]
+    plain = {r["question_id"]: r["token_ids"] for r in records if r["config"] == "plain"}
+    assert len(plain) == 8
+    for r in records:
+        if r["config"].startswith("plain +lookup"):
+            assert r["token_ids"] == plain[r["question_id"]]
+    assert "No predictions in this run" in (out / "report.html").read_text()
+    check = check_page(out / "report.html")
+    assert check.ok, (check.errors, check.broken)
+

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import StatsError
+from .errors import StatsError
 from .tree import Tree, read_json, write_json_atomic
 
 LATENCY_SCHEMA = "medusa-latency/1"

@@ -34,22 +34,17 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .errors import StatsError
 from .tree import Tree, read_json, write_json_atomic
-
-if TYPE_CHECKING:
-    from .typical import TypicalStats
+from .typical import TypicalStats, typical_from_json, typical_to_json
 
 ACCEPTANCE_SCHEMA = "medusa-acceptance/1"
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 MISS = "."
-
-
-class StatsError(ValueError):
-    """Statistics that cannot be used, with a one-line reason."""
 
 
 def encode_ranks(ranks: Sequence[int]) -> str:
@@ -129,8 +124,6 @@ def select(stats: AcceptanceStats, keep_ids: Iterable[str] | None = None, drop_i
     rollouts, texts = tuple(ranks_all[i] for i in chosen), tuple(texts_all[i] for i in chosen)
     typical = None
     if stats.typical is not None:
-        from .typical import TypicalStats
-
         typical = TypicalStats(stats.typical.temperature, tuple(typical_all[i] for i in chosen))
     selected = {"rollouts": len(rollouts), "dropped_ids": sorted(drop),
                 "kept_ids": None if keep is None else sorted(keep)}
@@ -177,8 +170,6 @@ def marginal_from_rollouts(rollouts: Iterable[Sequence[Sequence[int]]], num_head
 
 
 def stats_to_json(stats: AcceptanceStats) -> dict[str, Any]:
-    from .typical import typical_to_json
-
     out = {"schema": ACCEPTANCE_SCHEMA, **stats.meta, "num_heads": stats.num_heads, "topk": stats.topk,
            "positions": stats.positions, "marginal": stats.marginal.round(6).tolist(),
            "rollouts": ["".join(encode_ranks(r) for r in seq) for seq in stats.rollouts],
@@ -248,8 +239,6 @@ def stats_from_json(obj: Any, sha: str = "") -> AcceptanceStats:
         raise StatsError(f"'rollouts' use ranks beyond the {marginal.shape[1]} columns of 'marginal'")
     typical = None
     if obj.get("typical") is not None:
-        from .typical import typical_from_json
-
         typical = typical_from_json(obj["typical"], k, marginal.shape[1])
         if [s.logp.shape[0] for s in typical.rollouts] != [len(s) for s in rollouts] or \
                 [s.logp.shape[0] for s in typical.heldout] != [len(s) for s in heldout]:

@@ -32,16 +32,21 @@ from typing import Any
 
 import numpy as np
 
-from .stats import StatsError
+from .errors import StatsError
 from .tree import Tree, check_fits
 
 SEARCH_TEMPERATURE = 0.7  # the temperature the bench calibrates, profiles and searches typical acceptance at
 
 
+# typical acceptance's thresholds by default: the Medusa paper's (the runtime, the bench and the CLI read these)
+POSTERIOR_THRESHOLD = 0.09  # epsilon: hard ceiling of the threshold
+POSTERIOR_ALPHA = 0.3  # delta: scales exp(-entropy)
+
+
 @dataclass(frozen=True)
 class TypicalParams:
-    posterior_threshold: float = 0.09  # epsilon: hard ceiling of the threshold
-    posterior_alpha: float = 0.3  # delta: scales exp(-entropy)
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
 
     def __post_init__(self) -> None:
         if not (0 < self.posterior_threshold <= 1 and 0 < self.posterior_alpha <= 1):
