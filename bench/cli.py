@@ -540,8 +540,8 @@ def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine:
 def _replay_inputs(args, configs) -> dict:
     """What records of a replay depend on besides their configuration's fields (which each record's hash
     carries): the runtime revision, model, heads' and tree files' contents, questions, lengths."""
-    from bench.pipeline import RUNTIME_REVISION, file_hash, folder_hash
     from bench.runner import REPLAY_ORDER, SEQUENTIAL_ORDER
+    from bench.stages import RUNTIME_REVISION, file_hash, folder_hash
     from medusa_runtime.heads import heads_folder
 
     def heads_key(spec):
@@ -563,8 +563,8 @@ def _replay_inputs(args, configs) -> dict:
 
 def _run_replay(args, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
-    from bench.pipeline import StageCache, isolate_records
     from bench.runner import ReplayConfig, replay
+    from bench.stages import StageCache, isolate_records
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
 
@@ -610,8 +610,8 @@ def _replay_shared(args, configs, questions, cfg, loaded, heads, variants) -> li
     import socket
 
     from bench.distributed import QueueConfig, ReplayQueue
-    from bench.pipeline import StageCache
     from bench.runner import replay
+    from bench.stages import StageCache
     from treesearch.fsutil import atomic_file
     from treesearch.search import worker_id
 

@@ -23,29 +23,13 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.stages import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
 from treesearch.tree import write_json_atomic
 from treesearch.typical import SEARCH_TEMPERATURE
 
-# bump when the runtime's speed changes, so that cached latency profiles and replays are measured again
-# (stage keys hash the stages' inputs, not the code). 2: the lean engine. 3: heads' draft vocabulary,
-# prepacked head projection. 4: latency profile timed in rounds across tree sizes, plain step from the same rounds.
-# 5: the lean engine's C forward for bf16 decode steps. 6: workload calibration, profile by context and shape.
-# 7: the C forward on AMX tiles. 8: heads level by level in the C library. 9: profile: monotone verify rows,
-# prefill as paid inside decode runs. 10: calibration rollouts by the runtime's own decoding, ratios within rounds.
-# 11: greedy acceptance on NumPy argmax (bookkeeping per step cut by half and more). 12: the C forward's AVX-512
-# path on weights packed in blocks of 4 rows (a plain step ~30 % faster). 13: sampled steps draw by inverting the
-# CDF (1 ms a step less); the profile times what typical acceptance adds to a step. 14: that addition timed inside
-# real decode loops.
-# 15: (reverted) verify probes. 16: the profile's pieces timed in rounds of all of them; the replay profiles
-# again in rounds between questions. 17: verify rows kept as measured (5 rows verify faster than 4 here).
-# 18: the gate on float32 scalars (a gated step 20 us cheaper); verify sizes priced by ratios of means over rounds.
-# 19: the replay's runtime configurations and the profile's decode loops stepped in turn (lockstep).
-# 20: software prefetch of the weights from 3 rows (was 5); a replay's profile rounds set aside with its records.
-RUNTIME_REVISION = 20
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
 
@@ -97,42 +81,6 @@ class BenchOptions:
     def model_args(self) -> tuple[str, ...]:
         """What every stage's command gets to load the same model the same way."""
         return ("--model", self.model, "--dtype", self.dtype, "--device", self.device)
-
-
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "missing"
-
-
-def folder_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-class StageCache:
-    def __init__(self, out: Path):
-        self.file = out / "stages.json"
-        self.keys: dict[str, str] = json.loads(self.file.read_text()) if self.file.is_file() else {}
-
-    @staticmethod
-    def key_of(inputs: dict) -> str:
-        return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def run(self, name: str, inputs: dict, outputs: list[Path], fn: Callable[[], None]) -> bool:
-        key = self.key_of(inputs)
-        if self.keys.get(name) == key and all(p.exists() for p in outputs):
-            print(f"[bench] {name}: cached ({key})", flush=True)
-            return False
-        print(f"[bench] {name}: running ...", flush=True)
-        t0 = time.perf_counter()
-        fn()
-        self.keys[name] = key
-        write_json_atomic(self.file, self.keys)
-        print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-        return True
 
 
 def _cli(*argv: str) -> None:
@@ -523,21 +471,6 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: di
               lambda: _cli("judge", "--records", str(records), "--questions", str(out / "questions.jsonl"),
                            *opts.model_args(), *judge_args(opts.judge, opts.guided_rating), "--out", str(out)))
     return quality
-
-
-def isolate_records(folder: Path, key: str) -> None:
-    """Records resume only within one set of replay inputs (``replay`` and ``speed`` call this): records made
-    under other inputs (another runtime revision, tree or heads) are moved aside to ``records.<their key>.jsonl``,
-    never mixed in, and so are the latency profile's rounds taken during them (``profile_rounds.<key>.jsonl``):
-    a new replay prices its predictions with rounds of its own."""
-    folder.mkdir(parents=True, exist_ok=True)
-    marker = folder / "inputs.key"
-    old = marker.read_text().strip() if marker.is_file() else "unknown"
-    if old != key:
-        for name in ("records", "profile_rounds"):
-            if (folder / f"{name}.jsonl").is_file():
-                (folder / f"{name}.jsonl").rename(folder / f"{name}.{old}.jsonl")
-    marker.write_text(key + "\n")
 
 
 def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:

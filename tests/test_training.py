@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -501,6 +502,28 @@ def test_open_and_wide_tiers_are_apart_from_the_default_set_and_split_on_their_o
     for tier, source in ((tier3, OPEN_SOURCE), (tier4, WIDE_SOURCE)):
         assert [p for p in train_all if p.source == source] == builtin_split(tier, "train")
     assert [p for p in train_all if p.source not in (OPEN_SOURCE, WIDE_SOURCE)] == builtin_split(default, "train")
+
+
+def test_builtin_tiers_are_the_data_files_as_they_were_composed():
+    """The built-in prompts are data files (medusa_runtime/data/prompts) read through the user's prompt-file
+    path; each tier's prompts (turns, category, source, id, in order) hash to what the Python composer that
+    preceded the files produced, so every cache keyed on the built-in set stays valid."""
+    import hashlib
+
+    from medusa_runtime.prompts import TIER_FILES, tier_prompts
+
+    composed = {BUILTIN_SOURCE: "d0f7bf426b47eb17004cb98c85ef72cb4c28727a0ae6919f0a5827a4ddcd3fcb",
+                DETAILED_SOURCE: "584f4f9b39b6f41ba30db9fae1842856ed8c909fb931e75e868fa26f456c18ab",
+                OPEN_SOURCE: "79b7a0e22fe66255f66765e653dab97d3259b1dc489f5f75bf01e8dbe0db5046",
+                WIDE_SOURCE: "5a0bdade92f6a82a3ef0898799091d8178b82b14fdec512f579372cf63a4db86"}
+    assert set(TIER_FILES) == set(composed)
+    for source, digest in composed.items():
+        prompts = tier_prompts(source)
+        text = json.dumps([[list(p.turns), p.category, p.source, p.id] for p in prompts], ensure_ascii=False)
+        assert hashlib.sha256(text.encode()).hexdigest() == digest, source
+    # a user's file of the same records reads the same prompts (one path for both)
+    assert load_prompt_source(str(Path(__file__).parents[1] / "medusa_runtime" / "data" / "prompts" /
+                                  TIER_FILES[OPEN_SOURCE]))[0].turns == tier_prompts(OPEN_SOURCE)[0].turns
 
 
 def test_builtin_tiers_split_separately_and_interleave():
