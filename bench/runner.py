@@ -26,7 +26,7 @@ from medusa_runtime.decode import DecodeConfig, MedusaDecoder, run_to_end
 from medusa_runtime.heads import MedusaHeads
 from medusa_runtime.lockstep import lockstep
 from medusa_runtime.lookup import LookupConfig
-from medusa_runtime.model import LoadedModel, chat_template_ids, device_sync, software_versions
+from medusa_runtime.model import LoadedModel, chat_template_ids, chat_template_name, device_sync, software_versions
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 from .mtbench import Question
@@ -268,7 +268,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     for c in configs:  # warm-up, excluded from the records
         runners[c.digest](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
     meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
-            "device": str(loaded.device), **(extra or {})}
+            "device": str(loaded.device), "chat_template": chat_template_name(loaded), **(extra or {})}
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
     groups = {(q.question_id, t, r): i for i, (q, t, r) in enumerate(

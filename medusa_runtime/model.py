@@ -245,6 +245,20 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+# A model whose tokenizer has no chat template (a base model) is prompted as FastChat's vicuna_v1.1
+# conversation writes it (the format the Medusa paper's Vicuna heads were trained on): the system line, then
+# "USER: <turn> ASSISTANT: <answer></s>" per exchange, ending with "ASSISTANT:" for the reply to come.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% set rest = messages[1:] %}{% else %}"
+    "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+    "detailed, and polite answers to the user's questions.{% set rest = messages %}{% endif %}"
+    "{% for m in rest %}{% if m['role'] == 'user' %} USER: {{ m['content'] }}"
+    "{% else %} ASSISTANT: {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} ASSISTANT:{% endif %}")
+FALLBACK_CHAT_NAME = "fallback: FastChat's vicuna_v1.1 (USER: / ASSISTANT:)"
+
+
 def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", device: str | None = None,
                log: Callable[[str], None] = print) -> LoadedModel:
     """Load ``default`` (offline) or any transformers causal LM folder or hub id."""
@@ -270,6 +284,10 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
         hf_logging.enable_progress_bar()
     model.to(dev).eval()
     model.requires_grad_(False)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+        tokenizer.medusa_chat_template = FALLBACK_CHAT_NAME
+        log(f"model {spec} has no chat template: prompts use the {FALLBACK_CHAT_NAME} format")
     return LoadedModel(model, tokenizer, spec, torch_dtype, dev)
 
 
@@ -282,4 +300,12 @@ def describe_model(loaded: LoadedModel) -> dict[str, object]:
             "tied_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
             "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
             "eos_token_ids": list(loaded.eos_token_ids),
-            "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None))}
+            "chat_template": chat_template_name(loaded)}
+
+
+def chat_template_name(loaded: LoadedModel) -> str | None:
+    """Which chat template prompts go through: the model's own, the fallback, or none."""
+    tok = loaded.tokenizer
+    if not getattr(tok, "chat_template", None):
+        return None
+    return getattr(tok, "medusa_chat_template", None) or "the model's own"

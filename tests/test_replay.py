@@ -14,6 +14,7 @@ from bench.mtbench import Question, load_questions
 from bench.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.heads import fresh_heads
 from medusa_runtime.lockstep import lockstep
+from medusa_runtime.model import chat_template_ids
 
 from .conftest import DATA, tiny_chat_model
 
@@ -371,3 +372,37 @@ def test_profile_rounds_run_between_questions_and_resume_with_the_replay(tmp_pat
     assert "during the replay" in prof.meta["taken"] and (tmp_path / "latency-during.json").is_file()
     with pytest.raises(ValueError, match=">= 1"):
         RoundsDuringReplay(rounds_file, profiler, every=0)
+
+
+def test_a_model_without_chat_template_is_prompted_in_the_fallback_format_and_says_so(tmp_path):
+    """A base model whose tokenizer has no chat template loads with FastChat's vicuna_v1.1 format (written out
+    here by hand), says so when loaded, in describe_model and in every replay record, and replays."""
+    from medusa_runtime.model import FALLBACK_CHAT_NAME, describe_model, load_model
+
+    loaded = tiny_chat_model()
+    folder = tmp_path / "base"
+    loaded.model.config.max_position_embeddings = 2048
+    loaded.model.save_pretrained(folder)
+    loaded.tokenizer.chat_template = None
+    loaded.tokenizer.save_pretrained(folder)
+    for f in folder.glob("chat_template*"):
+        f.unlink()
+    said: list[str] = []
+    base = load_model(str(folder), "float32", log=said.append)
+    assert any("no chat template" in m for m in said)
+    tok = base.tokenizer
+    text = tok.decode(chat_template_ids(base, [{"role": "user", "content": "Hi there"},
+                                               {"role": "assistant", "content": "Hello"},
+                                               {"role": "user", "content": "Bye"}]))
+    system = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+              "detailed, and polite answers to the user's questions.")
+    assert text == f"{system} USER: Hi there ASSISTANT: Hello{tok.eos_token} USER: Bye ASSISTANT:"
+    own = tok.decode(chat_template_ids(base, [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi"}]))
+    assert own == "Be brief. USER: Hi ASSISTANT:"
+    assert describe_model(base)["chat_template"] == FALLBACK_CHAT_NAME
+    records = replay(base, None, [MethodConfig("plain", "plain")], QUESTIONS[:1],
+                     ReplayConfig(max_new_tokens=4, turns=2, repeats=1, warmup_tokens=2), tmp_path / "r.jsonl",
+                     progress=False)
+    assert len(records) == 2 and all(r["chat_template"] == FALLBACK_CHAT_NAME for r in records)
+    assert describe_model(tiny_chat_model())["chat_template"] == "the model's own"
