@@ -163,7 +163,7 @@ def report(out: Path) -> list[Path]:
                                     out / "report.json"))
     written += _typical_measured(out, df, quality, plots)
     shipped = _training_json()
-    if shipped is not None:
+    if shipped is not None and any(r.get("heads") not in (None, "none") for r in records):  # a run with heads
         from bench.plots import plot_training
 
         written += plot_training(shipped.parent, plots)

@@ -22,7 +22,7 @@ def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from bench.cli import _model_and_heads
+    from bench.commands.common import _model_and_heads
     from medusa_runtime.openai_server import ChatService, ServeConfig, make_server
     from treesearch.tree import load_tree
 

@@ -210,6 +210,7 @@ def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_pa
         if r["config"].startswith("plain +lookup"):
             assert r["token_ids"] == plain[r["question_id"]]
     assert "No predictions in this run" in (out / "report.html").read_text()
+    assert not (out / "plots" / "training_curves.png").exists()  # the shipped heads' training: not this run's
     check = check_page(out / "report.html")
     assert check.ok, (check.errors, check.broken)
 

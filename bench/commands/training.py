@@ -1,0 +1,96 @@
+"""Commands that train heads: train (Medusa-1 / Medusa-2, resumable) and fidelity (the adapted base against
+the original)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from bench.commands.common import _adapted, _log, _result, builtin_split
+from medusa_runtime.train_profiles import TRAIN_PROFILES
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from medusa_runtime.distill import DistillConfig, build_distill_data
+    from medusa_runtime.model import load_model
+    from medusa_runtime.prompts import load_prompt_source
+    from medusa_runtime.train import TrainConfig, train_medusa1, train_medusa2
+
+    prof = TRAIN_PROFILES[args.profile]
+    top = args.method == "medusa2" and args.train_layers > 0  # Medusa-2 on the top layers (medusa_runtime.medusa2)
+    if args.init is not None and args.method != "medusa1" and not top:
+        raise SystemExit("--init (go on training heads trained before) is for --method medusa1, or medusa2 with "
+                         "--train-layers")
+    n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
+    # Medusa-2 on the top layers follows the paper's recipe: the next-token loss replaced by KL to the original
+    defaults = {"base_lr": 2e-4, "lm_weight": 0.0} if top else {"base_lr": 2e-5, "lm_weight": 1.0}
+    cfg = TrainConfig(method=args.method, num_heads=args.num_heads, num_layers=args.layers,
+                      epochs=args.epochs if args.epochs is not None else prof["epochs"],
+                      lr=args.lr if args.lr is not None else prof["lr"],
+                      base_lr=args.base_lr if args.base_lr is not None else defaults["base_lr"],
+                      lm_weight=args.lm_weight if args.lm_weight is not None else defaults["lm_weight"],
+                      distill_weight=args.distill_weight, heads_warmup_ratio=args.heads_warmup,
+                      batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
+                      train_layers=args.train_layers if args.method == "medusa2" else 0,
+                      head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
+                      vocab=args.vocab or prof["vocab"], draft_size=args.draft_size,
+                      condition=args.condition or prof["condition"])
+    prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
+    prompts = prompts[:n_prompts] if n_prompts else prompts
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.gen_batch,
+                         follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
+    examples, cache = build_distill_data(loaded, prompts, dcfg)
+    if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
+        examples = random.Random(args.seed).sample(examples, min(args.max_examples, len(examples)))
+    provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
+                                                "examples": len(examples), "cache": str(cache),
+                                                "distill": dcfg.__dict__}, "profile": args.profile}
+    from medusa_runtime.medusa2 import train_medusa2_top
+
+    train = train_medusa1 if cfg.method == "medusa1" else train_medusa2_top if top else train_medusa2
+    extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else \
+        {"init": args.init} if top else {}
+    result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log, **extra)
+    from bench.plots import plot_training
+
+    plots = [str(p) for p in plot_training(args.out)]
+    lines = [f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s"]
+    last = result.validation[-1]["topk"] if result.validation else []
+    lines += [f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row) for j, row in enumerate(last)]
+    official = "" if cfg.root_conditioned or top else f"{args.out}/heads-official, "  # no official layout for those
+    adapter = " with its base adapter (heads/adapter, merged at load)" if top else ""
+    lines.append(f"written: {args.out}/heads (shared lm_head){adapter}, {official}{args.out}/training.json")
+    lines += [f"plot: {p}" for p in plots]
+    _result(args, {"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps,
+                   "seconds": result.seconds, "validation_topk": last, "out": str(args.out), "plots": plots},
+            "\n".join(lines))
+    return 0
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from bench.quality import fidelity
+    from bench.suites import load_suite
+    from bench.workload import spread_over_categories
+    from medusa_runtime.decode import encode_prompt
+    from medusa_runtime.model import load_model
+    from treesearch.tree import write_json_atomic
+
+    questions = spread_over_categories(load_suite(args.questions, log=_log), args.limit)
+    original = load_model(args.reference, args.dtype, args.device, log=_log)
+    # the retrained model: a folder (Medusa-2 on the whole base), or --model with --heads' adapter merged in
+    trained = _adapted(load_model(args.model, args.dtype, args.device, log=_log), args.heads)
+    prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
+    res = fidelity(original, trained, prompts, args.max_new_tokens, args.batch_size)
+    obj = {"schema": "medusa-fidelity/1", "model": trained.name, "reference": args.reference, "dtype": args.dtype,
+           "heads": args.heads,
+           "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+           "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
+           "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
+    write_json_atomic(args.out, obj)
+    _result(args, {**obj, "file": str(args.out)},
+            f"{res.prompts} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:\n"
+            f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers "
+            f"{res.identical:.2f})\n  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, "
+            f"trained {res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)\nwritten: {args.out}")
+    return 0
