@@ -133,12 +133,12 @@ def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
     """Per example (the residual stream entering layer ``split`` [T, H], the model's last hidden state, final
     norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs,
     the last hidden states where Medusa-1 training keeps them (``train.base_hidden_states``)."""
-    from .train import _read_hidden_cache, hidden_cache_file, write_hidden_cache
+    from .hidden_cache import hidden_cache_file, read_hidden_cache, write_hidden_cache
 
     lengths = [min(len(e.input_ids), max_len) for e in examples]
     # the last hidden states in Medusa-1's own cache file: either trainer reuses what the other computed
     files = [hidden_cache_file(loaded, examples, max_len, split), hidden_cache_file(loaded, examples, max_len)]
-    cached = [_read_hidden_cache(f, lengths, loaded.hidden_size) for f in files]
+    cached = [read_hidden_cache(f, lengths, loaded.hidden_size) for f in files]
     if all(c is not None for c in cached):
         log(f"layer {split} inputs and last hidden states of {len(examples)} examples reloaded from the cache")
         return cached[0], cached[1]
@@ -219,7 +219,7 @@ def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight:
     """Head losses on the student's hidden states (their gradient into the base scaled by
     ``head_grad_to_base``), plus, when the base trains, ``distill_weight`` x KL(teacher || student) at the
     replies' next-token positions (and ``lm_weight`` x their cross-entropy, 0 in the paper's recipe)."""
-    from .train import head_targets
+    from .losses import head_targets
 
     hidden = _student_hidden(top, prefix, teacher, joint)
     heads_in = [h.detach() + cfg.head_grad_to_base * (h - h.detach()) if joint else h for h in hidden]
@@ -241,7 +241,7 @@ def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight:
 def drift(top: TopLayers, prefix, teacher, labels, lm_weight: torch.Tensor) -> dict[str, float]:
     """On held-out examples: mean KL(original || adapted) per reply token, and the drop in log-likelihood of
     the reply tokens (the original's own greedy answers) from the original to the adapted base."""
-    from .train import head_targets
+    from .losses import head_targets
 
     kl = drop = 0.0
     count = 0

@@ -15,7 +15,6 @@ the last complete one usable, and ``resume`` continues from it.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import random
@@ -25,21 +24,25 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from treesearch.fsutil import atomic_dir, atomic_file
+from treesearch.fsutil import atomic_dir
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
 from .heads import HeadsConfig, MedusaHeads, heads_folder, load_heads, resolve_heads, save_heads
-from .model import LoadedModel, cache_root, weights_fingerprint
+from .hidden_cache import (  # noqa: F401 (re-exported)
+    base_hidden_states,
+    cache_hidden_states,
+    hidden_cache_file,
+    read_hidden_cache,
+    write_hidden_cache,
+)
+from .losses import TOPK_LOGGED, HeadStats, ce_and_accuracy, head_targets, medusa_loss  # noqa: F401
+from .model import LoadedModel
 
-TOPK_LOGGED = 5
 CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
 
 
@@ -106,63 +109,12 @@ class TrainConfig:
 
 
 @dataclass
-class HeadStats:
-    loss: float
-    positions: int
-    topk_correct: list[int]  # cumulative: correct within top-1 .. top-5
-
-
-@dataclass
 class TrainResult:
     out_dir: Path
     steps: int
     history: list[dict] = field(default_factory=list)  # per logged step: loss, lr, per-head top-1
     validation: list[dict] = field(default_factory=list)  # per evaluation: per-head top-1..5
     seconds: float = 0.0
-
-
-# ---------------------------------------------------------------------------- the loss
-
-
-def head_targets(labels: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions t whose label t+shift exists and is a reply token. labels [B, T] (-100 = ignore)
-    -> (mask [B, T] of usable positions t, targets [B, T] = labels[t + shift] where usable)."""
-    b, t = labels.shape
-    mask = torch.zeros_like(labels, dtype=torch.bool)
-    targets = torch.full_like(labels, -100)
-    if shift < t:
-        shifted = labels[:, shift:]
-        mask[:, : t - shift] = shifted != -100
-        targets[:, : t - shift] = shifted
-    return mask, targets
-
-
-def ce_and_accuracy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Mean cross-entropy of [N, V] logits and top-1..5 correct counts."""
-    loss = F.cross_entropy(logits.float(), target)
-    with torch.no_grad():
-        top = torch.topk(logits, min(TOPK_LOGGED, logits.shape[-1]), dim=-1).indices
-        hit = (top == target[:, None]).long().cumsum(-1).clamp(max=1).sum(0).tolist()
-    hit += [hit[-1]] * (TOPK_LOGGED - len(hit))
-    return loss, hit
-
-
-def medusa_loss(head_logits: Sequence[torch.Tensor], labels: torch.Tensor, loss_decay: float = 0.8
-                ) -> tuple[torch.Tensor, list[HeadStats | None]]:
-    """head_logits: K tensors [B, T, V] (head j read at position t); labels [B, T] with -100 ignored.
-    Head j is scored against labels[:, t + j + 2]; heads without a valid position are skipped."""
-    total = labels.new_zeros((), dtype=torch.float32)
-    stats: list[HeadStats | None] = []
-    for j, logits in enumerate(head_logits):
-        mask, targets = head_targets(labels, j + 2)
-        n = int(mask.sum())
-        if n == 0:
-            stats.append(None)
-            continue
-        loss, hits = ce_and_accuracy(logits[mask], targets[mask])
-        total = total + loss_decay ** (j + 1) * loss
-        stats.append(HeadStats(float(loss.detach()), n, hits))
-    return total, stats
 
 
 # ---------------------------------------------------------------------------- data
@@ -206,79 +158,6 @@ def token_batches(examples: Sequence[Example], batch_tokens: int, max_len: int, 
 
 
 # ---------------------------------------------------------------------------- Medusa-1
-
-
-@torch.inference_mode()
-def cache_hidden_states(model, examples: Sequence[Example], max_len: int,
-                        progress: bool = True) -> list[torch.Tensor]:
-    """Last hidden state (after the final norm) of every example of a causal LM, once, in bf16: [T, H] each."""
-    out = []
-    device = next(model.parameters()).device
-    for ex in tqdm(examples, desc="caching base hidden states", disable=not progress, unit="ex"):
-        ids = torch.tensor([ex.input_ids[:max_len]], device=device)
-        hs = model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states[-1][0]
-        out.append(hs.to(torch.bfloat16).cpu())
-    return out
-
-
-def hidden_cache_file(loaded: LoadedModel, examples: Sequence[Example], max_len: int, layer: int | None = None
-                      ) -> Path:
-    """Where the base hidden states of ``examples`` are kept: named by a hash of the model (name, dtype,
-    weights fingerprint), ``max_len`` and every example's token ids, so any change makes another file.
-    ``layer``: the residual stream entering that decoder layer instead of the last hidden state."""
-    key = {"model": loaded.name, "dtype": str(loaded.dtype), "max_len": max_len,
-           "weights": weights_fingerprint(loaded), "format": 1, **({"layer": layer} if layer is not None else {})}
-    digest = hashlib.sha256(json.dumps(key).encode())
-    for ex in examples:
-        digest.update(np.asarray(ex.input_ids[:max_len], dtype=np.int64).tobytes() + b"|")
-    prefix = "" if layer is None else f"layer{layer}-"
-    return cache_root() / "hidden" / f"{prefix}{digest.hexdigest()[:16]}.safetensors"
-
-
-def write_hidden_cache(path: Path, states: Sequence[torch.Tensor], lengths: list[int],
-                       log: Callable[[str], None]) -> bool:
-    """Keep states on disk (atomically); a full disk costs the next run the backbone again, not this run."""
-    try:
-        with atomic_file(path) as tmp:
-            save_file({"hidden": torch.cat(list(states)), "lengths": torch.tensor(lengths, dtype=torch.int64)}, tmp)
-    except OSError as exc:
-        log(f"could not keep hidden states on disk ({exc}); training goes on")
-        return False
-    return True
-
-
-def _read_hidden_cache(path: Path, lengths: list[int], hidden_size: int) -> list[torch.Tensor] | None:
-    """The cached states split per example, or None when the file is missing, unreadable or does not match."""
-    if not path.is_file():
-        return None
-    try:
-        data = load_file(path)
-        flat, lens = data["hidden"], data["lengths"]
-    except (OSError, KeyError, SafetensorError):
-        return None
-    if lens.tolist() != lengths or tuple(flat.shape) != (sum(lengths), hidden_size):
-        return None
-    return list(torch.split(flat, lengths))
-
-
-def base_hidden_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int, progress: bool = True,
-                       use_cache: bool = True, log: Callable[[str], None] = print) -> list[torch.Tensor]:
-    """``cache_hidden_states``, kept on disk between runs (``<cache>/hidden``, safetensors, written
-    atomically): a rerun on the same data, another head shape or learning rate skips the backbone.
-    Every example's states are one [T, H] bf16 tensor, as computed."""
-    if not use_cache or not examples:
-        return cache_hidden_states(loaded.model, examples, max_len, progress)
-    path = hidden_cache_file(loaded, examples, max_len)
-    lengths = [min(len(e.input_ids), max_len) for e in examples]
-    cached = _read_hidden_cache(path, lengths, loaded.hidden_size)
-    if cached is not None:
-        log(f"base hidden states of {len(examples)} examples reloaded from {path}")
-        return cached
-    states = cache_hidden_states(loaded.model, examples, max_len, progress)
-    if not write_hidden_cache(path, states, lengths, log):
-        return states
-    log(f"base hidden states cached: {path} ({path.stat().st_size / 2**20:.0f} MiB; --no-hidden-cache skips this)")
-    return states
 
 
 class HeadTrainer:

@@ -120,7 +120,7 @@ def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
 def test_base_hidden_states_kept_on_disk(tiny_examples, monkeypatch):
     """Medusa-1's base hidden states are written once (atomically) and reloaded unchanged; other data,
     another max_len or a damaged file means the backbone runs again."""
-    import medusa_runtime.train as train_mod
+    import medusa_runtime.hidden_cache as train_mod  # the cache's own module (train re-exports it)
 
     loaded, _, examples, _ = tiny_examples
     exs = examples[:6]
