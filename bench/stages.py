@@ -28,7 +28,8 @@ from treesearch.tree import write_json_atomic
 # 18: the gate on float32 scalars (a gated step 20 us cheaper); verify sizes priced by ratios of means over rounds.
 # 19: the replay's runtime configurations and the profile's decode loops stepped in turn (lockstep).
 # 20: software prefetch of the weights from 3 rows (was 5); a replay's profile rounds set aside with its records.
-RUNTIME_REVISION = 20
+# 21: the C forward's calls of 3 or 4 rows in passes of 2 (a 3- or 4-node verify ~6 % cheaper).
+RUNTIME_REVISION = 21
 
 
 def file_hash(path: Path) -> str:
