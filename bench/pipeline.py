@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -467,6 +468,13 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: di
            **({"guided_rating": True} if opts.guided_rating else {}),
            "model": opts.model, "dtype": opts.dtype, "device": opts.device, "runtime": RUNTIME_REVISION}
     products = [quality] + ([out / "judge" / "judge_scores.json"] if opts.judge else [])
+    if not opts.judge:  # scores of an earlier run's answers must not be reported beside these (the cache stays)
+        for stale in ("judge_scores.json", "model_judgment", "model_answer"):
+            path = out / "judge" / stale
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     cache.run("quality", key, products,
               lambda: _cli("judge", "--records", str(records), "--questions", str(out / "questions.jsonl"),
                            *opts.model_args(), *judge_args(opts.judge, opts.guided_rating), "--out", str(out)))

@@ -194,7 +194,12 @@ def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_pa
     tiny = pipeline.BenchProfile(8, 2, 1, 8, (1,), 1, 4, 2, 4)
     monkeypatch.setitem(pipeline.PROFILES, "quick", tiny)
     out = tmp_path / "run"
+    (out / "judge").mkdir(parents=True)  # an earlier run's judge files in the same folder
+    (out / "judge" / "judge_scores.json").write_text("{}")
+    (out / "judge" / "judge_cache.jsonl").write_text("")
     pipeline.run(BenchOptions(heads="none", model=str(model), dtype="float32", out=str(out)))
+    # without --judge, no earlier scores are reported beside these answers; the judge's cache stays
+    assert not (out / "judge" / "judge_scores.json").exists() and (out / "judge" / "judge_cache.jsonl").exists()
     assert not (out / "acceptance.json").exists() and not (out / "latency.json").exists()
     assert set(json.loads((out / "stages.json").read_text())) == {"replay", "quality"}
     rep = json.loads((out / "report.json").read_text())
