@@ -17,10 +17,12 @@ SQLite) used as a work queue: Optuna's own claim, heartbeat and retry, no schedu
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 from tqdm.auto import tqdm
@@ -28,6 +30,11 @@ from tqdm.auto import tqdm
 from treesearch.search import make_storage, open_study
 
 STATE = optuna.trial.TrialState
+
+
+def machine_dir(out: Path, machine: str) -> Path:
+    """``out/machines/<machine>``: where one machine's summaries and report go (the name made file-safe)."""
+    return out / "machines" / re.sub(r"[^A-Za-z0-9._-]", "_", machine)
 
 
 @dataclass(frozen=True)
@@ -109,10 +116,6 @@ class ReplayQueue:
             bar.update(1)
         bar.close()
         return done
-
-    def unfinished(self) -> int:
-        """Units not completed (waiting, running, or given up after too many dead workers)."""
-        return self.units - len(self._trials(STATE.COMPLETE))
 
     def merged_records(self) -> list[dict]:
         """Every unit's records, in the queue's question order; refused while a unit is not complete."""

@@ -261,12 +261,9 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
     from treesearch.search import load_recommendation
     from treesearch.stats import load_stats
 
-    peers = {"question_ids": workload["peers"]}
     depths = sorted({1, 2, load_stats(acc).num_heads})
     chains = [{"name": f"medusa chain:{d}", "method": "medusa", "tree": f"chain:{d}"} for d in depths]
-    configs = [{"name": "generate", "method": "generate", **peers},
-               {"name": "plain", "method": "plain"},
-               {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **peers},
+    configs = [*baseline_configurations(workload["peers"]),
                {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
                {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
                *chains]
@@ -281,6 +278,15 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
             configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
                                       fold))
     return configs
+
+
+def baseline_configurations(peers: list[int]) -> list[dict]:
+    """What every matrix holds first: the runtime's plain decoding on every question, and on the peers'
+    questions transformers' generate and prompt lookup (slow here, and not predicted)."""
+    on_peers = {"question_ids": peers}
+    return [{"name": "generate", "method": "generate", **on_peers},
+            {"name": "plain", "method": "plain"},
+            {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **on_peers}]
 
 
 SAMPLES = 2  # answers drawn per (question, turn) by each sampled configuration, each with its own recorded seed
@@ -386,10 +392,7 @@ def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path
     """``--heads none``: what a base model without heads can run, measured: the runtime's plain decoding
     alone and with prompt-lookup chains of 2-8 tokens, transformers' generate and prompt lookup on the
     peers' questions, plain sampling there too; nothing to calibrate or search, so nothing predicted."""
-    peers = {"question_ids": workload["peers"]}
-    configs = [{"name": "generate", "method": "generate", **peers},
-               {"name": "plain", "method": "plain"},
-               {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **peers},
+    configs = [*baseline_configurations(workload["peers"]),
                *({"name": f"plain +lookup{n}", "method": "plain", "lookup_tokens": n} for n in LOOKUPS_WITHOUT_HEADS),
                *sampled_configurations(None, workload["peers"])]
     config = {"model": opts.model, "heads": "none", "dtype": opts.dtype, "device": opts.device,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import matplotlib
@@ -107,9 +106,10 @@ def plot_speedup_vs_quality(table: pd.DataFrame, quality: pd.Series, baseline: s
 
 def _machine_folder(out: Path, machine: str, records: list[dict]) -> Path:
     """``out/machines/<machine>/`` holding that machine's records as a run folder of its own."""
+    from bench.distributed import machine_dir
     from treesearch.fsutil import atomic_file
 
-    folder = out / "machines" / re.sub(r"[^A-Za-z0-9._-]", "_", machine)
+    folder = machine_dir(out, machine)
     with atomic_file(folder / "replay" / "records.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("machine") == machine))
     return folder

@@ -18,14 +18,19 @@ from . import decode as _decode  # noqa: F401 - silences transformers' notice on
 from .model import LoadedModel
 
 
+def check_choices(choices: object) -> None:
+    """Refuse what is not a non-empty list of non-empty strings (the server answers 400 with this)."""
+    if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+
+
 def choice_ids(tokenizer, choices: Sequence[str]) -> dict[tuple[int, ...], str]:
     """Each choice's token ids as the tokenizer writes it after a prompt (no special tokens) -> the choice."""
-    if not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError("guided_choice needs a non-empty list of non-empty strings")
+    check_choices(choices)
     return {tuple(tokenizer.encode(c, add_special_tokens=False)): c for c in reversed(choices)}
 
 
-def allowed_next(seqs: dict[tuple[int, ...], str] | Sequence[tuple[int, ...]], prefix: tuple[int, ...]) -> tuple[set[int], bool]:
+def allowed_next(seqs: dict[tuple[int, ...], str], prefix: tuple[int, ...]) -> tuple[set[int], bool]:
     """(tokens that continue ``prefix`` towards some choice, whether ``prefix`` is itself a whole choice)."""
     n = len(prefix)
     nxt = {s[n] for s in seqs if len(s) > n and s[:n] == prefix}

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .acceptance import AcceptConfig
 from .decode import DecodeConfig, MedusaDecoder
-from .guided import guided_choice
+from .guided import check_choices, guided_choice
 from .lookup import LookupConfig
 from .model import LoadedModel, chat_template_ids
 
@@ -169,8 +169,11 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
         raise RequestError("temperature must be within [0, 2]")
     seed = _field(body, "seed", int)
     choices = _field(body, "guided_choice", list)
-    if choices is not None and (not choices or not all(isinstance(c, str) and c for c in choices)):
-        raise RequestError("'guided_choice' must be a non-empty list of non-empty strings")
+    if choices is not None:
+        try:
+            check_choices(choices)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
     return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages],
                        min(max_tokens, cfg.max_tokens), temperature, seed, tuple(choices) if choices else None)
 

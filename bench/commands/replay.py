@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -141,11 +140,12 @@ def _replay_shared(args, configs, questions, cfg, loaded, heads, variants) -> li
 def _per_machine_summaries(records: list[dict], machines: list[str], out_dir: Path) -> tuple[str, dict]:
     """The summary tables of each machine's records on their own (``machines/<name>/``)."""
     from bench.analyze import records_frame, summary, to_markdown, write_tables
+    from bench.distributed import machine_dir
 
     texts, obj = [], {"machines": {}, "files": [str(out_dir / "records.jsonl")]}
     for m in machines:
         df = records_frame([r for r in records if r["machine"] == m])
-        paths = write_tables(df, ["generate", "plain"], out_dir / "machines" / re.sub(r"[^A-Za-z0-9._-]", "_", m))
+        paths = write_tables(df, ["generate", "plain"], machine_dir(out_dir, m))
         table = summary(df, ["generate", "plain"])
         overall = table[table["category"] == "overall"][["config", "tokens", "tokens_per_s", "tau",
                                                            "speedup_vs_plain"]]
