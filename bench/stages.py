@@ -29,7 +29,8 @@ from treesearch.tree import write_json_atomic
 # 19: the replay's runtime configurations and the profile's decode loops stepped in turn (lockstep).
 # 20: software prefetch of the weights from 3 rows (was 5); a replay's profile rounds set aside with its records.
 # 21: the C forward's calls of 3 or 4 rows in passes of 2 (a 3- or 4-node verify ~6 % cheaper).
-RUNTIME_REVISION = 21
+# 22: 2-row calls in passes of 1 with the prefetch; the heads' whole tree in one C call; greedy argmax in C.
+RUNTIME_REVISION = 22
 
 
 def file_hash(path: Path) -> str:

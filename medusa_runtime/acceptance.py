@@ -13,12 +13,14 @@ of the following step, so each step commits ``len(path)`` tokens.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
+from . import kernels
 from .tree_buffers import TreeBuffers
 
 RULES = ("greedy", "typical", "sample")
@@ -101,12 +103,18 @@ def _longest_path(ok: torch.Tensor, buffers: TreeBuffers, score: torch.Tensor | 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Argmax of each row of ``logits`` [..., V] as ints (the first of tied maxima, as torch's).
 
-    On the CPU through NumPy on float32: torch's argmax over bfloat16 takes ~230 us for one 49k-token
-    row (and grows per row) where the exact float32 copy plus NumPy's vectorised argmax takes ~25 us;
-    a decode step pays it once per verified row."""
-    if logits.device.type == "cpu":
-        return logits.detach().float().numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+    On the CPU: float32 or bf16 rows in one pass of the C library where it is built (~5 us a 49k-token row),
+    else through NumPy on float32 (~20 us for one row, ~220 for four); torch's own argmax over bfloat16 takes
+    ~230 us a row. A decode step pays it once per verified row."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    if logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16) and logits.numel() and \
+            (lib := kernels.load()) is not None:
+        rows = logits if logits.is_contiguous() else logits.contiguous()
+        out = (ctypes.c_int64 * rows.shape[0])()
+        lib.lean_argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.dtype == torch.bfloat16, out)
+        return out[:]
+    return logits.detach().float().numpy().argmax(axis=-1).tolist()
 
 
 def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:

@@ -175,8 +175,9 @@ class MedusaDecoder:
             self._project = (self.engine.projector(weight) if weight.dim() == 2 else
                              lambda states: torch.einsum("kh,kvh->kv", states, weight))  # [depth, S]
             if self._path_plan is not None and config.native_heads and native_support(heads, self.engine) is None:
-                # each tree level in one call of the C library (where the C forward runs)
-                self._native = NativeHeadLevels(heads, self.engine, weight, self.tree.depth, config.topk)
+                # the whole tree's candidates in one call of the C library (where the C forward runs)
+                self._native = NativeHeadLevels(heads, self.engine, weight, self.tree.depth, config.topk,
+                                                self._path_plan, self._root_terms[0], self._draft_ids)
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
@@ -256,32 +257,37 @@ class MedusaDecoder:
 
     def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int]) -> torch.Tensor:
         """Path-conditioned heads: tree tokens in node order, level by level (each level's parents known)."""
-        heads, topk = self.heads, self.config.topk
-        embed, _ = self._root_terms
-        root_embedding = embed[root]  # [H]
-        nodes = torch.empty(self.variants[0].num_nodes, dtype=torch.long, device=self.device)
-        nodes[0] = root
-        chain = []  # each level's first parent's top-1 probability: the top-1 chain the gate reads
-        for j, level in enumerate(self._path_plan):  # level j + 1 of the tree, scored by head j
-            parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
-            if self._native is not None:
-                top, top1 = self._native.level(j, hidden, root_embedding, parents)  # [P, topk], [P]
-                chain.append(float(top1[0]))
-            else:
-                states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
-                logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
-                top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
-                if self.gated is not None:
-                    chain.append(float(torch.softmax(logits[0].float(), dim=-1).amax()))
-            if self._draft_ids is not None:
-                top = self._draft_ids[top]
-            nodes[level.children] = top[level.child_parent, level.child_rank]
+        if self._native is not None:  # one call; with a gate it stops at the first level the cut drops
+            nodes, chain = self._native.tree(hidden, root, self.config.gate if self.gated is not None else 0.0)
+        else:
+            nodes, chain = self._propose_path_torch(hidden, root)
         buffers = self.step_buffers = (self.gated[self._gated_depth_of(chain)][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
         if not draft:
             return nodes[:tree_nodes]
         return torch.cat([nodes[:tree_nodes], torch.tensor(list(draft), device=self.device)])
+
+    def _propose_path_torch(self, hidden: torch.Tensor, root: int) -> tuple[torch.Tensor, list[float]]:
+        """Tree tokens in node order through PyTorch's ops, and each level's first parent's top-1 probability
+        (the top-1 chain the gate reads; only with a gate)."""
+        heads, topk = self.heads, self.config.topk
+        embed, _ = self._root_terms
+        root_embedding = embed[root]  # [H]
+        nodes = torch.empty(self.variants[0].num_nodes, dtype=torch.long, device=self.device)
+        nodes[0] = root
+        chain = []
+        for j, level in enumerate(self._path_plan):  # level j + 1 of the tree, scored by head j
+            parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
+            states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
+            logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
+            top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
+            if self.gated is not None:
+                chain.append(float(torch.softmax(logits[0].float(), dim=-1).amax()))
+            if self._draft_ids is not None:
+                top = self._draft_ids[top]
+            nodes[level.children] = top[level.child_parent, level.child_rank]
+        return nodes, chain
 
     def verify(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +359,10 @@ class MedusaDecoder:
             self._sync()
             t2 = time.perf_counter()
             acc = accept(tokens, logits, buffers, self.accept_cfg, gen)
-            committed = tokens[acc.path].tolist()
+            # list lookups, not a tensor index: right after a forward that streamed the weights through the
+            # caches, each distinct torch op costs ~20-130 us of cold code (~5-15 warm)
+            candidates = tokens.tolist()
+            committed = [candidates[i] for i in acc.path]
             if ngrams is not None:
                 ngrams.extend(committed)
             self.compact(cache, cur_len, acc.path)

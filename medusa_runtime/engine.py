@@ -24,6 +24,7 @@ ancestor mask (row i may see column j).
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -447,11 +448,16 @@ class LeanEngine:
             x = x + w.down(F.silu(gate) * up)
         return self._rms(x, self.norm)
 
-    @staticmethod
-    def compact(cache: LeanCache, start: int, path: Sequence[int]) -> None:
-        """Move the accepted nodes' keys/values to slots start.. in one gather over all layers."""
+    def compact(self, cache: LeanCache, start: int, path: Sequence[int]) -> None:
+        """Move the accepted nodes' keys/values to slots start.. in one gather over all layers (one C call where
+        the C forward runs: no tensor ops between two forwards)."""
         if list(path) == list(range(len(path))):
             return  # already in place; later slots are overwritten by the next forward
+        if self.lib is not None and cache.keys.is_contiguous() and cache.values.is_contiguous():
+            layers, kv, cap, d = cache.keys.shape
+            self.lib.lean_compact(cache.keys.data_ptr(), cache.values.data_ptr(), layers * kv, cap,
+                                  d * cache.keys.element_size(), start, (ctypes.c_int64 * len(path))(*path), len(path))
+            return
         idx = torch.tensor([start + p for p in path], device=cache.keys.device)
         end = start + len(path)
         cache.keys[:, :, start:end] = cache.keys.index_select(2, idx)

@@ -39,9 +39,11 @@ def native_support(heads: MedusaHeads, engine) -> str | None:
 
 class NativeHeadLevels:
     """The heads' tree levels in the C library: ``level(j, hidden, root_e, parents_e)`` returns each row's
-    top-k rows of the projection and its top-1 softmax probability (what the gate reads)."""
+    top-k rows of the projection and its top-1 softmax probability (what the gate reads); ``tree(hidden, root)``
+    lays out a whole tree's candidates in one call (the levels of ``plan``, see ``decode.path_plan``)."""
 
-    def __init__(self, heads: MedusaHeads, engine, projection: torch.Tensor, depth: int, topk: int):
+    def __init__(self, heads: MedusaHeads, engine, projection: torch.Tensor, depth: int, topk: int,
+                 plan: list | None = None, embed: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):
         why = native_support(heads, engine)
         if why:
             raise HeadsNativeError(f"native heads: {why}")
@@ -69,6 +71,45 @@ class NativeHeadLevels:
                                                (ctypes.c_void_p * MAX_BLOCKS)(*[b.data_ptr() for b in bs], *pad)))
         self.blocks = heads.config.num_layers
         self._work = torch.empty(0, dtype=dtype)
+        self._heads = (kernels.LeanHead * depth)(*self.heads)
+        self._tree = None if plan is None else self._tree_plan(plan, embed, draft_ids)
+
+    def _tree_plan(self, plan: list, embed: torch.Tensor, draft_ids: torch.Tensor | None):
+        """The C structs of a tree's levels, and the tensors they point into (kept alive here)."""
+        if embed is None or embed.dtype != torch.bfloat16:
+            raise HeadsNativeError("native heads: a whole tree needs the model's bf16 input embeddings")
+        keep = [embed.contiguous()] + ([] if draft_ids is None else [draft_ids.to(torch.int64).contiguous()])
+        levels = []
+        for j, lv in enumerate(plan):
+            arrays = [t.to(torch.int64).contiguous() for t in (lv.parents, lv.children, lv.child_parent, lv.child_rank)]
+            keep += arrays
+            parents = 0 if j == 0 else arrays[0].numel()  # level 1's only parent is the root: no gather
+            levels.append(kernels.LeanLevel(parents, arrays[0].data_ptr(), arrays[1].numel(),
+                                            *(a.data_ptr() for a in arrays[1:])))
+        self._keep += keep
+        widest = max(1, *(lv.parents for lv in levels))
+        work = torch.empty(self.lib.lean_heads_tree_work_size(self.hidden_size, self.vocab, widest, self.topk),
+                           dtype=torch.bfloat16)
+        nodes = 1 + sum(lv.children for lv in levels)
+        return ((kernels.LeanLevel * len(levels))(*levels), len(levels), keep[0],
+                None if draft_ids is None else keep[1], work, nodes)
+
+    def tree(self, hidden: torch.Tensor, root: int, gate: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+        """hidden [H] and the root token -> the tree's tokens [N] in node order and the top-1 chain's per-level
+        probabilities. With ``gate`` > 0 the levels stop after the first whose chain product is below it (the
+        tokens of deeper levels are then left unset: the decoder's gated cut does not verify them)."""
+        levels, depth, embed, draft, work, n = self._tree
+        nodes = torch.empty(n, dtype=torch.long)
+        chain = (ctypes.c_float * depth)()
+        hidden = hidden.contiguous()
+        done = self.lib.lean_heads_tree(self._heads, levels, depth, self.blocks, self.hidden_size, self.vocab,
+                                        self.projection.data_ptr(), embed.data_ptr(),
+                                        None if draft is None else draft.data_ptr(), hidden.data_ptr(), root,
+                                        self.topk, gate, nodes.data_ptr(), chain, work.data_ptr(), int(self.amx),
+                                        torch.get_num_threads())
+        if done < 0:
+            raise HeadsNativeError(f"native heads: the C library refused the tree (code {done})")
+        return nodes, chain[:done]
 
     def level(self, j: int, hidden: torch.Tensor, root_e: torch.Tensor, parents_e: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,3 +207,26 @@ def test_one_draw_inverts_the_cdf_exactly_and_never_picks_a_zero():
     assert chisquare(counts[nz], (p / p.sum())[nz] * n).pvalue > 1e-3
     gen2 = torch.Generator().manual_seed(1)
     assert [acceptance._sample(probs, gen2) for _ in range(50)] == draws[:50].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_numpys_argmax_ties_nans_and_infinities_included(dtype):
+    """argmax_rows (the C library's one pass where it is built) against NumPy's argmax on the float32 values:
+    the first of tied maxima, the first NaN, infinities, rows shorter and longer than a vector, 1-5 rows."""
+    from medusa_runtime.acceptance import argmax_rows
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        rows, width = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 120, (1,), generator=gen))
+        x = torch.randint(-3, 4, (rows, width), generator=gen).to(dtype)  # few values: many ties
+        if trial % 5 == 0:
+            x.view(-1)[torch.randint(0, rows * width, (2,), generator=gen)] = float("nan")
+        if trial % 7 == 0:
+            x.view(-1)[torch.randint(0, rows * width, (1,), generator=gen)] = float("inf")
+        if trial % 11 == 0:
+            x.fill_(float("-inf"))
+        assert argmax_rows(x) == np.argmax(x.float().numpy(), axis=-1).tolist()
+    x = torch.randn(3, 49152, generator=gen).to(dtype)
+    x[1, 40000] = x[1, 7] = 9.0  # a tie far apart: the first wins
+    assert argmax_rows(x) == np.argmax(x.float().numpy(), axis=-1).tolist()
+    assert argmax_rows(x[:, ::2]) == np.argmax(x[:, ::2].float().numpy(), axis=-1).tolist()  # not contiguous

@@ -274,3 +274,52 @@ def test_native_head_levels_match_the_pytorch_heads(default_bf16, path, monkeypa
                 total += want.numel()
                 torch.testing.assert_close(top1, torch.softmax(logits, -1).amax(-1), rtol=0.05, atol=1e-3)
     assert agree / total >= 0.9, agree / total
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("tree_spec", ["chain:4", "mc_sim_7b_63"])
+def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, path, tree_spec, monkeypatch):
+    """The whole tree in one call of the C library (lean_heads_tree) against the decoder's former loop over its
+    levels (one lean_heads_level call each, the parents' embeddings gathered and the candidates mapped to tokens
+    and placed in PyTorch): the same tokens at every node and the same top-1 chain, bit for bit; with a gate, it
+    computes the levels up to the first whose chain product fails (treesearch.replay.gated_depth's rule) and
+    those levels' tokens are unchanged."""
+    _need(path)
+    monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
+    from medusa_runtime.decode import path_plan
+    from medusa_runtime.heads_native import NativeHeadLevels
+    from treesearch.replay import gated_depth
+
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
+    tree = load_tree(tree_spec)
+    assert tree.depth <= heads.num_heads
+    engine = LeanEngine(default_bf16, use_kernels=True)
+    weight = heads.projection(engine.lm_head_weight(), tree.depth)
+    plan = path_plan(tree)
+    embed = default_bf16.model.get_input_embeddings().weight
+    draft = heads.draft_vocab
+    assert draft is not None  # the shipped heads score a draft vocabulary: rows are mapped to tokens
+    native = NativeHeadLevels(heads, engine, weight, tree.depth, 10, plan, embed, draft)
+    gen = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for _ in range(4):
+            prompt = torch.randint(0, default_bf16.vocab_size, (20,), generator=gen)
+            _, hidden = engine.forward(prompt, 0, engine.new_cache(24), last_only=True)
+            root = int(torch.randint(0, default_bf16.vocab_size, (1,), generator=gen))
+            want = torch.full((len(tree.paths) + 1,), -1, dtype=torch.long)
+            want[0] = root
+            chain = []
+            for j, level in enumerate(plan):
+                parents = embed[want[level.parents]] if j > 0 else None
+                top, top1 = native.level(j, hidden[0], embed[root], parents)
+                chain.append(float(top1[0]))
+                want[level.children] = draft[top][level.child_parent, level.child_rank]
+            got, got_chain = native.tree(hidden[0], root)
+            assert torch.equal(got, want) and got_chain == chain
+            level_of = torch.tensor([0] + [len(p) for p in tree.paths])
+            for gate in (chain[0] * 1.01, chain[0] * chain[1] * 0.999, 1e-9):
+                cut = gated_depth(chain, tree.depth, gate)
+                got, got_chain = native.tree(hidden[0], root, gate)
+                assert got_chain == chain[:min(tree.depth, cut + 1)]
+                keep = level_of <= cut
+                assert torch.equal(got[keep], want[keep])

@@ -68,9 +68,12 @@ def test_bench_accept_greedy(benchmark):
     assert acc.path[:3] == [0, first, second] and acc.next_token == int(logits[acc.path[-1]].argmax())
 
 
-def test_bench_compact(benchmark, bf16_default):
-    """Accepted nodes' keys/values moved into place for all layers at once."""
-    engine = LeanEngine(bf16_default, max_nodes=64)
+@pytest.mark.parametrize("kernels", [True, False], ids=["c", "torch"])
+def test_bench_compact(benchmark, bf16_default, kernels):
+    """Accepted nodes' keys/values moved into place for all layers at once (one C call where the C forward
+    runs, else an index_select), against the rows copied before."""
+    engine = LeanEngine(bf16_default, max_nodes=64, use_kernels=kernels)
+    assert (engine.lib is not None) == kernels  # the path under test
     cache = engine.new_cache(600)
     cache.keys.normal_()
     cache.values.normal_()

@@ -46,6 +46,13 @@ class LeanHead(ctypes.Structure):
                 ("w", ctypes.c_void_p * HEAD_MAX_BLOCKS), ("b", ctypes.c_void_p * HEAD_MAX_BLOCKS)]
 
 
+class LeanLevel(ctypes.Structure):
+    """One tree level for ``lean_heads_tree``: its parents and children (node ids), as ``LeanLevel`` in lean_cpu.c."""
+
+    _fields_ = [("parents", ctypes.c_int), ("parent_nodes", ctypes.c_void_p), ("children", ctypes.c_int),
+                ("child_nodes", ctypes.c_void_p), ("child_parent", ctypes.c_void_p), ("child_rank", ctypes.c_void_p)]
+
+
 _state: dict[str, object] = {}
 
 
@@ -110,6 +117,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_heads_level.restype = i
     lib.lean_heads_work_size.argtypes = [i, i, i]
     lib.lean_heads_work_size.restype = z
+    lib.lean_heads_tree.argtypes = [ctypes.POINTER(LeanHead), ctypes.POINTER(LeanLevel), i, i, i, i, p, p, p, p,
+                                    ctypes.c_int64, i, f, p, p, p, i, i]
+    lib.lean_heads_tree.restype = i
+    lib.lean_heads_tree_work_size.argtypes = [i, i, i, i]
+    lib.lean_heads_tree_work_size.restype = z
+    lib.lean_argmax_rows.argtypes = [p, i, i, i, p]
+    lib.lean_argmax_rows.restype = None
+    lib.lean_compact.argtypes = [p, p, i, i, i, i, p, i]
+    lib.lean_compact.restype = None
     return lib
 
 

@@ -92,13 +92,13 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 }
 
 #if LEAN_AVX512BF16
-/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of 3 rows or more
+/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of 2 rows or more
  * (ROWS4_PREFETCH_FROM). Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants
  * interleaved in one process): for 1 row the hardware prefetcher alone streams best (8.5 ms against 8.7-9.3
- * with any software prefetch), for 2 rows it is a draw (10.60 / 11.26 ms with it against 11.33 / 11.13
- * without, two runs); from 3 rows on, where the dot products take longer than the weights' transfer, 16 KB
- * ahead into L2 pays (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 / 12.60-13.53 without,
- * context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9; docs/reports/2026-12-02-lockstep.md). */
+ * with any software prefetch; again 2026-12-02 in whole decode steps: 9.43 against 8.61 ms); from 2 rows on,
+ * where the dot products take longer than the weights' transfer, 16 KB ahead into L2 pays (3 / 4 rows
+ * 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 / 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8
+ * ms against 13.4 / 24.9; docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
 #ifndef ROWS4_PREFETCH
 #define ROWS4_PREFETCH 16384
 #endif
@@ -242,7 +242,7 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 }
 
 #ifndef ROWS4_PREFETCH_FROM  /* the fewest rows a call prefetches the weights for (see ROWS4_PREFETCH) */
-#define ROWS4_PREFETCH_FROM 3
+#define ROWS4_PREFETCH_FROM 2
 #endif
 
 /* y = x W^T for x [n, in] and W packed by lean_pack_rows4. Output kinds: bf16 (rounded), bf16 plus a
@@ -252,13 +252,16 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
     int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32, prefetch = n >= ROWS4_PREFETCH_FROM;
     /* Activation rows per pass over a weight block: 4, but calls of 3 or 4 rows take passes of 2 (2+1, 2+2;
-     * the block is re-read from L1 for the second). Measured on the 2-core Zen 4 VM (full verify forwards
-     * of the default model at context 112, variants interleaved in one process, 30 rounds, medians): 3 rows
-     * 9.61 -> 9.10 ms, 4 rows 9.85 -> 9.12 ms, 1, 2 and 5 rows unchanged (8.8, 9.0, 9.3 ms); passes of at most
-     * 2 or 3 rows for every n were slower from 5 rows on. Why one pass of 3 or 4 rows streams slower than
-     * 4 + 1 is not understood (the prefetch distance, 8 / 16 / 32 KB, made no difference). Results do not
-     * depend on the split (each output is summed in the same order whatever R is). */
-    int rows_per_pass = n <= 4 ? 2 : 4;
+     * the block is re-read from L1 for the second) and calls of 2 rows passes of 1. Measured on the 2-core
+     * Zen 4 VM (full verify forwards of the default model at context 112, variants interleaved in one process,
+     * 30 rounds, medians): 3 rows 9.61 -> 9.10 ms, 4 rows 9.85 -> 9.12 ms, 1, 2 and 5 rows unchanged (8.8,
+     * 9.0, 9.3 ms); passes of at most 2 or 3 rows for every n were slower from 5 rows on. Two rows as 1 + 1
+     * with the prefetch (the verify of whole decode steps, builds interleaved, 2026-12-02): 9.00 ms against
+     * 9.98 / 10.35 as one pass of 2 with / without it, where one row took 9.59; in a second run 8.41 where one
+     * row took 8.61; 3 and 4 rows in passes of 1 were slower (9.45 against 8.98 ms for 4). Why one pass of several rows streams slower than
+     * shorter passes is not understood (the prefetch distance, 8 / 16 / 32 KB, made no difference). Results
+     * do not depend on the split (each output is summed in the same order whatever R is). */
+    int rows_per_pass = n == 2 ? 1 : n <= 4 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         int o0 = 4 * b, cnt = out - o0 < 4 ? out - o0 : 4;
@@ -887,51 +890,62 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
     *top1 = 1.0f / sum;
 }
 
+size_t lean_heads_work_size(int hsz, int vocab, int parents);
+
 /* One tree level of root-conditioned (optionally path-conditioned) shared-format heads, as the decoder's
  * PyTorch path computes it in bf16 (each op rounded to bf16 where PyTorch rounds):
  *   e_p = bf16(bf16(root U^T) + bf16(parent_p P^T))          (e = bf16(root U^T) without parents)
  *   x_p = bf16(h + bf16(silu(bf16(bf16(h W_0^T + b_0) + e_p))))   then for blocks l >= 1:
  *   x_p = bf16(x_p + bf16(silu(bf16(x_p W_l^T + b_l))))
  *   logits_p = bf16(x_p proj^T) over the draft vocabulary [S];  top-k indices and top-1 probability.
- * rows = max(1, parents). work: bf16, (4 rows + 1) * H + rows * S + lean_amx_scratch_size(rows, H)
- * elements. amx: weights and proj packed by lean_pack_amx. Returns 0, -2 without the tile unit, -3 for
- * k or the block count out of range. */
+ * rows = max(1, parents). Called by every thread of an OpenMP parallel region (its loops are worksharing
+ * loops; it returns with the threads in step). work: lean_heads_work_size(hsz, vocab, parents) bf16. */
+static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int vocab, const bf16 *proj,
+                                const bf16 *hidden, const bf16 *root_e, const bf16 *parent_e, int parents, int k,
+                                int32_t *top, float *top1, bf16 *work, int amx) {
+    int rows = parents > 0 ? parents : 1;
+    bf16 *er = work, *ep = er + hsz, *z = ep + (size_t)rows * hsz, *x = z + (size_t)rows * hsz,
+         *logits = x + (size_t)(rows + 1) * hsz, *xa = logits + (size_t)rows * vocab;
+    /* e: the root's term, plus each parent's */
+    linear_any(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa, 0);
+    if (parents > 0 && head->parent_w) {
+        linear_any(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa, 0);
+#pragma omp for schedule(static)
+        for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
+    } else {
+#pragma omp for schedule(static)
+        for (int i = 0; i < rows * hsz; ++i) ep[i] = er[i % hsz];
+    }
+    /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
+#pragma omp single
+    memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
+    linear_any(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa, 0);
+    silu_residual_rows(x, z, ep, rows, hsz, 1);
+    bf16 *xs = x + hsz; /* [rows, H] */
+    for (int l = 1; l < blocks; ++l) {
+        linear_any(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa, 0);
+        silu_residual_rows(xs, z, NULL, rows, hsz, 0);
+    }
+    linear_any(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa, 0);
+#pragma omp for schedule(static)
+    for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
+}
+
+/* One tree level (see heads_level_in_team) in a parallel region of its own. work: bf16,
+ * lean_heads_work_size(hsz, vocab, parents) elements. amx: weights and proj packed by lean_pack_amx.
+ * Returns 0, -2 without the tile unit, -3 for k or the block count out of range. */
 int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const bf16 *proj, const bf16 *hidden,
                      const bf16 *root_e, const bf16 *parent_e, int parents, int k, int32_t *top, float *top1,
                      bf16 *work, int amx, int nthreads) {
     if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
     if (amx && !lean_amx_available()) return -2;
-    int rows = parents > 0 ? parents : 1;
-    bf16 *er = work, *ep = er + hsz, *z = ep + (size_t)rows * hsz, *x = z + (size_t)rows * hsz,
-         *logits = x + (size_t)(rows + 1) * hsz, *xa = logits + (size_t)rows * vocab;
 #pragma omp parallel num_threads(nthreads)
     {
 #if LEAN_AMX_BUILD
         if (amx) amx_configure();
 #endif
-        /* e: the root's term, plus each parent's */
-        linear_any(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa, 0);
-        if (parents > 0 && head->parent_w) {
-            linear_any(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa, 0);
-#pragma omp for schedule(static)
-            for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
-        } else {
-#pragma omp for schedule(static)
-            for (int i = 0; i < rows * hsz; ++i) ep[i] = er[i % hsz];
-        }
-        /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
-#pragma omp single
-        memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
-        linear_any(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa, 0);
-        silu_residual_rows(x, z, ep, rows, hsz, 1);
-        bf16 *xs = x + hsz; /* [rows, H] */
-        for (int l = 1; l < blocks; ++l) {
-            linear_any(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa, 0);
-            silu_residual_rows(xs, z, NULL, rows, hsz, 0);
-        }
-        linear_any(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa, 0);
-#pragma omp for schedule(static)
-        for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
+        heads_level_in_team(head, blocks, hsz, vocab, proj, hidden, root_e, parent_e, parents, k, top, top1, work,
+                            amx);
 #if LEAN_AMX_BUILD
         if (amx) amx_release();
 #endif
@@ -939,8 +953,141 @@ int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const
     return 0;
 }
 
+/* Level d >= 1 of a tree for path-conditioned heads: head d-1 scores each parent node of level d-1 (the
+ * root alone for d = 1: parents = 0) and child c is its parent's rank-th candidate. Node ids as the
+ * decoder's (node 0 the root). */
+typedef struct {
+    int parents;                    /* P (0 for level 1: the root) */
+    const int64_t *parent_nodes;    /* [P] node ids of level d-1 with children */
+    int children;                   /* C */
+    const int64_t *child_nodes;     /* [C] node ids of level d */
+    const int64_t *child_parent;    /* [C] index into parent_nodes (0 for level 1) */
+    const int64_t *child_rank;      /* [C] rank in the parent's top-k */
+} LeanLevel;
+
+/* A whole tree's candidates in one call: every level of lean_heads_level in one parallel region, each
+ * level's parents' input embeddings gathered from `embed` [V, H] by the tokens the level above placed, each
+ * candidate row mapped to its token (draft_ids [S], NULL: the row is the token), placed at its node:
+ * nodes [N] int64 (nodes[0] = root). chain[d] = the top-1 probability of level d+1's first parent (the top-1
+ * chain a confidence gate reads). With gate > 0 the levels stop after the first whose chain product (float32,
+ * as treesearch.replay.gated_depth) is below the gate: the decoder cuts the tree there, so deeper levels are
+ * never verified. work: lean_heads_tree_work_size(hsz, vocab, max parents, k) bf16. Returns the number of levels computed, -2 without the tile
+ * unit, -3 for k or the block count out of range. */
+int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, int blocks, int hsz, int vocab,
+                    const bf16 *proj, const bf16 *embed, const int64_t *draft_ids, const bf16 *hidden, int64_t root,
+                    int k, float gate, int64_t *nodes, float *chain, bf16 *work, int amx, int nthreads) {
+    if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
+    if (amx && !lean_amx_available()) return -2;
+    int max_rows = 1;
+    for (int d = 0; d < depth; ++d) max_rows = levels[d].parents > max_rows ? levels[d].parents : max_rows;
+    bf16 *pe = work, *level_work = pe + (size_t)max_rows * hsz; /* pe [P, H]: the parents' embeddings */
+    size_t level_size = lean_heads_work_size(hsz, vocab, max_rows);
+    int32_t *top = (int32_t *)(level_work + level_size + ((uintptr_t)(level_work + level_size) & 2 ? 1 : 0));
+    float *top1 = (float *)(top + (size_t)max_rows * k);
+    const bf16 *root_e = embed + (size_t)root * hsz;
+    int done = 0;
+    nodes[0] = root;
+#pragma omp parallel num_threads(nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (amx) amx_configure();
+#endif
+        float product = 1.0f;
+        for (int d = 0; d < depth; ++d) {
+            const LeanLevel *lv = &levels[d];
+#pragma omp for schedule(static)
+            for (int p = 0; p < lv->parents; ++p)
+                memcpy(pe + (size_t)p * hsz, embed + (size_t)nodes[lv->parent_nodes[p]] * hsz, (size_t)hsz * sizeof(bf16));
+            heads_level_in_team(&heads[d], blocks, hsz, vocab, proj, hidden, root_e, lv->parents ? pe : NULL,
+                                lv->parents, k, top, top1, level_work, amx);
+            for (int c = 0; c < lv->children; ++c) { /* every thread places the same values: no barrier needed */
+                int32_t row = top[lv->child_parent[c] * k + lv->child_rank[c]];
+                if (omp_get_thread_num() == 0) nodes[lv->child_nodes[c]] = draft_ids ? draft_ids[row] : row;
+            }
+            product *= top1[0]; /* each thread the same float32 product */
+            if (omp_get_thread_num() == 0) {
+                chain[d] = top1[0];
+                done = d + 1;
+            }
+#pragma omp barrier
+            if (gate > 0.0f && product < gate) break;
+        }
+#if LEAN_AMX_BUILD
+        if (amx) amx_release();
+#endif
+    }
+    return done;
+}
+
 /* bf16 elements of lean_heads_level's work for `parents` parents (0: the root level) */
 size_t lean_heads_work_size(int hsz, int vocab, int parents) {
     int rows = parents > 0 ? parents : 1;
     return (size_t)(3 * rows + 2) * hsz + (size_t)rows * vocab + lean_amx_scratch_size(rows, hsz);
+}
+
+/* bf16 elements of lean_heads_tree's work: a level's work for the widest level, the parents' embeddings,
+ * and the top-k rows (int32) and top-1 probabilities (float32) of a level, aligned */
+size_t lean_heads_tree_work_size(int hsz, int vocab, int max_parents, int k) {
+    int rows = max_parents > 0 ? max_parents : 1;
+    return (size_t)rows * hsz + lean_heads_work_size(hsz, vocab, rows) + 1 + (size_t)rows * (2 * k + 2);
+}
+
+/* out[r] = the index of the largest element of row r of x [rows, len] (bf16 when bf16_in, else float32): the
+ * first of tied maxima, and a NaN counts as larger than any number (the first NaN wins), as NumPy's argmax on
+ * the float32 values */
+static inline float load_any(const void *x, int bf16_in, size_t i) {
+    return bf16_in ? bf2f(((const bf16 *)x)[i]) : ((const float *)x)[i];
+}
+
+void lean_argmax_rows(const void *x, int rows, int len, int bf16_in, int64_t *out) {
+    for (int r = 0; r < rows; ++r) {
+        size_t base = (size_t)r * len;
+        int i = 0, best = 0, nan = 0;
+        float top = load_any(x, bf16_in, base);
+#if LEAN_AVX512BF16
+        if (len >= 16) {
+            const bf16 *vb = (const bf16 *)x + base;
+            const float *vf = (const float *)x + base;
+            __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), at = lane;
+            __m512 vmax = bf16_in ? load16_bf16(vb) : _mm512_loadu_ps(vf);
+            __mmask16 odd = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+            for (i = 16; i + 16 <= len; i += 16) { /* each lane keeps its first maximum */
+                __m512 xv = bf16_in ? load16_bf16(vb + i) : _mm512_loadu_ps(vf + i);
+                __mmask16 gt = _mm512_cmp_ps_mask(xv, vmax, _CMP_GT_OQ);
+                odd |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+                vmax = _mm512_mask_mov_ps(vmax, gt, xv);
+                at = _mm512_mask_mov_epi32(at, gt, _mm512_add_epi32(lane, _mm512_set1_epi32(i)));
+            }
+            nan = odd != 0;
+            top = _mm512_reduce_max_ps(vmax);
+            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(vmax, _mm512_set1_ps(top), _CMP_EQ_OQ), at);
+        }
+#endif
+        for (int j = i; j < len && !nan; ++j) { /* the rest (all of a short row) in order */
+            float xj = load_any(x, bf16_in, base + j);
+            if (xj != xj) nan = 1;
+            else if (xj > top || j == 0) top = xj, best = j;
+        }
+        for (int j = 0; nan && j < len; ++j) /* the first NaN */
+            if (load_any(x, bf16_in, base + j) != load_any(x, bf16_in, base + j)) {
+                best = j;
+                break;
+            }
+        out[r] = best;
+    }
+}
+
+/* Cache compaction after a verify: for every plane (layer x kv head) of keys and values [planes, cap, row]
+ * (row: bytes per slot), slot start + path[i] moves to slot start + i. path is a root-to-node path of the
+ * tree, so its node ids increase and each source lies at or after its destination: copying in order never
+ * reads a slot it has already overwritten. */
+void lean_compact(void *keys, void *values, int planes, int cap, int row, int start, const int64_t *path, int len) {
+    for (int t = 0; t < 2; ++t) {
+        char *base = (char *)(t ? values : keys);
+        for (int p = 0; p < planes; ++p) {
+            char *plane = base + (size_t)p * cap * row;
+            for (int i = 0; i < len; ++i)
+                if (path[i] != i) memcpy(plane + (size_t)(start + i) * row, plane + (size_t)(start + path[i]) * row, row);
+        }
+    }
 }
