@@ -1,12 +1,15 @@
-"""Root- and path-conditioned heads in the C library: one call per tree level instead of a dozen PyTorch ops.
+"""Root- and path-conditioned heads in the C library: a whole tree's candidates in one call instead of a
+dozen PyTorch ops per level.
 
 A level of the decoder's path-conditioned heads (``MedusaDecoder._propose_path``) is small work on few
 rows: the root's (and each parent's) embedding through U_j (and P_j), the residual blocks, the
 projection onto the draft vocabulary and a top-k. In PyTorch each of those is an op with its own
 dispatch and, in bf16, a oneDNN call on one row; the C library does the level in one parallel call
 with the forward's own linear layers (AMX tiles where the forward uses them), rounding to bf16 where
-PyTorch rounds. Used by the decoder where the C forward runs (bf16 on the CPU) and the heads are
-root-conditioned shared-format heads; everywhere else the PyTorch path stays.
+PyTorch rounds, and ``tree`` runs every level in one call (parents' embeddings gathered, rows mapped to
+tokens and placed at their nodes in C: right after a forward each Python or tensor op runs on cold caches).
+Used by the decoder where the C forward runs (bf16 on the CPU) and the heads are root-conditioned
+shared-format heads; everywhere else the PyTorch path stays.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class NativeHeadLevels:
         probabilities. With ``gate`` > 0 the levels stop after the first whose chain product is below it (the
         tokens of deeper levels are then left unset: the decoder's gated cut does not verify them)."""
         levels, depth, embed, draft, work, n = self._tree
+        if not 0 <= root < embed.shape[0]:  # the C code indexes the embeddings with it unchecked
+            raise HeadsNativeError(f"native heads: root token {root} is outside the vocabulary ({embed.shape[0]})")
         nodes = torch.empty(n, dtype=torch.long)
         chain = (ctypes.c_float * depth)()
         hidden = hidden.contiguous()

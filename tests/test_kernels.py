@@ -287,7 +287,7 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
     _need(path)
     monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
     from medusa_runtime.decode import path_plan
-    from medusa_runtime.heads_native import NativeHeadLevels
+    from medusa_runtime.heads_native import HeadsNativeError, NativeHeadLevels
     from treesearch.replay import gated_depth
 
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
@@ -323,3 +323,5 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
                 assert got_chain == chain[:min(tree.depth, cut + 1)]
                 keep = level_of <= cut
                 assert torch.equal(got[keep], want[keep])
+        with pytest.raises(HeadsNativeError, match="outside the vocabulary"):
+            native.tree(hidden[0], default_bf16.vocab_size)
