@@ -27,6 +27,7 @@ from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-ex
 from bench.commands.replay import _replay_inputs, cmd_judge, cmd_replay, cmd_speed  # noqa: F401
 from bench.commands.training import cmd_fidelity, cmd_train
 from bench.commands.trees import cmd_export, cmd_export_heads, cmd_search
+from bench.jobs import CalibrateJob, JudgeJob, ProfileJob, ReplayJob, SearchJob, SpeedJob, TrainJob
 from medusa_runtime.train_profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
@@ -40,7 +41,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     @staticmethod
     def _has_default(action: argparse.Action) -> bool:
-        return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+        empty = isinstance(action.default, (list, tuple)) and not action.default
+        return bool(action.option_strings) and not empty and action.default not in (None, False, argparse.SUPPRESS)
 
     def _format_action(self, action: argparse.Action) -> str:
         if not action.help and self._has_default(action):  # an option without a help text still shows it
@@ -131,83 +133,82 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
     _add_model_args(p)
-    p.set_defaults(dtype="bfloat16")
-    p.add_argument("--method", default="medusa1", choices=["medusa1", "medusa2"])
-    p.add_argument("--num-heads", type=int, default=4, help="number of heads K")
-    p.add_argument("--layers", type=int, default=1, help="residual blocks per head")
-    p.add_argument("--data", default="builtin", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
-                                                     "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
-                                                     "or a hub dataset id")
-    p.add_argument("--profile", default="quick", choices=sorted(TRAIN_PROFILES))
-    p.add_argument("--prompts", type=int, default=None, help="number of prompts (0: all; default from the profile)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="reply length cap (default from the profile)")
-    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--gen-batch", type=int, default=32, help="prompts generated together")
-    p.add_argument("--max-examples", type=int, default=None,
+    p.add_argument("--method", choices=["medusa1", "medusa2"])
+    p.add_argument("--num-heads", type=int, help="number of heads K")
+    p.add_argument("--layers", type=int, help="residual blocks per head")
+    p.add_argument("--data", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
+                                   "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
+                                   "or a hub dataset id")
+    p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
+    p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
+    p.add_argument("--max-new-tokens", type=int, help="reply length cap (default from the profile)")
+    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction)
+    p.add_argument("--gen-batch", type=int, help="prompts generated together")
+    p.add_argument("--max-examples", type=int,
                    help="train on a random subset of this many examples of the (cached) data")
-    p.add_argument("--epochs", type=float, default=None)
-    p.add_argument("--lr", type=float, default=None, help="heads' peak learning rate (default: the profile's, "
-                                                               "3e-3 for both)")
-    p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--lora-rank", type=int, default=0, help="medusa2: LoRA rank (0: full fine-tuning)")
-    p.add_argument("--train-layers", type=int, default=0,
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--lr", type=float, help="heads' peak learning rate (default: the profile's, "
+                                            "3e-3 for both)")
+    p.add_argument("--batch-tokens", type=int)
+    p.add_argument("--lora-rank", type=int, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--train-layers", type=int,
                    help="medusa2: adapt only the top L decoder layers with LoRA (--lora-rank), their inputs computed "
                         "once and cached; the heads ship with the adapter (0: the whole base, written whole)")
-    p.add_argument("--base-lr", type=float, default=None,
+    p.add_argument("--base-lr", type=float,
                    help="medusa2: the base's learning rate (default 2e-4 with --train-layers, else 2e-5)")
-    p.add_argument("--lm-weight", type=float, default=None,
+    p.add_argument("--lm-weight", type=float,
                    help="medusa2: weight of the next-token loss (default 0 with --train-layers: the paper's "
                         "self-distillation replaces it; else 1)")
-    p.add_argument("--distill-weight", type=float, default=1.0, help="medusa2: weight of KL(original || trained)")
-    p.add_argument("--heads-warmup", type=float, default=0.3,
+    p.add_argument("--distill-weight", type=float, help="medusa2: weight of KL(original || trained)")
+    p.add_argument("--heads-warmup", type=float,
                    help="medusa2: share of the steps that train only the heads (0 when --init heads are a warm-up)")
-    p.add_argument("--head-grad-to-base", type=float, default=0.2,
+    p.add_argument("--head-grad-to-base", type=float,
                    help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
-    p.add_argument("--vocab", default=None, choices=["full", "replies"],
+    p.add_argument("--vocab", choices=["full", "replies"],
                    help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
                         "heads' draft vocabulary (default: profile)")
-    p.add_argument("--draft-size", type=int, default=0,
+    p.add_argument("--draft-size", type=int,
                    help="with --vocab replies: only the S most frequent reply tokens (a smaller projection per tree "
                         "level at decode time; 0: all the replies' tokens)")
-    p.add_argument("--soft-targets", type=float, default=0.0,
+    p.add_argument("--soft-targets", type=float,
                    help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
                         "the hard label of the self-distilled data")
-    p.add_argument("--condition", default=None, choices=["none", "root", "path"],
+    p.add_argument("--condition", choices=["none", "root", "path"],
                    help="root: heads also read the embedding of the step's root token (the base's own next "
                         "token); path: and each head that of its parent in the tree; both shared format only "
                         "(default: profile)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--init", default=None, metavar="HEADS",
+    p.add_argument("--init", metavar="HEADS",
                    help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
                         "train them on this data; they must have the shape --num-heads/--layers/--condition give; "
                         "their draft vocabulary grows by this data's reply tokens")
     p.add_argument("--no-hidden-cache", action="store_true",
                    help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
                         "about 1.2 MB per 1000 tokens for the default model)")
-    p.add_argument("--out", default="results/heads")
+    p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, **TrainJob.defaults())
 
     p = sub.add_parser("calibrate", help="measure head x rank acceptance on greedy rollouts -> acceptance.json")
     _add_model_args(p)
     p.add_argument("--heads", required=True, help="heads folder or fresh:K")
-    p.add_argument("--data", default="builtin", help="builtin (its calibration split) or a prompt file")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--candidates", type=int, default=10, help="ranks recorded per head (at most 36)")
-    p.add_argument("--heldout", type=float, default=0.2, help="share of prompts held out")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--typical-temperature", type=float, default=None,
+    p.add_argument("--data", help="builtin (its calibration split) or a prompt file")
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--candidates", type=int, help="ranks recorded per head (at most 36)")
+    p.add_argument("--heldout", type=float, help="share of prompts held out")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--typical-temperature", type=float,
                    help="also store what typical acceptance at this temperature needs (search --accept typical)")
-    p.add_argument("--rollouts", default="runtime", choices=["runtime", "generate"],
+    p.add_argument("--rollouts", choices=["runtime", "generate"],
                    help="greedy text to calibrate on: the runtime's own plain decoding (what its greedy configurations "
                         "decode, token for token) or transformers' batched generate (faster)")
-    p.add_argument("--out", default="results/acceptance.json")
-    p.add_argument("--plots", default=None, help="folder for the heatmap")
+    p.add_argument("--out")
+    p.add_argument("--plots", help="folder for the heatmap")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=cmd_calibrate, **CalibrateJob.defaults())
 
     p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
     _add_model_args(p)
@@ -240,114 +241,115 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
     _add_model_args(p)
     p.add_argument("--heads", required=True, help="heads folder or fresh:K")
-    p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])
-    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--prefill", type=int, nargs="+", default=[],
+    p.add_argument("--nodes", type=int, nargs="+")
+    p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--prefill", type=int, nargs="+",
                    help="prompt lengths whose prefill is timed (default: the contexts)")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default="results/latency.json")
-    p.add_argument("--plots", default=None)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--out")
+    p.add_argument("--plots")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=cmd_profile, **ProfileJob.defaults())
 
     for name, helptext in (("speed", "tokens/s of generate, plain, prompt lookup and Medusa trees, interleaved"),
                            ("replay", "replay MT-Bench for a matrix of configurations (resumable records)")):
         p = sub.add_parser(name, help=helptext)
         _add_model_args(p)
-        p.add_argument("--heads", default="none", help="heads folder or fresh:K")
+        p.add_argument("--heads", help="heads folder or fresh:K")
         if name == "speed":
-            p.add_argument("--tree", nargs="+", default=["mc_sim_7b_63"], help="trees to time (presets or files)")
+            p.add_argument("--tree", nargs="+", help="trees to time (presets or files)")
             p.add_argument("--hf-engine", action="store_true",
                            help="also time plain decoding on transformers' forward (engine 'hf')")
             p.add_argument("--torch-path", action="store_true",
                            help="also time plain decoding on the lean engine's PyTorch path (engine 'lean-torch')")
-            p.add_argument("--lookup", type=int, default=0,
+            p.add_argument("--lookup", type=int,
                            help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
-            p.add_argument("--gate", type=float, nargs="+", default=[],
+            p.add_argument("--gate", type=float, nargs="+",
                            help="also time each tree with these confidence gates (with the lookup chain when given)")
-            p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+            p.add_argument("--only", nargs="+", metavar="NAME",
                            help="time only these configurations (names as in the table; generate and plain always)")
         else:
             p.add_argument("--config", required=True, help="YAML or JSON file with the configurations")
-            p.add_argument("--profile-like", default=None, metavar="LATENCY",
+            p.add_argument("--profile-like", metavar="LATENCY",
                            help="profile this latency file's grid again during the replay, in rounds between "
                                 "questions (latency-during.json): predictions priced at the replay's own speed")
-            p.add_argument("--profile-every", type=int, default=2, metavar="N",
+            p.add_argument("--profile-every", type=int, metavar="N",
                            help="with --profile-like: one round before every N-th question (default 2)")
-            p.add_argument("--storage", default=None, metavar="URL",
+            p.add_argument("--storage", metavar="URL",
                            help="share the matrix among workers on several machines through this Optuna storage "
                                 "(postgresql://..., mysql://..., sqlite:///...): one question a unit, each claimed once")
-            p.add_argument("--study-name", default="medusa-replay", help="with --storage: the matrix's queue")
-            p.add_argument("--machine", default=None,
+            p.add_argument("--study-name", help="with --storage: the matrix's queue")
+            p.add_argument("--machine",
                            help="with --storage: this machine's name in the records (default: the host name)")
-            p.add_argument("--heartbeat", type=int, default=5, help="with --storage: seconds between heartbeats")
-            p.add_argument("--grace-period", type=int, default=20,
+            p.add_argument("--heartbeat", type=int, help="with --storage: seconds between heartbeats")
+            p.add_argument("--grace-period", type=int,
                            help="with --storage: seconds without a heartbeat before a unit goes to another worker")
-        p.add_argument("--questions", default=None,
+        p.add_argument("--questions",
                        help="question set: mt-bench (default), humaneval (both fetched offline), or a JSONL")
-        p.add_argument("--categories", nargs="+", default=None)
-        p.add_argument("--ids", nargs="+", type=int, default=None, metavar="ID", help="only these question ids")
-        p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--categories", nargs="+")
+        p.add_argument("--ids", nargs="+", type=int, metavar="ID", help="only these question ids")
+        p.add_argument("--limit", type=int, help="at most N questions, spread over categories")
+        p.add_argument("--max-new-tokens", type=int)
+        p.add_argument("--repeats", type=int)
         p.add_argument("--sequential", action="store_true",
                        help="decode each answer whole, one configuration after another (default: the runtime's "
                             "configurations of a question one step each in turn, so drift hits all alike)")
-        p.add_argument("--out", default=f"results/{name}")
+        p.add_argument("--out")
         p.add_argument("--json", action="store_true", help=JSON_HELP)
-        p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay)
+        p.set_defaults(func=cmd_speed if name == "speed" else cmd_replay,
+                       **(SpeedJob if name == "speed" else ReplayJob).defaults())
 
     p = sub.add_parser("judge", help="quality of replayed answers: log-likelihood under the base (quality.json) and, "
                                      "with a judge backend, FastChat single grading (judge/)")
     _add_model_args(p)
     p.add_argument("--records", required=True, help="records.jsonl from replay")
-    p.add_argument("--questions", default=None)
-    p.add_argument("--backend", default="none", choices=["none", "openai", "local"],
+    p.add_argument("--questions")
+    p.add_argument("--backend", choices=["none", "openai", "local"],
                    help="none: proxies only (offline); openai: OPENAI_API_KEY / OPENAI_BASE_URL; local: --judge-local")
-    p.add_argument("--judge-model", default="gpt-4")
-    p.add_argument("--judge-local", default="default", help="local judge model (folder or 'default')")
+    p.add_argument("--judge-model")
+    p.add_argument("--judge-local", help="local judge model (folder or 'default')")
     p.add_argument("--guided-rating", action="store_true",
                    help="a judgment without [[rating]] gets one more turn whose reply is constrained to 1-10 "
                         "(guided_choice: vLLM's or medusa-bench serve's endpoints, or the local judge); not FastChat's "
                         "rule, counted per configuration as 'guided'")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_judge)
+    p.set_defaults(func=cmd_judge, **JudgeJob.defaults())
 
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
     p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")
-    p.add_argument("--latency", default=None, help="latency.json from profile (enables the speedup objective)")
+    p.add_argument("--latency", help="latency.json from profile (enables the speedup objective)")
     p.add_argument("--budget", type=int, required=True, help="largest number of tree nodes (root excluded)")
-    p.add_argument("--min-budget", type=int, default=1)
-    p.add_argument("--trials", type=int, default=60, help="complete trials the study should hold")
-    p.add_argument("--objective", default="auto", choices=["auto", "tau", "speedup"])
-    p.add_argument("--estimator", default="auto", choices=["auto", "joint", "independent"],
+    p.add_argument("--min-budget", type=int)
+    p.add_argument("--trials", type=int, help="complete trials the study should hold")
+    p.add_argument("--objective", choices=["auto", "tau", "speedup"])
+    p.add_argument("--estimator", choices=["auto", "joint", "independent"],
                    help="joint replay of rollouts (when present) or the independence model")
-    p.add_argument("--storage", default="sqlite:///results/treesearch.db", help="any Optuna storage URL")
-    p.add_argument("--study-name", "--study", dest="study", default="medusa-tree",
+    p.add_argument("--storage", help="any Optuna storage URL")
+    p.add_argument("--study-name", "--study", dest="study",
                    help="Optuna study name (workers sharing it share trials)")
-    p.add_argument("--heartbeat", type=int, default=5, help="seconds between a running trial's heartbeats")
-    p.add_argument("--grace-period", type=int, default=20,
+    p.add_argument("--heartbeat", type=int, help="seconds between a running trial's heartbeats")
+    p.add_argument("--grace-period", type=int,
                    help="seconds without a heartbeat after which another worker fails the trial and runs it again")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--context", type=int, default=None, help="context length for the latency model")
-    p.add_argument("--baseline", default="mc_sim_7b_63", help="tree evaluated as a baseline trial ('' for none)")
-    p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
+    p.add_argument("--seed", type=int)
+    p.add_argument("--context", type=int, help="context length for the latency model")
+    p.add_argument("--baseline", help="tree evaluated as a baseline trial ('' for none)")
+    p.add_argument("--accept", choices=["greedy", "typical"],
                    help="acceptance rule; typical also searches its thresholds against a quality proxy (Pareto front)")
-    p.add_argument("--max-regret", type=float, default=0.05,
+    p.add_argument("--max-regret", type=float,
                    help="typical: pick the fastest Pareto tree losing at most this many nats per token")
     p.add_argument("--trees-only", action="store_true",
                    help="greedy: search heads trees only (default: every configuration the runtime runs, no heads, "
                         "lookup chain and gate included, when the statistics carry rollout tokens and --latency is given)")
-    p.add_argument("--max-lookup", type=int, default=8, help="longest prompt-lookup chain a configuration may use")
-    p.add_argument("--exclude-ids", nargs="+", default=[], metavar="ID",
+    p.add_argument("--max-lookup", type=int, help="longest prompt-lookup chain a configuration may use")
+    p.add_argument("--exclude-ids", nargs="+", metavar="ID",
                    help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
                         "search's pick will be measured on)")
-    p.add_argument("--out", default="results/tree.json")
-    p.add_argument("--plots", default=None, help="folder for the search plots")
+    p.add_argument("--out")
+    p.add_argument("--plots", help="folder for the search plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_search)
+    p.set_defaults(func=cmd_search, **SearchJob.defaults())
 
     p = sub.add_parser("export", help="print a tree for a server: official Python list, TensorRT-LLM, vLLM")
     p.add_argument("tree", help="tree JSON file or preset name")

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
+from bench.matrix import baseline_configurations, replay_configurations, sampled_configurations
 from bench.stages import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
 from treesearch.tree import write_json_atomic
 from treesearch.typical import SEARCH_TEMPERATURE
@@ -79,17 +81,28 @@ class BenchOptions:
     guided_rating: bool = False  # a judgment without [[rating]] asked again, its reply constrained to 1-10
     max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
 
-    def model_args(self) -> tuple[str, ...]:
-        """What every stage's command gets to load the same model the same way."""
-        return ("--model", self.model, "--dtype", self.dtype, "--device", self.device)
+    def model_fields(self) -> dict[str, str]:
+        """What every stage's job gets to load the same model the same way."""
+        return {"model": self.model, "dtype": self.dtype, "device": self.device}
 
 
-def _cli(*argv: str) -> None:
-    from bench.cli import main
+def run_job(job: Job) -> None:
+    """A stage's job run in this process, by the function its command calls; prints what the command prints."""
+    from bench.commands.measure import calibrate_stage, profile_stage
+    from bench.commands.replay import judge_stage, replay_stage
+    from bench.commands.training import train_stage
+    from bench.commands.trees import search_stage
 
-    code = main(list(argv))
-    if code:
-        raise SystemExit(f"[bench] stage failed: medusa-bench {' '.join(argv)}")
+    stage = {TrainJob: train_stage, CalibrateJob: calibrate_stage, ProfileJob: profile_stage,
+             SearchJob: search_stage, ReplayJob: replay_stage, JudgeJob: judge_stage}[type(job)]
+    _, text = stage(job)
+    print(text, flush=True)
+
+
+def _cached(cache: StageCache, name: str, job: Job, outputs: list[Path]) -> bool:
+    """The job run unless its outputs exist under the same key (``bench.jobs.stage_key``: every field, the
+    files it reads, the runtime revision)."""
+    return cache.run(name, stage_key(job), outputs, lambda: run_job(job))
 
 
 # ---------------------------------------------------------------------------- stages
@@ -98,7 +111,6 @@ def _cli(*argv: str) -> None:
 def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     """The shipped heads, or heads trained with the quick profile (``--retrain``)."""
     from medusa_runtime.heads import shipped_heads_dir
-    from medusa_runtime.prompts import BUILTIN_REVISION
 
     if opts.heads not in ("default", "none") and not opts.retrain:
         folder = Path(opts.heads)
@@ -111,12 +123,8 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
             raise ValueError(f"the shipped heads belong to the default model, not {opts.model}: pass --heads FOLDER "
                              "(heads trained for it) or --retrain")
         heads_dir = out / "heads-trained" / "heads"
-        from medusa_runtime.train_profiles import TRAIN_PROFILES
-
-        train_key = {"profile": "quick", **TRAIN_PROFILES["quick"], "prompts_rev": BUILTIN_REVISION,
-                     "model": opts.model, "dtype": opts.dtype, "device": opts.device}
-        cache.run("train", train_key, [heads_dir],
-                  lambda: _cli("train", "--profile", "quick", *opts.model_args(), "--out", str(out / "heads-trained")))
+        job = TrainJob(profile="quick", **opts.model_fields(), out=str(out / "heads-trained"))
+        _cached(cache, "train", job, [heads_dir])
     return heads_dir
 
 
@@ -165,18 +173,11 @@ def _write_questions(path: Path, questions) -> Path:
 def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path,
                     workload: dict) -> Path:
     """Greedy rollouts of every calibration prompt, as long as a replayed turn, with ranks, tokens and gate."""
-    from medusa_runtime.prompts import BUILTIN_REVISION
-
     acc = out / "acceptance.json"
-    data = opts.calibration or str(out / "calibration.jsonl")
-    key = {"heads": folder_hash(heads), "data": data, "data_sha": file_hash(Path(data)),
-           "prompts_rev": BUILTIN_REVISION, "t": prof.max_new_tokens, "dtype": opts.dtype, "model": opts.model,
-           "device": opts.device,
-           "typical_t": SEARCH_TEMPERATURE, "runtime": RUNTIME_REVISION}
-    cache.run("calibrate", key, [acc],
-              lambda: _cli("calibrate", "--heads", str(heads), *opts.model_args(), "--data", data,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--heldout", "0", "--out", str(acc),
-                           "--typical-temperature", str(SEARCH_TEMPERATURE), "--plots", str(out / "plots")))
+    job = CalibrateJob(heads=str(heads), **opts.model_fields(), data=opts.calibration or str(out / "calibration.jsonl"),
+                       max_new_tokens=prof.max_new_tokens, heldout=0.0, out=str(acc),
+                       typical_temperature=SEARCH_TEMPERATURE, plots=str(out / "plots"))
+    _cached(cache, "calibrate", job, [acc])
     return acc
 
 
@@ -202,14 +203,9 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     minutes, and bandwidth-bound small steps move otherwise than compute-bound large trees."""
     lat = out / "latency.json"
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
-    key = {"heads": folder_hash(heads), "nodes": prof.latency_nodes, "ctx": contexts, "prefill": prefill,
-           "repeats": prof.latency_repeats, "dtype": opts.dtype, "model": opts.model, "device": opts.device,
-           "runtime": RUNTIME_REVISION}
-    cache.run("profile", key, [lat],
-              lambda: _cli("profile", "--heads", str(heads), *opts.model_args(), "--nodes",
-                           *map(str, prof.latency_nodes), "--contexts", *map(str, contexts), "--prefill",
-                           *map(str, prefill), "--repeats", str(prof.latency_repeats), "--out", str(lat),
-                           "--plots", str(out / "plots")))
+    job = ProfileJob(heads=str(heads), **opts.model_fields(), nodes=prof.latency_nodes, contexts=contexts,
+                     prefill=prefill, repeats=prof.latency_repeats, out=str(lat), plots=str(out / "plots"))
+    _cached(cache, "profile", job, [lat])
     return lat
 
 
@@ -225,170 +221,49 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     db = out / "treesearch.db"
     study = f"bench-{file_hash(acc)}-{file_hash(lat)}"
     files = []
+    common = {"acceptance": str(acc), "latency": str(lat), "budget": prof.search_budget, "trials": prof.search_trials,
+              "storage": f"sqlite:///{db}", "quiet": True}
     for f, fold in enumerate(workload["folds"]):
         path = out / "search" / f"fold-{f}.json"
         files.append(path)
-        key = {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
-               "trials": prof.search_trials, "exclude": fold, "runtime": RUNTIME_REVISION}
-        cache.run(f"search-fold-{f}", key, [path],
-                  lambda fold=fold, f=f, path=path: _cli(
-                      "search", "--acceptance", str(acc), "--latency", str(lat), "--budget", str(prof.search_budget),
-                      "--trials", str(prof.search_trials), "--storage", f"sqlite:///{db}", "--study",
-                      f"{study}-fold{f}-{_ids_digest(fold)}", "--exclude-ids", *map(str, fold), "--out", str(path),
-                      *(("--plots", str(out / "plots")) if f == 0 else ()), "--quiet"))
+        job = SearchJob(**common, study=f"{study}-fold{f}-{_ids_digest(fold)}", exclude_ids=tuple(map(str, fold)),
+                        out=str(path), plots=str(out / "plots") if f == 0 else None)
+        _cached(cache, f"search-fold-{f}", job, [path])
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
-    cache.run("search-typical", {"acc": file_hash(acc), "lat": file_hash(lat), "budget": prof.search_budget,
-                                 "front": "regret and total_regret",
-                                 "trials": prof.search_trials, "exclude": fold0}, [typical],
-              lambda: _cli("search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
-                           str(prof.search_budget), "--trials", str(prof.search_trials), "--accept", "typical",
-                           "--storage", f"sqlite:///{db}", "--study", f"{study}-typical-{_ids_digest(fold0)}",
-                           "--exclude-ids",
-                           *map(str, fold0), "--out", str(typical), "--plots", str(out / "plots"), "--quiet"))
+    job = SearchJob(**common, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
+                    exclude_ids=tuple(map(str, fold0)), out=str(typical), plots=str(out / "plots"))
+    _cached(cache, "search-typical", job, [typical])
     return files
-
-
-def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads: Path | None = None,
-                          compare: tuple[str, ...] = (), typical: Path | None = None) -> list[dict]:
-    """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
-    and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
-    heads), run on that fold's questions; the official mc_sim_7b_63 tree on every question; on the peers'
-    questions also transformers' generate and prompt lookup (slow here, and not predicted). For each head set
-    in ``compare`` (e.g. the Medusa-1 heads beside Medusa-2 ones): its chains of 1, 2 and all heads, on the
-    base those heads decode with (and plain decoding of that base, where it is another one)."""
-    from treesearch.search import load_recommendation
-    from treesearch.stats import load_stats
-
-    depths = sorted({1, 2, load_stats(acc).num_heads})
-    chains = [{"name": f"medusa chain:{d}", "method": "medusa", "tree": f"chain:{d}"} for d in depths]
-    configs = [*baseline_configurations(workload["peers"]),
-               {"name": "plain +lookup4", "method": "plain", "lookup_tokens": 4},
-               {"name": "medusa mc_sim_7b_63", "method": "medusa", "tree": "mc_sim_7b_63"},
-               *chains]
-    bases: set[str] = set()  # the bases whose plain decoding is in already (two Medusa-1 sets share one)
-    for other in compare:
-        configs += compare_configurations(other, heads, depths, bases)
-    configs += sampled_configurations(typical, workload["peers"])
-    for path, fold in zip(searches, workload["folds"]):
-        pick = load_recommendation(path)
-        configs.append(_config_of("searched", pick, path, fold))
-        if not pick.uses_heads:
-            configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
-                                      fold))
-    return configs
-
-
-def baseline_configurations(peers: list[int]) -> list[dict]:
-    """What every matrix holds first: the runtime's plain decoding on every question, and on the peers'
-    questions transformers' generate and prompt lookup (slow here, and not predicted)."""
-    on_peers = {"question_ids": peers}
-    return [{"name": "generate", "method": "generate", **on_peers},
-            {"name": "plain", "method": "plain"},
-            {"name": "prompt-lookup", "method": "prompt_lookup", "prompt_lookup_tokens": 10, **on_peers}]
-
-
-SAMPLES = 2  # answers drawn per (question, turn) by each sampled configuration, each with its own recorded seed
-
-
-def sampled_configurations(typical: Path | None, peers: list[int], temperature: float = SEARCH_TEMPERATURE,
-                           samples: int = SAMPLES) -> list[dict]:
-    """At ``temperature``, on the peers' questions: plain sampling (the reference), exact tree sampling (its
-    outputs distributed as plain sampling's) and typical acceptance at three points of the typical search's
-    predicted front (least regret, the chosen thresholds, the fastest), on that search's trees."""
-    base = {"temperature": temperature, "samples": samples, "question_ids": list(peers)}
-    out = [{"name": f"plain T{temperature}", "method": "plain", **base}]
-    if typical is None or not typical.is_file():
-        return out
-    obj = json.loads(typical.read_text())
-    acc, front = obj["acceptance"], obj["acceptance"].get("pareto") or []
-    out.append({"name": f"medusa sample T{temperature}", "method": "medusa", "accept": "sample", "tree": str(typical),
-                **base})
-    points = [(f"typical T{temperature}", str(typical), acc["posterior_threshold"], acc["posterior_alpha"])]
-    if front:
-        from treesearch.tree import make_tree, save_tree
-
-        for label, p in (("least regret", min(front, key=lambda p: p["regret"])),
-                         ("fastest", max(front, key=lambda p: p["speedup"]))):
-            f = typical.with_name(f"tree-typical-{label.replace(' ', '-')}.json")
-            save_tree(make_tree(p["medusa_choices"], name=f.stem), f, predicted_tau=p["tau"],
-                      predicted_speedup=p["speedup"], predicted_regret=p["regret"])
-            points.append((f"typical T{temperature} ({label})", str(f), p["posterior_threshold"], p["posterior_alpha"]))
-    out += [{"name": name, "method": "medusa", "accept": "typical", "tree": tree,
-             "posterior_threshold": eps, "posterior_alpha": delta, **base} for name, tree, eps, delta in points]
-    return out
-
-
-def compare_configurations(compare: str, heads: Path | None, depths: list[int], bases: set[str] | None = None
-                           ) -> list[dict]:
-    """The other head set's chains (named ``<compare> chain:d``) and, where its base differs from that of the
-    main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference, once
-    per base (``bases``: those already in, updated)."""
-    from medusa_runtime.heads import heads_folder
-    from medusa_runtime.medusa2 import adapter_info
-
-    folder = heads_folder(compare)
-    if folder is None or not (folder / "config.json").is_file():
-        raise ValueError(f"--compare-heads {compare}: not a heads folder")
-    out = []
-    same = heads is not None and folder.resolve() == heads.resolve()
-    # a base of its own: the set carries an adapter (the main heads' base then has none or another), or the
-    # main heads carry one and this set's base is the original
-    info = adapter_info(folder)
-    if not same and (info is not None or (heads is not None and adapter_info(heads) is not None)):
-        base = "original" if info is None else str(info.path.resolve())
-        if bases is None or base not in bases:
-            out.append({"name": f"plain, {compare} base", "method": "plain", "heads": compare})
-        if bases is not None:
-            bases.add(base)
-    return out + [{"name": f"{compare} chain:{d}", "method": "medusa", "tree": f"chain:{d}", "heads": compare}
-                  for d in depths]
-
-
-def _config_of(name: str, dec, tree_file: Path, fold: list[int]) -> dict:
-    base = {"name": name, "lookup_tokens": dec.lookup, "question_ids": list(fold)}
-    if dec.tree is None:
-        return {**base, "method": "plain"}
-    return {**base, "method": "medusa", "tree": str(tree_file), "gate": dec.gate}
 
 
 PROFILE_EVERY = 2  # the replay takes a profile round before every 2nd question (~10 s each on the default model)
 
 
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                 lat: Path, searches: list[Path], workload: dict) -> dict:
+                 lat: Path, searches: list[Path], workload: dict) -> None:
     """Every configuration, interleaved question by question, and the latency profile again in rounds between
     the questions (``bench.replay_profile``: ``replay/latency-during.json``, what the report prices its
-    predictions with); returns the stage's inputs (its cache key)."""
+    predictions with). The configuration file names the searches' and the typical search's tree files and the
+    compared heads: the stage's key holds their contents (``ReplayJob.reads``)."""
     configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads, out / "tree-typical.json")
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
-    from bench.runner import REPLAY_ORDER
-    from medusa_runtime.heads import heads_folder
-
-    key = {"config": config, "searches": [file_hash(p) for p in searches], "heads": folder_hash(heads),
-           "typical": file_hash(out / "tree-typical.json"),
-           "compare_heads": [folder_hash(heads_folder(c)) for c in opts.compare_heads],
-           "questions": workload["questions_sha256"], "replayed": workload["replayed"], "runtime": RUNTIME_REVISION,
-           "order": REPLAY_ORDER, "profile_like": file_hash(lat), "profile_every": PROFILE_EVERY}
-    ids = [str(i) for i in workload["replayed"]]
-    cache.run("replay", key, [replay_dir / "summary.csv"],
-              lambda: _cli("replay", "--config", str(cfg_file), "--heads", str(heads), *opts.model_args(),
-                           "--questions", str(out / "questions.jsonl"), "--ids", *ids,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--profile-like", str(lat),
-                           "--profile-every", str(PROFILE_EVERY), "--out", str(replay_dir)))
-    return key
+    job = ReplayJob(config=str(cfg_file), heads=str(heads), **opts.model_fields(), questions=str(out / "questions.jsonl"),
+                    ids=tuple(workload["replayed"]), max_new_tokens=prof.max_new_tokens, profile_like=str(lat),
+                    profile_every=PROFILE_EVERY, out=str(replay_dir))
+    _cached(cache, "replay", job, [replay_dir / "summary.csv"])
 
 
 LOOKUPS_WITHOUT_HEADS = (2, 4, 6, 8)  # --heads none: the runtime's prompt-lookup chains replayed
 
 
 def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache,
-                               workload: dict) -> dict:
+                               workload: dict) -> None:
     """``--heads none``: what a base model without heads can run, measured: the runtime's plain decoding
     alone and with prompt-lookup chains of 2-8 tokens, transformers' generate and prompt lookup on the
     peers' questions, plain sampling there too; nothing to calibrate or search, so nothing predicted."""
@@ -399,16 +274,9 @@ def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path
               "max_new_tokens": prof.max_new_tokens, "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
-    from bench.runner import REPLAY_ORDER
-
-    key = {"config": config, "questions": workload["questions_sha256"], "replayed": workload["replayed"],
-           "runtime": RUNTIME_REVISION, "order": REPLAY_ORDER}
-    ids = [str(i) for i in workload["replayed"]]
-    cache.run("replay", key, [out / "replay" / "summary.csv"],
-              lambda: _cli("replay", "--config", str(cfg_file), "--heads", "none", *opts.model_args(),
-                           "--questions", str(out / "questions.jsonl"), "--ids", *ids,
-                           "--max-new-tokens", str(prof.max_new_tokens), "--out", str(out / "replay")))
-    return key
+    job = ReplayJob(config=str(cfg_file), heads="none", **opts.model_fields(), questions=str(out / "questions.jsonl"),
+                    ids=tuple(workload["replayed"]), max_new_tokens=prof.max_new_tokens, out=str(out / "replay"))
+    _cached(cache, "replay", job, [out / "replay" / "summary.csv"])
 
 
 def run(opts: BenchOptions) -> None:
@@ -432,15 +300,15 @@ def run(opts: BenchOptions) -> None:
         for stale in ("acceptance.json", "latency.json"):  # a run with heads in this folder: not this one's
             (out / stale).unlink(missing_ok=True)
         workload = stage_workload(opts, prof, out, fits=False)
-        replayed = stage_replay_without_heads(opts, prof, out, cache, workload)
+        stage_replay_without_heads(opts, prof, out, cache, workload)
     else:
         heads = stage_heads(opts, out, cache)
         workload = stage_workload(opts, prof, out)
         acc = stage_calibrate(opts, prof, out, cache, heads, workload)
         lat = stage_profile(opts, prof, out, cache, heads, acc)
         searches = stage_search(prof, out, cache, acc, lat, workload)
-        replayed = stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
-    stage_quality(opts, out, cache, replayed)
+        stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
+    stage_quality(opts, out, cache)
     from bench.report import report
 
     written = report(out)
@@ -449,27 +317,20 @@ def run(opts: BenchOptions) -> None:
         print(f"  {p}")
 
 
-def judge_args(judge: str | None, guided: bool = False) -> tuple[str, ...]:
-    """The judge command's backend flags for ``--judge`` (None: no judge, the proxy only)."""
+def judge_fields(judge: str | None, guided: bool = False) -> dict:
+    """The judge job's backend fields for ``--judge`` (None: no judge, the proxy only)."""
     if judge is None:
-        return ("--backend", "none")
-    extra = ("--guided-rating",) if guided else ()
+        return {"backend": "none"}
     if judge.startswith("local:"):
-        return ("--backend", "local", "--judge-local", judge.removeprefix("local:") or "default", *extra)
-    return ("--backend", "openai", "--judge-model", judge, *extra)
+        return {"backend": "local", "judge_local": judge.removeprefix("local:") or "default", "guided_rating": guided}
+    return {"backend": "openai", "judge_model": judge, "guided_rating": guided}
 
 
-def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: dict) -> Path:
+def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     """Every configuration's answers scored: log-likelihood per token under the base (``quality.json``) and,
     with ``--judge``, FastChat single grading (``judge/``; the judge's replies are cached, so a rerun or a
     killed run asks only what it has not asked yet)."""
-    import os
-
     quality, records = out / "quality.json", out / "replay" / "records.jsonl"
-    endpoint = os.environ.get("OPENAI_BASE_URL") if opts.judge and not opts.judge.startswith("local:") else None
-    key = {"records": file_hash(records), "replay": replayed, "judge": opts.judge, "endpoint": endpoint,
-           **({"guided_rating": True} if opts.guided_rating else {}),
-           "model": opts.model, "dtype": opts.dtype, "device": opts.device, "runtime": RUNTIME_REVISION}
     products = [quality] + ([out / "judge" / "judge_scores.json"] if opts.judge else [])
     if not opts.judge:  # scores of an earlier run's answers must not be reported beside these (the cache stays)
         for stale in ("judge_scores.json", "model_judgment", "model_answer"):
@@ -478,9 +339,9 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache, replayed: di
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-    cache.run("quality", key, products,
-              lambda: _cli("judge", "--records", str(records), "--questions", str(out / "questions.jsonl"),
-                           *opts.model_args(), *judge_args(opts.judge, opts.guided_rating), "--out", str(out)))
+    job = JudgeJob(records=str(records), questions=str(out / "questions.jsonl"), **opts.model_fields(),
+                   **judge_fields(opts.judge, opts.guided_rating), out=str(out))
+    _cached(cache, "quality", job, products)
     return quality
 
 

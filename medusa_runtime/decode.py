@@ -20,23 +20,22 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Generator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treesearch.replay import gated_depth
-from treesearch.tree import Tree, load_tree, make_tree
+from treesearch.tree import Tree, load_tree
 
 from .acceptance import AcceptConfig, accept, first_token
+from .drafter import Drafter, make_drafter
 from .engine import make_engine
-from .heads import MedusaHeads
-from .heads_native import NativeHeadLevels, native_support
-from .lookup import LookupConfig, NgramIndex, with_lookup_chain
+from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel, chat_template_ids, device_sync
-from .tree_buffers import TreeBuffers, build_tree_buffers, plain_buffers
+from .tree_buffers import TreeBuffers
+from .tree_compiler import compile_tree, path_plan  # noqa: F401 (path_plan: re-exported)
 
 # transformers 5.x announces a rename of ``past_key_values`` to ``cache``, but in 5.23 a cache passed
 # as ``cache=`` is not filled; the old keyword is the one that works (engine 'hf'), so its notice is silenced.
@@ -131,69 +130,27 @@ class MedusaDecoder:
         self.accept_cfg = accept_cfg
         self.config = config
         self.heads = heads
-        self._levels: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if heads is None or tree is None:
-            self.tree = None
-            buffers = plain_buffers()
-        else:
-            self.tree = load_tree(tree)
-            buffers = build_tree_buffers(self.tree, heads.num_heads, config.topk)
+        self.tree = None if heads is None or tree is None else load_tree(tree)
+        # every layout a step may verify: the tree with lookup chains of 0..L tokens, its gated cuts
+        compiled = compile_tree(self.tree, heads.num_heads if self.tree else 0, config.topk,
+                                config.lookup.num_tokens, config.gate, self.device)
+        if self.tree is not None:
             heads.to(device=self.device, dtype=loaded.dtype).eval()
             heads.requires_grad_(False)
-            if isinstance(heads, MedusaHeads):  # only the heads the tree reads, batched per block level
-                self._levels = heads.stacked_blocks(self.tree.depth)
-        # root-conditioned heads: the input embeddings and U^T [depth, H, H] (the root's term in block 0)
-        self._root_terms: tuple[torch.Tensor, torch.Tensor] | None = None
-        if getattr(heads, "root_conditioned", False) and self.tree is not None:
-            self._root_terms = (self.model.get_input_embeddings().weight.detach(),
-                                heads.root_weight.detach()[: self.tree.depth].transpose(1, 2).contiguous())
-        # with prompt lookup: one buffer set per draft length k = 0..L (each a prefix of the full tree);
-        # with a gate, one such list per heads' depth d = 0..depth (the tree cut below level d)
-        heads_depth = buffers.depth
-        self.variants: list[TreeBuffers] = self._with_lookup(buffers, heads_depth)
-        self.gated: list[list[TreeBuffers]] | None = None
-        if config.gate > 0 and self.tree is not None:
-            if any((0,) * d not in set(self.tree.paths) for d in range(1, self.tree.depth + 1)):
-                raise ValueError(f"the gate reads the heads' top-1 chain: tree '{self.tree.name}' must hold "
-                                 "[0], [0, 0], ... to its depth")
-            self.gated = [self._with_lookup(self._cut(d), heads_depth) for d in range(heads_depth)] + [self.variants]
-        # path-conditioned heads: per tree level, which nodes are parents and where their children sit
-        self._path_plan: list[PathLevel] | None = None
-        if getattr(heads, "path_conditioned", False) and self.tree is not None:
-            if not isinstance(heads, MedusaHeads):
-                raise TypeError("path-conditioned decoding needs MedusaHeads")
-            self._path_plan = [level.to(self.device) for level in path_plan(self.tree)]
+        self.variants: list[TreeBuffers] = compiled.variants  # [k]: with a lookup chain of k tokens
+        self.gated: list[list[TreeBuffers]] | None = compiled.gated  # [d][k]: cut below level d (a gate)
         self.buffers: TreeBuffers = self.variants[-1]
         self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
-        self.lm_head = self.engine.lm_head_weight()
-        self._project = self._draft_ids = self._native = None
-        if self._levels is not None:  # the heads' vocabulary projection, built (and prepacked) once
-            use_vocab = config.draft_vocab and heads.draft_vocab is not None
-            self._draft_ids = heads.draft_vocab.to(self.device) if use_vocab else None
-            weight = heads.projection(self.lm_head, self.tree.depth, use_draft_vocab=use_vocab)
-            self._project = (self.engine.projector(weight) if weight.dim() == 2 else
-                             lambda states: torch.einsum("kh,kvh->kv", states, weight))  # [depth, S]
-            if self._path_plan is not None and config.native_heads and native_support(heads, self.engine) is None:
-                # the whole tree's candidates in one call of the C library (where the C forward runs)
-                self._native = NativeHeadLevels(heads, self.engine, weight, self.tree.depth, config.topk,
-                                                self._path_plan, self._root_terms[0], self._draft_ids)
+        # the heads' candidates (None: plain decoding), built once: batched blocks, prepacked projection
+        self.drafter: Drafter | None = None if self.tree is None else make_drafter(
+            heads, self.model, self.engine, self.tree, config.topk, self.device, config.draft_vocab,
+            config.native_heads)
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
         self.generator = torch.Generator()
         self.generator.manual_seed(config.seed if config.seed is not None else int(torch.seed()))
-
-    def _with_lookup(self, buffers: TreeBuffers, heads_depth: int) -> list[TreeBuffers]:
-        return [with_lookup_chain(buffers, k, heads_depth).to(self.device)
-                for k in range(self.config.lookup.num_tokens + 1)]
-
-    def _cut(self, depth: int) -> TreeBuffers:
-        """Buffers of the tree's levels 1..depth (the root alone for 0); same candidate slots as the full tree."""
-        if depth == 0:  # the root alone; topk kept so that lookup slots sit after all heads' candidates
-            return replace(plain_buffers(), topk=self.config.topk)
-        sub = make_tree([p for p in self.tree.paths if len(p) <= depth], name=f"{self.tree.name}[:{depth}]")
-        return build_tree_buffers(sub, self.heads.num_heads, self.config.topk)
 
     def _gated_depth(self, head_logits: torch.Tensor) -> int:
         """Deepest level whose top-1 chain probability (product of the heads' top-1 probabilities) passes the gate."""
@@ -227,26 +184,9 @@ class MedusaDecoder:
             if not draft:
                 return self._root.fill_(root)
             return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
-        depth, topk = self.tree.depth, self.config.topk
-        if self._path_plan is not None:
+        if self.drafter.in_node_order:
             return self._propose_path(hidden, root, draft)
-        root_embedding = None
-        if self._root_terms is not None:
-            root_embedding = self._root_terms[0][root]  # [H]: the root token's input embedding
-        if self._levels is not None:
-            states = hidden.expand(depth, 1, -1)  # [depth, 1, H]: the same state into every head
-            for level, (weight, bias) in enumerate(self._levels):  # one batched matmul per residual level
-                if level == 0 and root_embedding is not None:  # + U_j e inside the first block's activation
-                    bias = bias + root_embedding[None].to(bias.dtype) @ self._root_terms[1]  # [depth, 1, H]
-                states = states + F.silu(torch.baddbmm(bias, states, weight))
-            logits = self._project(states[:, 0])  # [depth, S]: S the draft vocabulary's size (else V)
-        elif root_embedding is not None:
-            logits = self.heads(hidden, self.model.get_output_embeddings(), root_embedding)[:depth]
-        else:  # any module with the heads' call signature
-            logits = self.heads(hidden, self.model.get_output_embeddings())[:depth]
-        top = torch.topk(logits, topk, dim=-1).indices  # [depth, topk]
-        if self._draft_ids is not None:
-            top = self._draft_ids[top]  # rows of the draft vocabulary -> token ids
+        top, logits = self.drafter.top(hidden, root)  # [depth, topk] token ids, [depth, S]
         if self.gated is not None:
             buffers = self.step_buffers = self.gated[self._gated_depth(logits)][len(draft)]
         self._root.fill_(root)
@@ -257,37 +197,13 @@ class MedusaDecoder:
 
     def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int]) -> torch.Tensor:
         """Path-conditioned heads: tree tokens in node order, level by level (each level's parents known)."""
-        if self._native is not None:  # one call; with a gate it stops at the first level the cut drops
-            nodes, chain = self._native.tree(hidden, root, self.config.gate if self.gated is not None else 0.0)
-        else:
-            nodes, chain = self._propose_path_torch(hidden, root)
+        nodes, chain = self.drafter.nodes(hidden, root, self.config.gate if self.gated is not None else 0.0)
         buffers = self.step_buffers = (self.gated[self._gated_depth_of(chain)][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
         if not draft:
             return nodes[:tree_nodes]
         return torch.cat([nodes[:tree_nodes], torch.tensor(list(draft), device=self.device)])
-
-    def _propose_path_torch(self, hidden: torch.Tensor, root: int) -> tuple[torch.Tensor, list[float]]:
-        """Tree tokens in node order through PyTorch's ops, and each level's first parent's top-1 probability
-        (the top-1 chain the gate reads; only with a gate)."""
-        heads, topk = self.heads, self.config.topk
-        embed, _ = self._root_terms
-        root_embedding = embed[root]  # [H]
-        nodes = torch.empty(self.variants[0].num_nodes, dtype=torch.long, device=self.device)
-        nodes[0] = root
-        chain = []
-        for j, level in enumerate(self._path_plan):  # level j + 1 of the tree, scored by head j
-            parents = embed[nodes[level.parents]] if j > 0 else None  # [P, H] (head 0's parent is the root)
-            states = heads.conditioned_state(j, hidden, root_embedding, parents)  # [P, H] ([H] for head 0)
-            logits = self._project(states.reshape(-1, states.shape[-1]))  # [P, S]
-            top = torch.topk(logits, topk, dim=-1).indices  # [P, topk]
-            if self.gated is not None:
-                chain.append(float(torch.softmax(logits[0].float(), dim=-1).amax()))
-            if self._draft_ids is not None:
-                top = self._draft_ids[top]
-            nodes[level.children] = top[level.child_parent, level.child_rank]
-        return nodes, chain
 
     def verify(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,33 +311,6 @@ class MedusaDecoder:
         stats.time_total = time.perf_counter() - t_start - paused
         stats.new_tokens = len(out)
         return GenerateResult(out, stats)
-
-
-@dataclass(frozen=True)
-class PathLevel:
-    """Tree level d (d >= 1) for path-conditioned heads: head d-1 runs once per parent node of level d-1."""
-
-    parents: torch.Tensor  # [P] long: node ids at level d-1 that have children, in node order
-    children: torch.Tensor  # [C] long: node ids at level d
-    child_parent: torch.Tensor  # [C] long: each child's parent as an index into ``parents``
-    child_rank: torch.Tensor  # [C] long: each child's rank in its parent's top-k
-
-    def to(self, device: torch.device | str) -> PathLevel:
-        return PathLevel(*(t.to(device) for t in (self.parents, self.children, self.child_parent, self.child_rank)))
-
-
-def path_plan(tree: Tree) -> list[PathLevel]:
-    """Per level of ``tree``: its parents and children, node ids as in :func:`build_tree_buffers`."""
-    paths = [()] + list(tree.paths)
-    index = {p: i for i, p in enumerate(paths)}
-    plan = []
-    for d in range(1, tree.depth + 1):
-        level = [p for p in paths if len(p) == d]
-        parents = sorted({index[p[:-1]] for p in level})
-        slot = {node: i for i, node in enumerate(parents)}
-        plan.append(PathLevel(torch.tensor(parents), torch.tensor([index[p] for p in level]),
-                              torch.tensor([slot[index[p[:-1]]] for p in level]), torch.tensor([p[-1] for p in level])))
-    return plan
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:

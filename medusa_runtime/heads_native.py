@@ -1,7 +1,7 @@
 """Root- and path-conditioned heads in the C library: a whole tree's candidates in one call instead of a
 dozen PyTorch ops per level.
 
-A level of the decoder's path-conditioned heads (``MedusaDecoder._propose_path``) is small work on few
+A level of the decoder's path-conditioned heads (``drafter.PathDrafter``) is small work on few
 rows: the root's (and each parent's) embedding through U_j (and P_j), the residual blocks, the
 projection onto the draft vocabulary and a top-k. In PyTorch each of those is an op with its own
 dispatch and, in bf16, a oneDNN call on one row; the C library does the level in one parallel call
@@ -43,7 +43,7 @@ def native_support(heads: MedusaHeads, engine) -> str | None:
 class NativeHeadLevels:
     """The heads' tree levels in the C library: ``level(j, hidden, root_e, parents_e)`` returns each row's
     top-k rows of the projection and its top-1 softmax probability (what the gate reads); ``tree(hidden, root)``
-    lays out a whole tree's candidates in one call (the levels of ``plan``, see ``decode.path_plan``)."""
+    lays out a whole tree's candidates in one call (the levels of ``plan``, see ``tree_compiler.path_plan``)."""
 
     def __init__(self, heads: MedusaHeads, engine, projection: torch.Tensor, depth: int, topk: int,
                  plan: list | None = None, embed: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None):

@@ -20,8 +20,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import random
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -281,51 +279,33 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     trainer = T.HeadTrainer(heads, lm_weight, cfg, subset, embed)
     pre_train, tea_train = layer_states(loaded, train_ex, cfg.max_len, layers[0], progress, log)
     ids_train, lab_train = T.ids_and_labels(train_ex, cfg.max_len)
-    steps_per_epoch = len(T.token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
-    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
-    warm = int(cfg.heads_warmup_ratio * total_steps)
+    total = T.total_steps(train_ex, cfg)
+    warm = int(cfg.heads_warmup_ratio * total)
     optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": cfg.lr},
                                    {"params": list(adapter_params.values()), "lr": cfg.base_lr}],
                                   weight_decay=cfg.weight_decay)
-    scheduler = T._schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
-    result = T.TrainResult(out, 0)
-    step = 0
-    ckpt = out / "checkpoint"
-    if resume and ckpt.is_dir():
-        state = T._load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
-                                   loaded.vocab_size)
+    scheduler = T.cosine_schedule(optimizer, int(cfg.warmup_ratio * total), total)
+
+    def loss(batch: list[int], step: int):
+        joint = step >= warm
+        top.train(joint)
+        heads.train()
+        return joint_loss(trainer, top, [pre_train[i] for i in batch], [tea_train[i] for i in batch],
+                          [lab_train[i] for i in batch], [ids_train[i] for i in batch], lm_weight, cfg, joint)
+
+    def restore(ckpt: Path) -> None:
         saved = torch.load(ckpt / "adapter.pt", weights_only=True)
         if set(saved) != set(adapter_params):
             raise ValueError(f"cannot resume from {ckpt}: its adapter does not match this run's")
         with torch.no_grad():
             for n, p in adapter_params.items():
                 p.copy_(saved[n])
-        step, result.history = state["step"], state["history"]
-        log(f"resuming from step {step}/{total_steps}")
-    t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="training (medusa2, top layers)", disable=not progress,
-               unit="step")
-    batches = T.batch_stream(train_ex, cfg, step)
-    try:
-        while step < total_steps:
-            batch = next(batches)
-            joint = step >= warm
-            top.train(joint)
-            heads.train()
-            loss, stats = joint_loss(trainer, top, [pre_train[i] for i in batch], [tea_train[i] for i in batch],
-                                     [lab_train[i] for i in batch], [ids_train[i] for i in batch], lm_weight, cfg,
-                                     joint)
-            step = T.joint_step(loss, stats, optimizer, scheduler, step, joint, result, bar)
-            if step % cfg.checkpoint_every == 0 and step < total_steps:
-                T._save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
-                                   len(train_ex), extra={"adapter.pt": {n: p.detach() for n, p in
-                                                                         adapter_params.items()}})
-    except KeyboardInterrupt:
-        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
-        raise
-    finally:
-        bar.close()
-    result.steps, result.seconds = step, time.perf_counter() - t0
+
+    method = T.Method("training (medusa2, top layers)", loss, record=lambda step: {"joint": step >= warm},
+                      weights=lambda: {"adapter.pt": {n: p.detach() for n, p in adapter_params.items()}},
+                      restore=restore, checkpoint_final=False)
+    result = T.train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+                          (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     top.eval()
     heads.eval()
     record_drift = {}
@@ -335,7 +315,7 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
             hid_val = [top(p.float()).to(torch.bfloat16) for p in pre_val]
         topk = T.evaluate_heads(T.HeadTrainer(heads, lm_weight, cfg, embed=embed), hid_val, lab_val, ids=ids_val)
-        result.validation.append({"step": step, "topk": topk})
+        result.validation.append({"step": result.steps, "topk": topk})
         record_drift = drift(top, pre_val, tea_val, lab_val, lm_weight)
         log(f"held-out drift of the adapted base: KL {record_drift['kl_per_token']:.4f}, log-likelihood drop of the "
             f"original's replies {record_drift['ll_drop_per_token']:+.4f} nats/token")
@@ -344,7 +324,7 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
               "examples": {"train": len(train_ex), "validation": len(val_ex),
                            "train_tokens": sum(len(e.input_ids) for e in train_ex)},
-              "steps": step, "train_seconds": result.seconds, "history": result.history,
+              "steps": result.steps, "train_seconds": result.seconds, "history": result.history,
               "validation": result.validation, "adapter": info, "drift": record_drift,
               **T.init_provenance(init), **(provenance or {})}
     save_adapted_heads(heads, peft_model, info, out / "heads")

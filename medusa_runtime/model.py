@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 
 from treesearch.fsutil import atomic_dir, atomic_file
+
+from .paths import cache_root
 
 DEFAULT_NAME = "default"
 
@@ -93,12 +94,6 @@ def chat_template_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
     assistant's reply (generation prompt added)."""
     ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
-def cache_root() -> Path:
-    """``$MEDUSA_BENCH_CACHE`` or ``~/.cache/medusa-bench``."""
-    env = os.environ.get("MEDUSA_BENCH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "medusa-bench"
 
 
 def software_versions() -> dict[str, str]:

@@ -16,23 +16,19 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import random
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from treesearch.fsutil import atomic_dir
 from treesearch.tree import write_json_atomic
 
 from .distill import Example
-from .heads import HeadsConfig, MedusaHeads, heads_folder, load_heads, resolve_heads, save_heads
+from .heads import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
 from .hidden_cache import (  # noqa: F401 (re-exported)
     base_hidden_states,
     cache_hidden_states,
@@ -40,8 +36,28 @@ from .hidden_cache import (  # noqa: F401 (re-exported)
     read_hidden_cache,
     write_hidden_cache,
 )
-from .losses import TOPK_LOGGED, HeadStats, ce_and_accuracy, head_targets, medusa_loss  # noqa: F401
+from .losses import (  # noqa: F401 (re-exported)
+    TOPK_LOGGED,
+    HeadStats,
+    HeadTrainer,
+    _accumulate,
+    _rates,
+    ce_and_accuracy,
+    evaluate_heads,
+    head_targets,
+    medusa_loss,
+)
 from .model import LoadedModel
+from .train_loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew from here)
+    RESUMABLE_CHANGES,
+    Method,
+    TrainResult,
+    batch_stream,
+    cosine_schedule,
+    token_batches,
+    total_steps,
+    train_loop,
+)
 
 CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
 
@@ -108,15 +124,6 @@ class TrainConfig:
         return self.condition == "path"
 
 
-@dataclass
-class TrainResult:
-    out_dir: Path
-    steps: int
-    history: list[dict] = field(default_factory=list)  # per logged step: loss, lr, per-head top-1
-    validation: list[dict] = field(default_factory=list)  # per evaluation: per-head top-1..5
-    seconds: float = 0.0
-
-
 # ---------------------------------------------------------------------------- data
 
 
@@ -141,209 +148,7 @@ def ids_and_labels(examples: Sequence[Example], max_len: int) -> tuple[list[torc
     return [ids for ids, _ in pairs], [lab for _, lab in pairs]
 
 
-def token_batches(examples: Sequence[Example], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    batches, cur, size = [], [], 0
-    for i in order:
-        n = min(len(examples[i].input_ids), max_len)
-        if cur and size + n > batch_tokens:
-            batches.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 # ---------------------------------------------------------------------------- Medusa-1
-
-
-class HeadTrainer:
-    """Projection of head states through a vocabulary matrix at the usable positions only."""
-
-    def __init__(self, heads: MedusaHeads, lm_weight: torch.Tensor, cfg: TrainConfig,
-                 subset: torch.Tensor | None = None, embed: torch.Tensor | None = None):
-        self.heads, self.cfg = heads, cfg
-        self.lm_weight = lm_weight  # [V, H], frozen (shared format)
-        self.embed = embed  # [V, H] the base's input embeddings (root-conditioned heads read the root's row)
-        if heads.root_conditioned and embed is None:
-            raise ValueError("root-conditioned heads train with the base model's input embeddings")
-        # optional training vocabulary: the softmax runs over these token ids only ([S]); targets are remapped
-        self.subset = subset
-        self.remap = None
-        if subset is not None:
-            self.remap = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
-            self.remap[subset] = torch.arange(len(subset))
-
-    def logits(self, j: int, states: torch.Tensor) -> torch.Tensor:
-        if self.heads.proj is not None:
-            w = self.heads.proj[j] if self.subset is None else self.heads.proj[j][self.subset]
-        else:  # rows taken per call: Medusa-2's lm_head changes while it trains
-            w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]  # [S, H]
-        return states @ w.T.to(torch.bfloat16 if torch.is_autocast_enabled("cpu") else states.dtype)
-
-    def _soft_loss(self, logits: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy against the base's own distribution over the token head j predicts.
-
-        Head j at position t predicts token t + j + 2, which the base predicts from its hidden state at
-        t + j + 1: ``teacher_hidden`` [N, H] are those states (final norm applied), projected through the
-        same vocabulary rows as the head (its softmax renormalised on a training vocabulary). On greedy
-        self-distilled data its argmax is the hard label; the rest of it ranks the alternatives.
-        """
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                             enabled=teacher_hidden.device.type == "cpu"):
-            w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]
-            teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
-        return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
-
-    def _conditioning(self, ids: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The embeddings conditioned heads read, or None: roots [sum T, H] (at position t the input
-        embedding of token t + 1, the root a decoding step starting there would have) and, for
-        path-conditioned heads, parents [sum T, K-1, H] (for head j the embedding of token t + j + 1).
-        Positions past an example's end, which no head target reaches, repeat its last token."""
-        if not self.heads.root_conditioned:
-            return None, None
-        if ids is None:
-            raise ValueError("root-conditioned heads need the examples' token ids")
-        k = self.heads.num_heads
-        ahead = []  # per example [T, K]: tokens t + 1 .. t + K
-        for row in ids:
-            at = (torch.arange(len(row))[:, None] + torch.arange(1, k + 1)).clamp(max=len(row) - 1)
-            ahead.append(row[at])
-        tokens = torch.cat(ahead).to(self.embed.device)  # [sum T, K]
-        roots = self.embed[tokens[:, 0]].float()
-        parents = self.embed[tokens[:, 1:]].float() if self.heads.path_conditioned and k > 1 else None
-        return roots, parents
-
-    def batch_loss(self, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                   ids: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[HeadStats | None]]:
-        """Concatenate usable positions of all examples per head, then one matmul per head.
-        ``ids`` (the examples' tokens, [T] each) are needed by root-conditioned heads only."""
-        total = torch.zeros(())
-        stats: list[HeadStats | None] = []
-        hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
-        root_embedding, parents = self._conditioning(ids)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
-            states = self.heads.head_states(hidden_all, root_embedding, parents)  # [sum T, K, H]
-        for j in range(self.heads.num_heads):
-            sel, tgt = [], []
-            offset = 0
-            for lab in labels:
-                mask, targets = head_targets(lab[None], j + 2)
-                idx = torch.nonzero(mask[0]).flatten()
-                sel.append(idx + offset)
-                tgt.append(targets[0, idx])
-                offset += lab.shape[0]
-            index = torch.cat(sel)
-            if index.numel() == 0:
-                stats.append(None)  # no usable position for this head in this batch: skipped
-                continue
-            target = torch.cat(tgt)
-            if self.remap is not None:
-                target = self.remap[target]
-                keep = target >= 0  # tokens outside the training vocabulary are not trained on
-                index, target = index[keep], target[keep]
-                if index.numel() == 0:
-                    stats.append(None)
-                    continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
-                logits = self.logits(j, states[index, j])  # [N, V] (or [N, S] on a training vocabulary)
-            loss, hits = ce_and_accuracy(logits, target)
-            if self.cfg.soft_targets > 0:
-                loss = (1 - self.cfg.soft_targets) * loss + self.cfg.soft_targets * self._soft_loss(
-                    logits, hidden_all[index + j + 1])
-            total = total + self.cfg.loss_decay ** (j + 1) * loss
-            stats.append(HeadStats(float(loss.detach()), int(index.numel()), hits))
-        return total, stats
-
-
-def _accumulate(acc: list[list[float]], stats: list[HeadStats | None]) -> None:
-    for j, s in enumerate(stats):
-        if s is not None:
-            acc[j][0] += s.positions
-            for r in range(TOPK_LOGGED):
-                acc[j][1 + r] += s.topk_correct[r]
-
-
-def _rates(acc: list[list[float]]) -> list[list[float]]:
-    return [[c / a[0] if a[0] else 0.0 for c in a[1:]] for a in acc]
-
-
-@torch.no_grad()
-def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                   chunk: int = 8, ids: Sequence[torch.Tensor] | None = None) -> list[list[float]]:
-    """Per head, top-1..5 accuracy on the given examples."""
-    acc = [[0.0] * (1 + TOPK_LOGGED) for _ in range(trainer.heads.num_heads)]
-    for s in range(0, len(hiddens), chunk):
-        _, stats = trainer.batch_loss(hiddens[s:s + chunk], labels[s:s + chunk],
-                                      None if ids is None else ids[s:s + chunk])
-        _accumulate(acc, stats)
-    return _rates(acc)
-
-
-# configuration fields a resumed run may change: a longer run continues a shorter one's checkpoint
-RESUMABLE_CHANGES = ("epochs", "checkpoint_every", "eval_every")
-
-
-def _save_checkpoint(out_dir: Path, heads: MedusaHeads, optimizer, scheduler, step: int, state: dict,
-                     cfg: TrainConfig, num_train: int, extra: dict[str, object] | None = None) -> None:
-    """checkpoint/ = heads (shared or official format) + optimiser + progress (+ ``extra`` files, each
-    saved with torch.save under its name), swapped in atomically: all of one step or none of it."""
-    with atomic_dir(out_dir / "checkpoint") as tmp:
-        save_heads(heads, tmp / "heads", fmt="shared" if heads.proj is None else "official")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                    "config": asdict(cfg), "num_train": num_train, **state}, tmp / "trainer.pt")
-        for name, obj in (extra or {}).items():
-            torch.save(obj, tmp / name)
-
-
-def _load_checkpoint(ckpt: Path, heads: MedusaHeads, optimizer, scheduler, cfg: TrainConfig, num_train: int,
-                     hidden_size: int, vocab_size: int) -> dict:
-    """Restore heads, optimiser and scheduler from ``ckpt``; the rest of its state is returned.
-
-    Refuses, in one line, a checkpoint made with another configuration or another number of examples.
-    """
-    state = torch.load(ckpt / "trainer.pt", weights_only=False)
-    saved = state.get("config")
-    if saved is not None:
-        now, defaults = asdict(cfg), asdict(TrainConfig())  # fields added since a checkpoint read as defaults
-        changed = [k for k in now if k not in RESUMABLE_CHANGES and saved.get(k, defaults[k]) != now[k]]
-        if changed:
-            k = changed[0]
-            raise ValueError(f"cannot resume from {ckpt}: it was trained with {k}={saved.get(k)!r}, this run "
-                             f"has {k}={now[k]!r} (only {', '.join(RESUMABLE_CHANGES)} may change)")
-    if state.get("num_train", num_train) != num_train:
-        raise ValueError(f"cannot resume from {ckpt}: it was trained on {state['num_train']} examples, "
-                         f"this run has {num_train}")
-    heads.load_state_dict(load_heads(ckpt / "heads", hidden_size, vocab_size).state_dict())
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state
-
-
-def batch_stream(train_ex: Sequence[Example], cfg: TrainConfig, start_step: int = 0) -> Iterator[list[int]]:
-    """The training batches from step ``start_step`` on, endlessly, in the order an uninterrupted run
-    takes them: one seeded shuffle per epoch, the epochs already done replayed (cheap: index lists only),
-    so that a resumed run trains on exactly the batches the interrupted one had left."""
-    rng = random.Random(cfg.seed)
-    step = 0
-    while True:
-        for batch in token_batches(train_ex, cfg.batch_tokens, cfg.max_len, rng):
-            if step >= start_step:
-                yield batch
-            step += 1
-
-
-def _schedule(optimizer, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def write_outputs(out_dir: Path, heads: MedusaHeads, lm_head: torch.nn.Module, cfg: TrainConfig,
@@ -453,64 +258,36 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     ids_train, lab_train = ids_and_labels(train_ex, cfg.max_len)
     hid_val = base_hidden_states(loaded, val_ex, cfg.max_len, progress, hidden_cache, log)
     ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
-    steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
-    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
+    total = total_steps(train_ex, cfg)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
+    scheduler = cosine_schedule(optimizer, int(cfg.warmup_ratio * total), total)
     subset = _training_vocabulary(heads, train_ex, cfg, loaded.vocab_size, log)
     trainer = HeadTrainer(heads, lm_weight, cfg, subset, embed)
     evaluator = HeadTrainer(heads, lm_weight, cfg, embed=embed)
-    result = TrainResult(out, 0)
-    step = 0
-    ckpt = out / "checkpoint"
-    if resume and ckpt.is_dir():
-        state = _load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
-                                 loaded.vocab_size)
-        step = state["step"]
-        result.history, result.validation = state["history"], state["validation"]
-        log(f"resuming from step {step}/{total_steps}")
-    t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="training heads (medusa1)", disable=not progress, unit="step")
     running = [[0.0] * (1 + TOPK_LOGGED) for _ in range(cfg.num_heads)]
-    batches = batch_stream(train_ex, cfg, step)
-    try:
-        while step < total_steps:
-            batch = next(batches)
-            heads.train()
-            loss, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch],
-                                             [ids_train[i] for i in batch])
-            optimizer.zero_grad(set_to_none=True)
-            if loss.requires_grad:
-                loss.backward()
-                optimizer.step()
-            scheduler.step()
-            step += 1
-            _accumulate(running, stats)
-            top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-            result.history.append({"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
-                                   "top1": top1})
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
-            bar.update(1)
-            # a validation costs about 0.6 s per held-out example here (4 heads x 49k-token softmax)
-            if hid_val and (step % cfg.eval_every == 0 or step == total_steps):
-                heads.eval()
-                result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val,
-                                                                               ids=ids_val)})
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
-                _save_checkpoint(out, heads, optimizer, scheduler, step,
-                                 {"history": result.history, "validation": result.validation},
-                                 cfg, len(train_ex))
-    except KeyboardInterrupt:
-        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
-        raise
-    finally:
-        bar.close()
-    result.steps = step
-    result.seconds = time.perf_counter() - t0
+
+    def loss(batch: list[int], step: int):
+        heads.train()
+        value, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch],
+                                          [ids_train[i] for i in batch])
+        _accumulate(running, stats)
+        return value, stats
+
+    def validate(step: int, total: int, result: TrainResult) -> None:
+        # a validation costs about 0.6 s per held-out example here (4 heads x 49k-token softmax)
+        if hid_val and (step % cfg.eval_every == 0 or step == total):
+            heads.eval()
+            result.validation.append({"step": step, "topk": evaluate_heads(evaluator, hid_val, lab_val,
+                                                                           ids=ids_val)})
+
+    method = Method("training heads (medusa1)", loss, record=lambda step: {"lr": scheduler.get_last_lr()[0]},
+                    after_step=validate)
+    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+                        (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
               "examples": {"train": len(train_ex), "validation": len(val_ex),
                            "train_tokens": sum(len(e.input_ids) for e in train_ex)},
-              "steps": step, "train_seconds": result.seconds, "history": result.history,
+              "steps": result.steps, "train_seconds": result.seconds, "history": result.history,
               "validation": result.validation, "train_topk": _rates(running), **init_provenance(init),
               **(provenance or {})}
     write_outputs(out, heads, lm_head, cfg, record)
@@ -564,22 +341,6 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     return loss, stats
 
 
-def joint_step(loss: torch.Tensor, stats: list[HeadStats | None], optimizer, scheduler, step: int, joint: bool,
-               result: TrainResult, bar) -> int:
-    """Medusa-2's optimiser step (where the loss has a gradient), the schedule, the step's record (loss, phase,
-    per-head top-1) and its progress; returns the step count after it."""
-    if loss.requires_grad:
-        loss.backward()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    top1 = [s.topk_correct[0] / s.positions if s else None for s in stats]
-    result.history.append({"step": step + 1, "loss": float(loss.detach()), "joint": joint, "top1": top1})
-    bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h0=f"{(top1[0] or 0):.3f}")
-    bar.update(1)
-    return step + 1
-
-
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
@@ -618,18 +379,22 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     lm_weight = student.get_output_embeddings().weight
     embed = student.get_input_embeddings().weight.detach()  # views: follow the student's updates
     trainer = HeadTrainer(heads, lm_weight.detach(), cfg, subset, embed)
-    steps_per_epoch = len(token_batches(train_ex, cfg.batch_tokens, cfg.max_len, random.Random(0)))
-    total_steps = max(1, int(round(steps_per_epoch * cfg.epochs)))
-    warm = int(cfg.heads_warmup_ratio * total_steps)
+    total = total_steps(train_ex, cfg)
+    warm = int(cfg.heads_warmup_ratio * total)
     optimizer = torch.optim.AdamW([{"params": list(heads.parameters()), "lr": cfg.lr},
                                    {"params": trainable_base, "lr": cfg.base_lr}], weight_decay=cfg.weight_decay)
-    scheduler = _schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
-    result = TrainResult(out, 0)
-    step = 0
-    ckpt = out / "checkpoint"
-    if resume and ckpt.is_dir():
-        state = _load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), loaded.hidden_size,
-                                 loaded.vocab_size)
+    scheduler = cosine_schedule(optimizer, int(cfg.warmup_ratio * total), total)
+
+    def loss(batch: list[int], step: int):
+        joint = step >= warm  # heads-only warm-up first, then the base learns too
+        for p in trainable_base:
+            p.requires_grad_(joint)
+        student.train(joint)
+        heads.train()
+        ids, labels, attn = padded_batch([train_ex[i] for i in batch], cfg.max_len, loaded.device)
+        return _medusa2_loss(student, teacher, trainer, ids, labels, attn, cfg, joint)
+
+    def restore(ckpt: Path) -> None:
         base_state = torch.load(ckpt / "base.pt", weights_only=True)
         missing = set(trainable) - set(base_state)
         if missing:
@@ -637,34 +402,12 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         with torch.no_grad():
             for n, p in trainable.items():
                 p.copy_(base_state[n])
-        step = state["step"]
-        result.history = state["history"]
-        log(f"resuming from step {step}/{total_steps}")
-    t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="training (medusa2)", disable=not progress, unit="step")
-    batches = batch_stream(train_ex, cfg, step)
-    try:
-        while step < total_steps:
-            batch = next(batches)
-            joint = step >= warm  # heads-only warm-up first, then the base learns too
-            for p in trainable_base:
-                p.requires_grad_(joint)
-            student.train(joint)
-            heads.train()
-            ids, labels, attn = padded_batch([train_ex[i] for i in batch], cfg.max_len, loaded.device)
-            loss, stats = _medusa2_loss(student, teacher, trainer, ids, labels, attn, cfg, joint)
-            step = joint_step(loss, stats, optimizer, scheduler, step, joint, result, bar)
-            if step % cfg.checkpoint_every == 0 and step < total_steps:
-                base = {n: p.detach() for n, p in trainable.items()}  # float32, by name
-                _save_checkpoint(out, heads, optimizer, scheduler, step, {"history": result.history}, cfg,
-                                 len(train_ex), extra={"base.pt": base})
-    except KeyboardInterrupt:
-        log(f"interrupted at step {step}; the last checkpoint in {ckpt} is complete and --resume continues")
-        raise
-    finally:
-        bar.close()
-    result.steps = step
-    result.seconds = time.perf_counter() - t0
+
+    method = Method("training (medusa2)", loss, record=lambda step: {"joint": step >= warm},
+                    weights=lambda: {"base.pt": {n: p.detach() for n, p in trainable.items()}},  # float32, by name
+                    restore=restore, checkpoint_final=False)
+    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+                        (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     student.eval()
     heads.eval()
     if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
@@ -673,7 +416,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
         topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg, embed=embed), hid_val,
                               lab_val, ids=ids_val)
-        result.validation.append({"step": step, "topk": topk})
+        result.validation.append({"step": result.steps, "topk": topk})
     if cfg.lora_rank > 0:
         student = student.merge_and_unload()
     student = student.to(loaded.dtype).eval()
@@ -682,7 +425,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         loaded.tokenizer.save_pretrained(out / "base")
     record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
               "examples": {"train": len(train_ex), "validation": len(val_ex),
-                           "train_tokens": sum(len(e.input_ids) for e in train_ex)}, "steps": step,
+                           "train_tokens": sum(len(e.input_ids) for e in train_ex)}, "steps": result.steps,
               "train_seconds": result.seconds, "history": result.history, "validation": result.validation,
               **(provenance or {})}
     write_outputs(out, heads, student.get_output_embeddings(), cfg, record)

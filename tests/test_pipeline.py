@@ -13,9 +13,10 @@ from bench import pipeline
 from bench.pipeline import BenchOptions, StageCache
 
 
-def _capture(monkeypatch) -> list[tuple[str, ...]]:
-    calls: list[tuple[str, ...]] = []
-    monkeypatch.setattr(pipeline, "_cli", lambda *argv: calls.append(argv))
+def _capture(monkeypatch) -> list:
+    """The jobs the pipeline runs, captured instead of run."""
+    calls: list = []
+    monkeypatch.setattr(pipeline, "run_job", calls.append)
     return calls
 
 
@@ -24,10 +25,9 @@ def test_retrain_trains_for_the_users_model_on_its_device_and_dtype(tmp_path, mo
     opts = BenchOptions(retrain=True, model="some/model", device="cuda:1", dtype="float16", out=str(tmp_path))
     heads = pipeline.stage_heads(opts, tmp_path, StageCache(tmp_path))
     assert heads == tmp_path / "heads-trained" / "heads"
-    (argv,) = calls
-    assert argv[0] == "train"
-    flags = dict(zip(argv[1::2], argv[2::2]))
-    assert flags["--model"] == "some/model" and flags["--device"] == "cuda:1" and flags["--dtype"] == "float16"
+    (job,) = calls
+    assert isinstance(job, pipeline.TrainJob) and job.profile == "quick"
+    assert job.model == "some/model" and job.device == "cuda:1" and job.dtype == "float16"
     # another model is another training (the stage key holds the model)
     pipeline.stage_heads(BenchOptions(retrain=True, model="other", device="cuda:1", dtype="float16"), tmp_path,
                          StageCache(tmp_path))
@@ -62,7 +62,7 @@ def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
     carries a Medusa-2 adapter (another base); the same folder twice adds no plain run."""
     import json
 
-    from bench.pipeline import compare_configurations
+    from bench.matrix import compare_configurations
 
     plain_heads, adapted = tmp_path / "m1", tmp_path / "m2"
     for folder, extra in ((plain_heads, {}), (adapted, {"medusa_base_adapter": {"path": "adapter", "layers": [1],
@@ -136,12 +136,12 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     same fold again keeps its name, so a search resumes its study."""
     studies = []
 
-    def fake_cli(*argv):
-        studies.append(argv[argv.index("--study") + 1])
-        Path(argv[argv.index("--out") + 1]).parent.mkdir(parents=True, exist_ok=True)
-        Path(argv[argv.index("--out") + 1]).write_text("{}")
+    def fake_run(job):
+        studies.append(job.study)
+        Path(job.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(job.out).write_text("{}")
 
-    monkeypatch.setattr(pipeline, "_cli", fake_cli)
+    monkeypatch.setattr(pipeline, "run_job", fake_run)
     acc, lat = tmp_path / "acceptance.json", tmp_path / "latency.json"
     acc.write_text("{}")
     lat.write_text("{}")
@@ -157,7 +157,7 @@ def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp
     """Plain sampling, exact tree sampling and three typical points (least regret, chosen, fastest), each a
     valid runtime configuration on the peers' questions with its samples; without a typical search only
     plain sampling."""
-    from bench.pipeline import sampled_configurations
+    from bench.matrix import sampled_configurations
     from bench.runner import MethodConfig
     from treesearch.tree import load_tree
 

@@ -18,21 +18,34 @@ def _result(args: argparse.Namespace, obj: dict, text: str | None = None) -> Non
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M-Instruct), a folder or a hub id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    from bench.jobs import ModelJob
+
+    p.add_argument("--model", default=ModelJob.model,
+                   help="'default' (offline SmolLM2-135M-Instruct), a folder or a hub id")
+    p.add_argument("--dtype", default=ModelJob.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
+    p.add_argument("--device", default=ModelJob.device, help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
 
 
-def _model_and_heads(args: argparse.Namespace):
-    """The base model and the heads (``None`` for ``--heads none``) that a command's flags name."""
+def _model_and_heads(args):
+    """The base model and the heads (``None`` for ``--heads none``) that a command's flags (or job) name."""
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
 
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    args.dtype = str(loaded.dtype).removeprefix("torch.")  # 'auto' resolved: records and keys name the real one
-    loaded = _adapted(loaded, args.heads)
+    loaded = _adapted(load_model(args.model, args.dtype, args.device, log=_log), args.heads)
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
+
+
+def dtype_name(loaded) -> str:
+    """The dtype a model was loaded in, by name ('auto' resolved: records and keys name the real one)."""
+    return str(loaded.dtype).removeprefix("torch.")
+
+
+def show(args: argparse.Namespace, run, job) -> int:
+    """A command that runs a stage: the stage's (result object, text) printed as ``_result`` prints."""
+    obj, text = run(job)
+    _result(args, obj, text)
+    return 0
 
 
 def _base_name(model: str) -> str:

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.commands.common import _adapted, _base_name, _log, _model_and_heads, _result, builtin_split
+from bench.commands.common import _adapted, _base_name, _log, _model_and_heads, _result, builtin_split, show
+from bench.jobs import CalibrateJob, ProfileJob
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -61,35 +62,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    return show(args, calibrate_stage, CalibrateJob.from_namespace(args))
+
+
+def calibrate_stage(job: CalibrateJob) -> tuple[dict, str]:
+    """The calibrate stage: greedy rollouts of the job's prompts -> acceptance.json (and the heatmap)."""
     from medusa_runtime.calibrate import CalibrationConfig, calibrate
     from medusa_runtime.prompts import load_prompt_source
     from treesearch.stats import save_stats
 
-    cfg = CalibrationConfig(max_new_tokens=args.max_new_tokens, topk=args.candidates,
-                            heldout_fraction=args.heldout, batch_size=args.batch_size, limit=args.limit,
-                            seed=args.seed, typical_temperature=args.typical_temperature, rollouts=args.rollouts)
-    prompts = builtin_split(load_prompt_source(args.data), args.data, "calibration")
-    loaded, heads = _model_and_heads(args)
+    cfg = CalibrationConfig(max_new_tokens=job.max_new_tokens, topk=job.candidates,
+                            heldout_fraction=job.heldout, batch_size=job.batch_size, limit=job.limit,
+                            seed=job.seed, typical_temperature=job.typical_temperature, rollouts=job.rollouts)
+    prompts = builtin_split(load_prompt_source(job.data), job.data, "calibration")
+    loaded, heads = _model_and_heads(job)
     if heads is None:
         raise ValueError("calibration needs heads (--heads DIR or fresh:K)")
-    stats = calibrate(loaded, heads, prompts, cfg, provenance={"heads": args.heads, "data": args.data}, log=_log)
-    path = save_stats(stats, args.out)
+    stats = calibrate(loaded, heads, prompts, cfg, provenance={"heads": job.heads, "data": job.data}, log=_log)
+    path = save_stats(stats, job.out)
     topk = [[float(row[:r].sum()) for r in (1, 2, 3, 4, 5, stats.topk)] for row in stats.marginal]
     rows = replay_rows(stats)
     plots = []
-    if args.plots:
+    if job.plots:
         from bench.plots import plot_acceptance_heatmap
 
-        plots = [str(p) for p in plot_acceptance_heatmap(stats, args.plots)]
+        plots = [str(p) for p in plot_acceptance_heatmap(stats, job.plots)]
     lines = [f"{stats.positions} positions from {len(stats.rollouts)} rollouts (+{len(stats.heldout)} held out); "
              f"written: {path}"]
     lines += [f"  head {j}: top-1..5 " + " ".join(f"{v:.3f}" for v in row[:5]) + f"  top-{stats.topk} {row[5]:.3f}"
               for j, row in enumerate(topk)]
     lines += [format_replay_rows(rows)] + [f"plot: {p}" for p in plots]
-    _result(args, {"acceptance": str(path), "positions": stats.positions, "rollouts": len(stats.rollouts),
-                   "heldout": len(stats.heldout), "topk_accuracy": topk, "trees": rows, "plots": plots},
-            "\n".join(lines))
-    return 0
+    return ({"acceptance": str(path), "positions": stats.positions, "rollouts": len(stats.rollouts),
+             "heldout": len(stats.heldout), "topk_accuracy": topk, "trees": rows, "plots": plots}, "\n".join(lines))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -212,16 +216,21 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    return show(args, profile_stage, ProfileJob.from_namespace(args))
+
+
+def profile_stage(job: ProfileJob) -> tuple[dict, str]:
+    """The profile stage: the latency profile the search prices with -> latency.json (and its plot)."""
     from medusa_runtime.profile import ProfileConfig, profile_latency
     from treesearch.cost import profile_to_json, save_profile
 
-    loaded, heads = _model_and_heads(args)
+    loaded, heads = _model_and_heads(job)
     if heads is None:
         raise ValueError("profiling needs heads (--heads DIR or fresh:K)")
-    cfg = ProfileConfig(nodes=tuple(args.nodes), contexts=tuple(sorted(args.contexts)), repeats=args.repeats,
-                        prefill=tuple(sorted(args.prefill)))
+    cfg = ProfileConfig(nodes=tuple(job.nodes), contexts=tuple(sorted(job.contexts)), repeats=job.repeats,
+                        prefill=tuple(sorted(job.prefill)))
     prof = profile_latency(loaded, heads, cfg)
-    path = save_profile(prof, args.out)
+    path = save_profile(prof, job.out)
     lines = [f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
              f"bookkeeping {prof.bookkeeping_ms:.2f} ms, lookup drafting {prof.lookup_ms:.3f} ms per step"]
     if prof.heads_nodes:
@@ -241,13 +250,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
             f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
     lines.append(f"written: {path}")
     plots = []
-    if args.plots:
+    if job.plots:
         from bench.plots import plot_latency
 
-        plots = [str(p) for p in plot_latency(prof, args.plots)]
+        plots = [str(p) for p in plot_latency(prof, job.plots)]
         lines += [f"plot: {p}" for p in plots]
-    _result(args, {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines))
-    return 0
+    return {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines)
 
 
 def format_stats_table(stats, label: str) -> str:

@@ -4,12 +4,14 @@ workers through a storage), judge (answer quality); and their helpers."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.commands.common import _adapted, _log, _model_and_heads, _result
+from bench.commands.common import _adapted, _log, _model_and_heads, dtype_name, show
+from bench.jobs import JudgeJob, ReplayJob, SpeedJob, read_replay_config
 
 
 def _configs_from_trees(trees: list[str], prompt_lookup: bool = True, hf_engine: bool = False,
@@ -58,7 +60,7 @@ def _replay_inputs(args, configs) -> dict:
                if getattr(args, "profile_like", None) else {})}
 
 
-def _run_replay(args, configs, turns: int):
+def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
     from bench.runner import ReplayConfig, replay
     from bench.stages import StageCache, isolate_records
@@ -67,6 +69,7 @@ def _run_replay(args, configs, turns: int):
 
     questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
+    args = dataclasses.replace(args, dtype=dtype_name(loaded))  # 'auto' resolved: the records' key names the real one
     if heads is None and any(c.method == "medusa" and c.heads is None for c in configs):
         raise ValueError("Medusa configurations need --heads")
     variants = {}  # heads that configurations name beside the replay's own: each with the base it decodes with
@@ -129,7 +132,7 @@ def _replay_shared(args, configs, questions, cfg, loaded, heads, variants) -> li
         scratch.unlink()
         return records
 
-    mine = queue.work(run_unit, progress=not args.json)
+    mine = queue.work(run_unit, progress=args.progress)
     _log(f"this worker ({qcfg.worker} on {qcfg.machine}) replayed {mine} of {queue.units} units")
     records = queue.merged_records()
     with atomic_file(out_dir / "records.jsonl") as tmp:
@@ -171,7 +174,7 @@ def _profile_during(args, loaded, heads, out_dir: Path):
     return RoundsDuringReplay(out_dir / "profile_rounds.jsonl", Profiler(loaded, heads, cfg), args.profile_every)
 
 
-def select_questions(args: argparse.Namespace):
+def select_questions(args: ReplayJob | SpeedJob):
     """The questions a replay runs: the set (--questions), then --categories, --ids (in their order), --limit."""
     from bench.suites import load_suite
     from bench.workload import spread_over_categories
@@ -207,6 +210,12 @@ def step_breakdown(df):
 
 
 def cmd_speed(args: argparse.Namespace) -> int:
+    return show(args, speed_stage, SpeedJob.from_namespace(args, progress=not args.json))
+
+
+def speed_stage(args: SpeedJob) -> tuple[dict, str]:
+    """generate, plain, prompt lookup and the job's trees timed on its questions, with the step's breakdown
+    and the bandwidth floor."""
     from bench.analyze import to_markdown
     from bench.bandwidth import bandwidth_floor
     from medusa_runtime.engine import c_forward_status
@@ -234,52 +243,37 @@ def cmd_speed(args: argparse.Namespace) -> int:
              f"{step_ms / floor.floor_ms:.2f}x the floor")
     obj.update(c_forward=status, step_breakdown=breakdown.to_dict("records"), bandwidth_floor_ms=floor.floor_ms,
                bandwidth_gbs=floor.bandwidth_gbs, plain_step_ms=step_ms)
-    _result(args, obj, text)
-    return 0
+    return obj, text
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    return show(args, replay_stage, ReplayJob.from_namespace(args, progress=not args.json))
+
+
+# the flags a configuration file may set, where the command line left them at their defaults
+FILE_FLAGS = ("model", "heads", "dtype", "max_new_tokens", "repeats")
+
+
+def replay_stage(job: ReplayJob) -> tuple[dict, str]:
+    """The replay stage: the configuration file's matrix on the job's questions (resumable records)."""
     from bench.runner import MethodConfig
 
-    spec = _read_config_file(args.config)
-    for key in ("model", "heads", "dtype", "max_new_tokens", "repeats"):
-        if key in spec and getattr(args, key, None) in (None, _DEFAULTS.get(key)):
-            setattr(args, key, spec[key])
+    spec = read_replay_config(job.config)
+    defaults = ReplayJob.defaults()
+    job = dataclasses.replace(job, **{k: spec[k] for k in FILE_FLAGS
+                                      if k in spec and getattr(job, k) in (None, defaults.get(k))})
     configs = [MethodConfig(**c) for c in spec.get("configurations", [])]
     if not configs:
-        raise ValueError(f"{args.config} lists no configurations")
-    _, _, text, obj = _run_replay(args, configs, turns=int(spec.get("turns", 2)))
-    _result(args, obj, text)
-    return 0
-
-
-_DEFAULTS = {"model": "default", "heads": "none", "dtype": "auto", "max_new_tokens": 128, "repeats": 1}
-
-
-def _read_config_file(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            spec = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark is not None else ""
-            raise ValueError(f"config file {path} is not valid YAML{where}") from None
-        if not isinstance(spec, dict):
-            raise ValueError(f"config file {path} must hold a mapping with 'configurations'")
-        return spec
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"config file {path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
+        raise ValueError(f"{job.config} lists no configurations")
+    _, _, text, obj = _run_replay(job, configs, turns=int(spec.get("turns", 2)))
+    return obj, text
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
+    return show(args, judge_stage, JudgeJob.from_namespace(args, progress=not args.json))
+
+
+def judge_stage(args: JudgeJob) -> tuple[dict, str]:
     """Quality of replayed answers: the log-likelihood proxy always (quality.json), FastChat single grading by
     a judge when one is named (judge/: FastChat's files and judge_scores.json; see bench.judging)."""
     from bench.analyze import to_markdown
@@ -300,7 +294,7 @@ def cmd_judge(args: argparse.Namespace) -> int:
     spec = {"none": None, "openai": args.judge_model, "local": f"local:{args.judge_local}"}[args.backend]
     backend = backend_for(spec, args.dtype, args.device) if spec else None  # a bad judge fails before the long part
     loaded = load_model(args.model, args.dtype, args.device, log=_log)  # the base the answers are scored under
-    frame = answer_quality(loaded, every, questions, progress=not args.json)  # every sample
+    frame = answer_quality(loaded, every, questions, progress=args.progress)  # every sample
     quality = json.loads(write_quality(out, frame, loaded.name).read_text())
     lines = [f"{cfg}: {q['log_likelihood_per_token']:.4f} nats/token, regret {q['regret_per_token']:.4f}, over "
              f"{q['tokens']} tokens" for cfg, q in quality["configs"].items()]
@@ -310,17 +304,14 @@ def cmd_judge(args: argparse.Namespace) -> int:
     text = "answer quality under the base model (proxies, not a judge):\n" + "\n".join(lines)
     obj = {"quality": quality["configs"], "distribution_checks": quality["distribution_checks"]}
     if backend is None:
-        _result(args, obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)")
-        return 0
-    scores = json.loads(run_judge(out, records, questions, backend, progress=not args.json,
+        return obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)"
+    scores = json.loads(run_judge(out, records, questions, backend, progress=args.progress,
                                   guided=args.guided_rating).read_text())
     table = pd_frame_of_scores(scores)
     obj.update(judge=scores["judge"], scores=scores["configs"])
     how = "ratings without [[x]] asked again, constrained to 1-10" if args.guided_rating else \
         "unparsable ratings left out as FastChat does"
-    _result(args, obj, text + f"\n\njudge {scores['judge']} (FastChat single grading, 1-10; {how}):\n"
-            + to_markdown(table))
-    return 0
+    return obj, text + f"\n\njudge {scores['judge']} (FastChat single grading, 1-10; {how}):\n" + to_markdown(table)
 
 
 def pd_frame_of_scores(scores: dict):

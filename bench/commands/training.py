@@ -6,11 +6,17 @@ from __future__ import annotations
 import argparse
 import random
 
-from bench.commands.common import _adapted, _log, _result, builtin_split
+from bench.commands.common import _adapted, _log, _result, builtin_split, show
+from bench.jobs import TrainJob
 from medusa_runtime.train_profiles import TRAIN_PROFILES
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    return show(args, train_stage, TrainJob.from_namespace(args))
+
+
+def train_stage(args: TrainJob) -> tuple[dict, str]:
+    """The heads stage of ``--retrain``: self-distilled data, then Medusa-1 or Medusa-2 training (resumable)."""
     from medusa_runtime.distill import DistillConfig, build_distill_data
     from medusa_runtime.model import load_model
     from medusa_runtime.prompts import load_prompt_source
@@ -62,10 +68,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     adapter = " with its base adapter (heads/adapter, merged at load)" if top else ""
     lines.append(f"written: {args.out}/heads (shared lm_head){adapter}, {official}{args.out}/training.json")
     lines += [f"plot: {p}" for p in plots]
-    _result(args, {"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps,
-                   "seconds": result.seconds, "validation_topk": last, "out": str(args.out), "plots": plots},
-            "\n".join(lines))
-    return 0
+    return ({"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps, "seconds": result.seconds,
+             "validation_topk": last, "out": str(args.out), "plots": plots}, "\n".join(lines))
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:

@@ -7,26 +7,32 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.commands.common import _adapted, _log, _result
+from bench.commands.common import _adapted, _log, _result, show
+from bench.jobs import SearchJob
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    return show(args, search_stage, SearchJob.from_namespace(args))
+
+
+def search_stage(job: SearchJob) -> tuple[dict, str]:
+    """The search stage: an Optuna study over the configurations (or trees) -> tree JSON (and its plots)."""
     from treesearch.cost import load_profile
     from treesearch.search import SearchConfig, run_search, write_search
     from treesearch.stats import load_stats, select
 
-    stats = load_stats(args.acceptance)
-    if args.exclude_ids:  # cross-fitting: fit on every rollout but these questions'
-        stats = select(stats, drop_ids=args.exclude_ids)
-    latency = load_profile(args.latency, expect_model=stats.meta.get("model")) if args.latency else None
-    joint = {"auto": None, "joint": True, "independent": False}[args.estimator]
-    cfg = SearchConfig(budget=args.budget, trials=args.trials, objective=args.objective, storage=args.storage,
-                       study_name=args.study, seed=args.seed, joint=joint, min_budget=args.min_budget,
-                       heartbeat=args.heartbeat, grace=args.grace_period,
-                       context=args.context, baseline=args.baseline, accept=args.accept,
-                       max_regret=args.max_regret, configurations=not args.trees_only, max_lookup=args.max_lookup)
-    result = run_search(stats, cfg, latency, show_progress=not args.quiet)
-    path = write_search(result, stats, cfg, args.out, str(args.acceptance), str(args.latency) if args.latency else None)
+    stats = load_stats(job.acceptance)
+    if job.exclude_ids:  # cross-fitting: fit on every rollout but these questions'
+        stats = select(stats, drop_ids=job.exclude_ids)
+    latency = load_profile(job.latency, expect_model=stats.meta.get("model")) if job.latency else None
+    joint = {"auto": None, "joint": True, "independent": False}[job.estimator]
+    cfg = SearchConfig(budget=job.budget, trials=job.trials, objective=job.objective, storage=job.storage,
+                       study_name=job.study, seed=job.seed, joint=joint, min_budget=job.min_budget,
+                       heartbeat=job.heartbeat, grace=job.grace_period,
+                       context=job.context, baseline=job.baseline, accept=job.accept,
+                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.max_lookup)
+    result = run_search(stats, cfg, latency, show_progress=not job.quiet)
+    path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
     lines = [format_search_table(result)]
     if result.space == "configurations":
         best = result.best
@@ -35,13 +41,12 @@ def cmd_search(args: argparse.Namespace) -> int:
                      "plain decoding)")
     lines.append(f"\nwritten: {path}")
     plots = []
-    if args.plots:
+    if job.plots:
         from bench.plots import plot_search
 
-        plots = [str(p) for p in plot_search(result, stats, latency, args.plots)]
+        plots = [str(p) for p in plot_search(result, stats, latency, job.plots)]
         lines += [f"plot: {p}" for p in plots]
-    _result(args, {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines))
-    return 0
+    return {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines)
 
 
 def format_search_table(result) -> str:

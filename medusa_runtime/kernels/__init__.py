@@ -23,6 +23,8 @@ import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the lib
 
 from treesearch.fsutil import atomic_file
 
+from ..paths import cache_root
+
 SOURCE = Path(__file__).with_name("lean_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 ENV_SWITCH = "MEDUSA_LEAN_KERNELS"
@@ -77,8 +79,6 @@ def _compiler() -> str | None:
 
 
 def _library_path(cc: str) -> Path:
-    from ..model import cache_root
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
     return cache_root() / "kernels" / f"lean_cpu-{key.hexdigest()[:16]}.so"
