@@ -123,3 +123,25 @@ def default_bf16() -> LoadedModel:
 @pytest.fixture(scope="session")
 def mt_bench_first_turns() -> list[dict]:
     return [json.loads(line) for line in read_lines(DATA / "mt_bench" / "question.jsonl")]
+
+
+def fake_stage_runs(monkeypatch, pipeline) -> list:
+    """The jobs the pipeline runs, captured instead of run; each writes an empty JSON at its ``out`` so that
+    its stage counts as done (and is cached on a second run)."""
+    ran: list = []
+
+    def fake_run(job):
+        ran.append(job)
+        Path(job.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(job.out).write_text("{}")
+
+    monkeypatch.setattr(pipeline, "run_job", fake_run)
+    return ran
+
+
+def search_inputs(folder: Path) -> tuple[Path, Path]:
+    """Placeholder acceptance and latency files: what the search stage keys on (its runs are faked)."""
+    acc, lat = folder / "acceptance.json", folder / "latency.json"
+    acc.write_text("{}")
+    lat.write_text("{}")
+    return acc, lat

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,8 @@ from bench import pipeline
 from bench.cli import build_parser
 from bench.jobs import JOBS, CalibrateJob, ProfileJob, ReplayJob, SearchJob, stage_key
 from bench.stages import StageCache
+
+from .conftest import fake_stage_runs, search_inputs
 
 # the flags each command needs, with example values of the right type
 REQUIRED = {"calibrate": {"heads": "fresh:2"}, "profile": {"heads": "fresh:2"},
@@ -122,17 +123,8 @@ def test_a_key_holds_the_contents_of_what_the_stage_reads(tmp_path):
 def test_the_pipelines_stages_are_cached_under_their_jobs_keys(tmp_path, monkeypatch):
     """What stages.json records for a stage is the key of the job it ran, and the search stage's jobs are
     those its command line would build from the same flags."""
-    ran: list = []
-
-    def fake_run(job):
-        ran.append(job)
-        Path(job.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(job.out).write_text("{}")
-
-    monkeypatch.setattr(pipeline, "run_job", fake_run)
-    acc, lat = tmp_path / "acceptance.json", tmp_path / "latency.json"
-    acc.write_text("{}")
-    lat.write_text("{}")
+    ran = fake_stage_runs(monkeypatch, pipeline)
+    acc, lat = search_inputs(tmp_path)
     out = tmp_path / "run"
     pipeline.stage_search(pipeline.PROFILES["quick"], out, StageCache(out), acc, lat, {"folds": [[1, 2], [3, 4]]})
     recorded = json.loads((out / "stages.json").read_text())

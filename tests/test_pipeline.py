@@ -12,6 +12,8 @@ import pytest
 from bench import pipeline
 from bench.pipeline import BenchOptions, StageCache
 
+from .conftest import fake_stage_runs, search_inputs
+
 
 def _capture(monkeypatch) -> list:
     """The jobs the pipeline runs, captured instead of run."""
@@ -134,20 +136,12 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     """Fold 0 of 2 folds and fold 0 of 4 fit on other questions: with the same statistics and profile they
     must be studies of their own (one name for both made the search refuse the second, as it should); the
     same fold again keeps its name, so a search resumes its study."""
-    studies = []
-
-    def fake_run(job):
-        studies.append(job.study)
-        Path(job.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(job.out).write_text("{}")
-
-    monkeypatch.setattr(pipeline, "run_job", fake_run)
-    acc, lat = tmp_path / "acceptance.json", tmp_path / "latency.json"
-    acc.write_text("{}")
-    lat.write_text("{}")
+    ran = fake_stage_runs(monkeypatch, pipeline)
+    acc, lat = search_inputs(tmp_path)
     prof = pipeline.PROFILES["quick"]
     for n, folds in enumerate(([[1, 2], [3, 4]], [[1], [2], [3], [4]], [[1, 2], [3, 4]])):
         pipeline.stage_search(prof, tmp_path / f"run{n}", StageCache(tmp_path / f"run{n}"), acc, lat, {"folds": folds})
+    studies = [job.study for job in ran]
     two, four, again = studies[:3], studies[3:8], studies[8:]  # per run: one study per fold, and the typical one
     assert two[0] != four[0] and len(set(two + four)) == len(two + four)
     assert again == two
