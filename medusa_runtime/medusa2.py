@@ -304,7 +304,7 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     method = T.Method("training (medusa2, top layers)", loss, record=lambda step: {"joint": step >= warm},
                       weights=lambda: {"adapter.pt": {n: p.detach() for n, p in adapter_params.items()}},
                       restore=restore, checkpoint_final=False)
-    result = T.train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+    result = T.train_loop(method, heads, optimizer, scheduler, cfg, train_ex, total, out,
                           (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     top.eval()
     heads.eval()

@@ -282,7 +282,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
 
     method = Method("training heads (medusa1)", loss, record=lambda step: {"lr": scheduler.get_last_lr()[0]},
                     after_step=validate)
-    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, total, out,
                         (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     record = {"schema": "medusa-training/1", "method": cfg.method, "config": asdict(cfg),
               "examples": {"train": len(train_ex), "validation": len(val_ex),
@@ -406,7 +406,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     method = Method("training (medusa2)", loss, record=lambda step: {"joint": step >= warm},
                     weights=lambda: {"base.pt": {n: p.detach() for n, p in trainable.items()}},  # float32, by name
                     restore=restore, checkpoint_final=False)
-    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, out,
+    result = train_loop(method, heads, optimizer, scheduler, cfg, train_ex, total, out,
                         (loaded.hidden_size, loaded.vocab_size), resume, progress, log)
     student.eval()
     heads.eval()

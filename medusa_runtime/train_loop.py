@@ -132,13 +132,14 @@ def load_checkpoint(ckpt: Path, heads: MedusaHeads, optimizer, scheduler, cfg, n
 
 
 def train_loop(method: Method, heads: MedusaHeads, optimizer, scheduler, cfg, train_ex: Sequence[Example],
-               out: Path, sizes: tuple[int, int], resume: bool = False, progress: bool = True,
+               total: int, out: Path, sizes: tuple[int, int], resume: bool = False, progress: bool = True,
                log: Callable[[str], None] = print) -> TrainResult:
-    """``total_steps`` optimiser steps of ``method`` (from ``out``/checkpoint with ``resume``); sizes: the
-    base's (hidden size, vocabulary size), to read checkpointed heads. Returns the steps, history and
-    validation (the method's ``after_step`` appends to ``result.validation``: see ``Method``) and the time."""
+    """``total`` optimiser steps of ``method`` (``total_steps``, which the scheduler was made for; from
+    ``out``/checkpoint with ``resume``); sizes: the base's (hidden size, vocabulary size), to read checkpointed
+    heads. Returns the steps, history and validation (the method's ``after_step`` appends to
+    ``result.validation``: see ``Method``) and the time."""
     result = TrainResult(out, 0)
-    total, step, ckpt = total_steps(train_ex, cfg), 0, out / "checkpoint"
+    step, ckpt = 0, out / "checkpoint"
     if resume and ckpt.is_dir():
         state = load_checkpoint(ckpt, heads, optimizer, scheduler, cfg, len(train_ex), *sizes)
         method.restore(ckpt)

@@ -36,11 +36,6 @@ def _model_and_heads(args):
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
 
 
-def dtype_name(loaded) -> str:
-    """The dtype a model was loaded in, by name ('auto' resolved: records and keys name the real one)."""
-    return str(loaded.dtype).removeprefix("torch.")
-
-
 def show(args: argparse.Namespace, run, job) -> int:
     """A command that runs a stage: the stage's (result object, text) printed as ``_result`` prints."""
     obj, text = run(job)

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.commands.common import _adapted, _log, _model_and_heads, dtype_name, show
+from bench.commands.common import _adapted, _log, _model_and_heads, show
 from bench.jobs import JudgeJob, ReplayJob, SpeedJob, read_replay_config
 
 
@@ -69,7 +69,8 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int):
 
     questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
-    args = dataclasses.replace(args, dtype=dtype_name(loaded))  # 'auto' resolved: the records' key names the real one
+    # 'auto' resolved: the records' key names the real dtype
+    args = dataclasses.replace(args, dtype=str(loaded.dtype).removeprefix("torch."))
     if heads is None and any(c.method == "medusa" and c.heads is None for c in configs):
         raise ValueError("Medusa configurations need --heads")
     variants = {}  # heads that configurations name beside the replay's own: each with the base it decodes with
