@@ -119,6 +119,9 @@ def _verdict(report: dict) -> str:
     if "searched" in v:
         items.append(f"The search's pick runs at <b>{v['searched_vs_fastest']:.3f}x</b> the fastest"
                      + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
+    if v.get("fastest_heads_only"):
+        items.append(f"Medusa alone (heads, no lookup chain): <b>{_esc(v['fastest_heads_only'])}</b>, "
+                     f"{v['fastest_heads_only_speedup']:.3f}x plain.")
     if not v.get("predictions"):
         items.append("No predictions in this run (nothing calibrated or searched, as in a run without heads): measured figures only.")
     else:

@@ -88,7 +88,7 @@ def _prompts_revision(source: str) -> dict[str, Any]:
 class ModelJob(Job):
     """The model flags every measuring command takes."""
 
-    model: str = "default"  # 'default' (the embedded SmolLM2-135M-Instruct), a folder or a hub id
+    model: str = "default"  # 'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m', a folder or a hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # cpu | cuda | cuda:N | auto
 

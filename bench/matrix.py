@@ -12,13 +12,16 @@ from treesearch.typical import SEARCH_TEMPERATURE
 
 
 def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads: Path | None = None,
-                          compare: tuple[str, ...] = (), typical: Path | None = None) -> list[dict]:
+                          compare: tuple[str, ...] = (), typical: Path | None = None,
+                          heads_only: list[Path] = ()) -> list[dict]:
     """The matrix: the runtime's plain decoding (alone and with a lookup chain), chains of 1, 2 and all heads,
     and per fold the search's pick (plus, where the pick uses no heads, the fold's fastest configuration with
     heads), run on that fold's questions; the official mc_sim_7b_63 tree on every question; on the peers'
     questions also transformers' generate and prompt lookup (slow here, and not predicted). For each head set
     in ``compare`` (e.g. the Medusa-1 heads beside Medusa-2 ones): its chains of 1, 2 and all heads, on the
-    base those heads decode with (and plain decoding of that base, where it is another one)."""
+    base those heads decode with (and plain decoding of that base, where it is another one). ``heads_only``: per
+    fold, a search without lookup chains; its fastest configuration with heads is Medusa alone ("searched, heads
+    only": a tree, and a gate where one pays), as engines without prompt lookup would serve it."""
     from treesearch.search import load_recommendation
     from treesearch.stats import load_stats
 
@@ -38,6 +41,8 @@ def replay_configurations(acc: Path, searches: list[Path], workload: dict, heads
         if not pick.uses_heads:
             configs.append(_config_of("searched, best with heads", load_recommendation(path, with_heads=True), path,
                                       fold))
+    for path, fold in zip(heads_only, workload["folds"]):
+        configs.append(_config_of("searched, heads only", load_recommendation(path, with_heads=True), path, fold))
     return configs
 
 

@@ -73,7 +73,7 @@ class BenchOptions:
     out: str = "results/bench"
     folds: int | None = None  # cross-fitting folds (None: the profile's)
     dtype: str = "bfloat16"  # resolved: main() turns 'auto' into the device's dtype before any stage keys it
-    model: str = "default"  # 'default' (the embedded SmolLM2), a transformers causal LM folder or (online) a hub id
+    model: str = "default"  # 'default' (the embedded SmolLM2), 'gemma3-270m' (from the registry too), a causal LM folder or (online) a hub id
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N
     compare_heads: tuple[str, ...] = ()  # head sets whose chains are replayed beside --heads' (each on its own base)
@@ -216,11 +216,13 @@ def _ids_digest(ids) -> str:
 
 
 def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict
-                 ) -> list[Path]:
-    """One configuration search per fold, fitted without the fold's questions; and the typical search."""
+                 ) -> tuple[list[Path], list[Path]]:
+    """Per fold, fitted without the fold's questions: the configuration search, and one without lookup chains
+    (Medusa alone, what engines without prompt lookup serve); and the typical search. Returns both lists of
+    per-fold files."""
     db = out / "treesearch.db"
     study = f"bench-{file_hash(acc)}-{file_hash(lat)}"
-    files = []
+    files, heads_only = [], []
     common = {"acceptance": str(acc), "latency": str(lat), "budget": prof.search_budget, "trials": prof.search_trials,
               "storage": f"sqlite:///{db}", "quiet": True}
     for f, fold in enumerate(workload["folds"]):
@@ -229,25 +231,32 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
         job = SearchJob(**common, study=f"{study}-fold{f}-{_ids_digest(fold)}", exclude_ids=tuple(map(str, fold)),
                         out=str(path), plots=str(out / "plots") if f == 0 else None)
         _cached(cache, f"search-fold-{f}", job, [path])
+        path = out / "search" / f"fold-{f}-heads-only.json"
+        heads_only.append(path)
+        job = SearchJob(**common, study=f"{study}-heads-only-fold{f}-{_ids_digest(fold)}", max_lookup=0,
+                        exclude_ids=tuple(map(str, fold)), out=str(path))
+        _cached(cache, f"search-heads-only-fold-{f}", job, [path])
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
     job = SearchJob(**common, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
                     exclude_ids=tuple(map(str, fold0)), out=str(typical), plots=str(out / "plots"))
     _cached(cache, "search-typical", job, [typical])
-    return files
+    return files, heads_only
 
 
 PROFILE_EVERY = 2  # the replay takes a profile round before every 2nd question (~10 s each on the default model)
 
 
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                 lat: Path, searches: list[Path], workload: dict) -> None:
+                 lat: Path, searches: tuple[list[Path], list[Path]], workload: dict) -> None:
     """Every configuration, interleaved question by question, and the latency profile again in rounds between
     the questions (``bench.replay_profile``: ``replay/latency-during.json``, what the report prices its
     predictions with). The configuration file names the searches' and the typical search's tree files and the
     compared heads: the stage's key holds their contents (``ReplayJob.reads``)."""
-    configs = replay_configurations(acc, searches, workload, heads, opts.compare_heads, out / "tree-typical.json")
+    picks, heads_only = searches
+    configs = replay_configurations(acc, picks, workload, heads, opts.compare_heads, out / "tree-typical.json",
+                                    heads_only)
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
               "turns": prof.turns, "repeats": 1, "configurations": configs}
     cfg_file = out / "replay_config.json"
@@ -406,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=None,
                         help="cross-fitting folds over the replayed questions (default: the profile's)")
     parser.add_argument("--model", default="default",
-                        help="'default' (the embedded SmolLM2-135M-Instruct), a transformers causal LM folder or a hub id")
+                        help="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M, from the package registry "
+                             "too), a transformers causal LM folder or a hub id")
     parser.add_argument("--heads", default="default",
                         help="'default' (the shipped heads, default model only), a heads folder in either format, "
                              "or 'none' (plain decoding and prompt lookup only, measured, nothing predicted); "

@@ -62,6 +62,10 @@ def render(report: dict) -> str:
         lines.append(f"The search's pick (**searched**, chosen per fold without that fold's questions) ran at "
                      f"{v['searched_vs_fastest']:.3f}x the fastest lossless (greedy) configuration measured "
                      f"({v['fastest']}).")
+    if v.get("fastest_heads_only"):
+        ci = v.get("fastest_heads_only_speedup_ci") or [None, None]
+        lines.append(f"Medusa alone (heads, no lookup chain): fastest {v['fastest_heads_only']}, "
+                     f"{v['fastest_heads_only_speedup']:.2f}x plain ({_num(ci[0])}-{_num(ci[1])}).")
     if v.get("predictions"):
         lines.append(f"Predicted against measured, for the {v['predictions']} configurations run on every replayed "
                      f"question: worst tau error {100 * v['worst_tau_error']:.1f} % (tolerance "

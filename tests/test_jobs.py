@@ -128,13 +128,13 @@ def test_the_pipelines_stages_are_cached_under_their_jobs_keys(tmp_path, monkeyp
     out = tmp_path / "run"
     pipeline.stage_search(pipeline.PROFILES["quick"], out, StageCache(out), acc, lat, {"folds": [[1, 2], [3, 4]]})
     recorded = json.loads((out / "stages.json").read_text())
-    assert [recorded[n] for n in ("search-fold-0", "search-fold-1", "search-typical")] == \
-        [StageCache.key_of(stage_key(j)) for j in ran]
-    fold1 = ran[1]
+    names = ("search-fold-0", "search-heads-only-fold-0", "search-fold-1", "search-heads-only-fold-1", "search-typical")
+    assert [recorded[n] for n in names] == [StageCache.key_of(stage_key(j)) for j in ran]
+    fold1 = ran[2]
     args = build_parser().parse_args(["search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
                                       str(fold1.budget), "--trials", str(fold1.trials), "--storage", fold1.storage,
                                       "--study", fold1.study, "--exclude-ids", "3", "4", "--out", fold1.out,
                                       "--quiet"])
     assert SearchJob.from_namespace(args) == fold1
     pipeline.stage_search(pipeline.PROFILES["quick"], out, StageCache(out), acc, lat, {"folds": [[1, 2], [3, 4]]})
-    assert len(ran) == 3  # a second run: every stage cached
+    assert len(ran) == 5  # a second run: every stage cached

@@ -142,9 +142,13 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     for n, folds in enumerate(([[1, 2], [3, 4]], [[1], [2], [3], [4]], [[1, 2], [3, 4]])):
         pipeline.stage_search(prof, tmp_path / f"run{n}", StageCache(tmp_path / f"run{n}"), acc, lat, {"folds": folds})
     studies = [job.study for job in ran]
-    two, four, again = studies[:3], studies[3:8], studies[8:]  # per run: one study per fold, and the typical one
+    # per run: two studies per fold (with lookup chains, and heads only), and the typical one
+    two, four, again = studies[:5], studies[5:14], studies[14:]
     assert two[0] != four[0] and len(set(two + four)) == len(two + four)
     assert again == two
+    heads_only = [job for job in ran[:5] if "heads-only" in job.study]
+    assert len(heads_only) == 2 and all(job.max_lookup == 0 for job in heads_only)
+    assert all(job.max_lookup > 0 for job in ran[:5] if job not in heads_only)
 
 
 def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp_path):
@@ -213,3 +217,31 @@ def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_pa
     check = check_page(out / "report.html")
     assert check.ok, (check.errors, check.broken)
 
+
+
+def test_each_fold_replays_its_heads_only_pick_on_its_own_questions(tmp_path):
+    """Medusa alone in the matrix: per fold, the heads-only search's tree (and gate) with no lookup chain, on that
+    fold's questions, beside the fold's configuration pick (which may draft a lookup chain)."""
+    from bench.matrix import replay_configurations
+    from bench.runner import MethodConfig
+    from treesearch.stats import AcceptanceStats, marginal_from_rollouts, save_stats
+    from treesearch.tree import load_tree, make_tree, save_tree
+
+    rollouts = (((0, 1), (0, -1), (1, 0)),)
+    acc = save_stats(AcceptanceStats(marginal_from_rollouts(rollouts, 2, 3), rollouts, (), {"model": "m"}),
+                     tmp_path / "acceptance.json")
+    folds = [[1, 2], [3, 4]]
+    picks, heads_only = [], []
+    for f in range(2):
+        picks.append(save_tree(make_tree([[0]]), tmp_path / f"fold-{f}.json", decoding={"lookup": 6, "gate": 0.0}))
+        heads_only.append(save_tree(make_tree([[0], [1], [0, 0]][: 2 + f]), tmp_path / f"fold-{f}-heads-only.json",
+                                    decoding={"lookup": 0, "gate": 0.05 * f}))
+    workload = {"peers": [1, 3], "folds": folds}
+    configs = replay_configurations(acc, picks, workload, heads_only=heads_only)
+    mine = [MethodConfig(**c) for c in configs if c["name"] == "searched, heads only"]
+    assert [c.question_ids for c in mine] == [(1, 2), (3, 4)]
+    assert all(c.method == "medusa" and c.lookup_tokens == 0 for c in mine)
+    assert [load_tree(c.tree).num_nodes - 1 for c in mine] == [2, 3] and [c.gate for c in mine] == [0.0, 0.05]
+    searched = [c for c in configs if c["name"] == "searched"]
+    assert [c["lookup_tokens"] for c in searched] == [6, 6]
+    assert not [c for c in replay_configurations(acc, picks, workload) if c["name"] == "searched, heads only"]

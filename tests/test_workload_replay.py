@@ -287,6 +287,13 @@ def test_scorecard_measures_paired_speedups_and_writes_report_json(tmp_path):
     # tau predicted 3.3 % high: outside the 3 % tolerance; speed-up 4 % low: inside the 5 % one
     assert not summary["tau_within_tolerance"] and summary["speedup_within_tolerance"]
     assert summary["worst_tau_error"] == pytest.approx(1.55 / 1.5 - 1)
+    # Medusa alone: the fastest greedy configuration with the main heads and no lookup chain
+    assert summary["fastest_heads_only"] == "medusa chain:1"
+    assert summary["fastest_heads_only_speedup"] == pytest.approx(1.25)
+    with_lookup = card.reset_index()
+    row = with_lookup["config"] == "plain +lookup4"  # heads and a lookup chain, faster: not Medusa alone
+    with_lookup.loc[row, ["uses_heads", "speedup_vs_plain"]] = [True, 2.0]
+    assert verdict(with_lookup)["fastest_heads_only"] == "medusa chain:1"
     path = write_report(card.reset_index(), summary, {"questions": {"replayed": [0, 1]}}, tmp_path / "report.json")
     obj = json.loads(path.read_text())
     assert obj["schema"] == REPORT_SCHEMA and obj["questions"] == {"replayed": [0, 1]}

@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from bench.jobs import ModelJob
 
     p.add_argument("--model", default=ModelJob.model,
-                   help="'default' (offline SmolLM2-135M-Instruct), a folder or a hub id")
+                   help="'default' (offline SmolLM2-135M-Instruct), 'gemma3-270m' (offline Gemma 3 270M), a folder or a hub id")
     p.add_argument("--dtype", default=ModelJob.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)")
     p.add_argument("--device", default=ModelJob.device, help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
