@@ -18,7 +18,7 @@ from torch import nn
 
 from treesearch.tree import Tree
 
-from .heads import MedusaHeads
+from .heads import Int8Projection, MedusaHeads
 from .heads_native import NativeHeadLevels, native_support
 from .tree_compiler import PathLevel, path_plan
 
@@ -73,8 +73,11 @@ class StackedDrafter(Drafter):
         self.draft_ids = heads.draft_vocab.to(device) if use_vocab else None  # [S]: row -> token id
         # the vocabulary projection, built (and prepacked) once: [S, H] shared, or [depth, S, H] per head
         self.weight = heads.projection(engine.lm_head_weight(), depth, use_draft_vocab=use_vocab)
-        self.project = (engine.projector(self.weight) if self.weight.dim() == 2 else
-                        lambda states: torch.einsum("kh,kvh->kv", states, self.weight))  # [depth, S]
+        if heads.config.projection_int8:  # scored as the C library scores it (heads.Int8Projection)
+            self.project = Int8Projection(self.weight)
+        else:
+            self.project = (engine.projector(self.weight) if self.weight.dim() == 2 else
+                            lambda states: torch.einsum("kh,kvh->kv", states, self.weight))  # [depth, S]
 
     def top(self, hidden: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
         root_embedding = None if self.embed is None else self.embed[root]  # [H]: the root's input embedding

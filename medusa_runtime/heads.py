@@ -63,6 +63,41 @@ class HeadsConfig:
     base_model: str = ""  # base_model_name_or_path written to config.json
     root_conditioned: bool = False  # heads also read the input embedding of the token at t + 1 (the root)
     path_conditioned: bool = False  # head j >= 1 also reads its parent, the token at t + j + 1 (needs root)
+    # the draft projection scored in int8 (Int8Projection): half the bytes a tree level reads, which is most of
+    # the heads' time on a CPU; config.json "medusa_draft_projection": "int8"
+    projection_int8: bool = False
+
+
+class Int8Projection:
+    """A projection W [S, H] (or [K, S, H], one per head) scored in int8, as the C library scores it: per output row
+    a scale sw = max|w| / 127 and q = round(w / sw); per input row sx = max|x| / 127 and x8 = round(x / sx) (ties
+    to even; an all-zero row gives zeros); ``logits = bf16(float32(x8 . q) * (sx * sw))`` in the states' dtype. The
+    integer sums are exact in float32 (|x8 . q| <= 127 * 127 * H < 2^24 for H up to 1040), so this equals the C
+    library's int32 sums bit for bit whatever the summation order."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.scale = w.abs().amax(-1) / 127  # [S] or [K, S]
+        self.q = torch.where(self.scale[..., None] > 0, torch.round(w / self.scale[..., None].clamp_min(1e-30)),
+                             torch.zeros_like(w))  # integers in [-127, 127], as float32
+        if w.shape[-1] * 127 * 127 >= 2 ** 24:
+            raise HeadsError(f"an int8 projection needs a hidden size below 1041, got {w.shape[-1]}")
+
+    @staticmethod
+    def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> (x8 [..., H] float32 integers, sx [..., 1])."""
+        x = x.float()
+        sx = x.abs().amax(-1, keepdim=True) / 127
+        return torch.where(sx > 0, torch.round(x / sx.clamp_min(1e-30)), torch.zeros_like(x)), sx
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """states [..., H] (shared) or [..., K, H] (one projection per head) -> logits [..., S] / [..., K, S]."""
+        x8, sx = self.quantize_rows(states)
+        if self.q.dim() == 2:
+            acc = x8 @ self.q.T
+        else:
+            acc = torch.einsum("...kh,kvh->...kv", x8, self.q)
+        return (acc * (sx * self.scale)).to(states.dtype)
 
 
 class ResBlock(nn.Module):
@@ -206,6 +241,8 @@ class MedusaHeads(nn.Module):
     def draft_logits(self, states: torch.Tensor, lm_weight: torch.Tensor | None) -> torch.Tensor:
         """Head states [..., K, H] -> logits over the draft vocabulary [..., K, S] (S = V without one)."""
         w = self.projection(lm_weight, states.shape[-2])
+        if self.config.projection_int8:
+            return Int8Projection(w)(states)
         if w.dim() == 2:
             return states @ w.T  # one matmul for all heads
         return torch.einsum("...kh,kvh->...kv", states, w)  # [..., K, H] x [K, S, H]
@@ -271,6 +308,8 @@ def save_heads(heads: MedusaHeads, out_dir: str | os.PathLike[str], fmt: str = "
             meta["medusa_root_conditioned"] = True
         if cfg.path_conditioned:
             meta["medusa_path_conditioned"] = True
+        if cfg.projection_int8:
+            meta["medusa_draft_projection"] = "int8"
         (tmp / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
         if heads.draft_vocab is not None:
             (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(heads.draft_vocab.tolist()) + "\n")
@@ -346,8 +385,12 @@ def load_heads(folder: str | os.PathLike[str], hidden_size: int, vocab_size: int
     path_cond = bool(meta.get("medusa_path_conditioned", False))
     if path_cond and not conditioned:
         raise HeadsError(f"{cfg_file} says path-conditioned but not root-conditioned")
+    projection = meta.get("medusa_draft_projection", "bf16")
+    if projection not in ("bf16", "int8"):
+        raise HeadsError(f"{cfg_file}: medusa_draft_projection must be 'bf16' or 'int8', got {projection!r}")
     heads = MedusaHeads(HeadsConfig(k, num_layers, hidden_size, vocab_size, shared,
-                                    str(meta.get("base_model_name_or_path", "")), conditioned, path_cond))
+                                    str(meta.get("base_model_name_or_path", "")), conditioned, path_cond,
+                                    projection == "int8"))
     own = {}
     for i in range(k):
         for j in range(num_layers):

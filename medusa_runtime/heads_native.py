@@ -5,9 +5,18 @@ A level of the decoder's path-conditioned heads (``drafter.PathDrafter``) is sma
 rows: the root's (and each parent's) embedding through U_j (and P_j), the residual blocks, the
 projection onto the draft vocabulary and a top-k. In PyTorch each of those is an op with its own
 dispatch and, in bf16, a oneDNN call on one row; the C library does the level in one parallel call
-with the forward's own linear layers (AMX tiles where the forward uses them), rounding to bf16 where
-PyTorch rounds, and ``tree`` runs every level in one call (parents' embeddings gathered, rows mapped to
-tokens and placed at their nodes in C: right after a forward each Python or tensor op runs on cold caches).
+with the forward's AVX-512 linear layers (also where the forward runs on AMX tiles: for a few rows the
+dot-product path is faster), rounding to bf16 where PyTorch rounds, and ``tree`` runs every level in one
+call (parents' embeddings gathered, rows mapped to tokens and placed at their nodes in C: right after a
+forward each Python or tensor op runs on cold caches).
+
+What a tree step reads is what it costs (right after a verify forward every byte comes from DRAM), so
+``tree`` reads the root's and the parents' terms (bf16(e U^T), bf16(e P^T)) from tables over the draft
+vocabulary built here once by the same linear layer (bit for bit the rows it would compute; roots outside
+the draft vocabulary are computed), and heads whose config asks for it score the draft projection in
+int8 (``heads.Int8Projection``): half its bytes, and small enough to stay in L2 between levels. The
+shipped chain:4 tree right after a verify forward on the project's Xeon: 1.25 ms before, 0.66 ms with both
+(docs/reports/2026-12-02-heads-bytes.md).
 Used by the decoder where the C forward runs (bf16 on the CPU) and the heads are root-conditioned
 shared-format heads; everywhere else the PyTorch path stays.
 """
@@ -20,7 +29,7 @@ import torch
 
 from . import kernels
 from .engine import pack_for
-from .heads import MedusaHeads
+from .heads import Int8Projection, MedusaHeads
 
 MAX_BLOCKS = kernels.HEAD_MAX_BLOCKS
 
@@ -50,17 +59,31 @@ class NativeHeadLevels:
         why = native_support(heads, engine)
         if why:
             raise HeadsNativeError(f"native heads: {why}")
-        self.lib, self.amx, self.topk = engine.lib, engine.amx, topk
+        # the heads' few rows on the AVX-512 dot-product path, also where the forward runs on AMX tiles: one row
+        # through a 576 x 576 block took 8 us there against 14.5 us on the tile unit (warm, this project's Xeon),
+        # a chain:4 tree after a verify forward 0.66 against 0.76 ms (rows from tables, int8 projection)
+        self.lib, self.amx, self.topk = engine.lib, False, topk
         dtype = torch.bfloat16
 
         def prep(w: torch.Tensor) -> torch.Tensor:  # the layout the C call reads (AMX tiles or AVX-512 blocks)
             return pack_for(self.lib, w.detach().to(dtype).contiguous(), self.amx)
 
         self.hidden_size = heads.config.hidden_size
-        self.projection = prep(projection)  # [S, H]
         self.vocab = projection.shape[0]
-        self._keep: list[torch.Tensor] = [self.projection]  # every tensor the structs point into
+        if heads.config.projection_int8:  # int8 rows in the dot-product layout, their scales and sums
+            i8 = Int8Projection(projection)
+            q = i8.q.to(torch.int8).contiguous()
+            self.projection = torch.empty(self.lib.lean_i8_packed_size(*q.shape), dtype=torch.int8)
+            self.lib.lean_pack_i8(q.data_ptr(), q.shape[0], q.shape[1], self.projection.data_ptr())
+            scale, sums = i8.scale.float().contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
+            self._keep: list[torch.Tensor] = [self.projection, scale, sums]  # every tensor the structs point into
+            self.proj = kernels.LeanProj(self.projection.data_ptr(), scale.data_ptr(), sums.data_ptr())
+        else:
+            self.projection = prep(projection)  # [S, H]
+            self._keep = [self.projection]
+            self.proj = kernels.LeanProj(self.projection.data_ptr(), None, None)
         self.heads = []
+        self._conditioning = []  # per head: its packed U and P (None for head 0), for the draft vocabulary's tables
         for j in range(depth):
             blocks = [heads.blocks[j][level].linear for level in range(heads.config.num_layers)]
             ws = [prep(b.weight) for b in blocks]
@@ -68,6 +91,7 @@ class NativeHeadLevels:
             root = prep(heads.root_weight[j])
             parent = prep(heads.parent_weight[j - 1]) if heads.path_conditioned and j > 0 else None
             self._keep += ws + bs + [root] + ([parent] if parent is not None else [])
+            self._conditioning.append((root, parent))
             pad = [None] * (MAX_BLOCKS - len(ws))
             self.heads.append(kernels.LeanHead(root.data_ptr(), None if parent is None else parent.data_ptr(),
                                                (ctypes.c_void_p * MAX_BLOCKS)(*[w.data_ptr() for w in ws], *pad),
@@ -77,10 +101,36 @@ class NativeHeadLevels:
         self._heads = (kernels.LeanHead * depth)(*self.heads)
         self._tree = None if plan is None else self._tree_plan(plan, embed, draft_ids)
 
+    def _linear(self, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] bf16 through a packed [H, H] weight by the C library's own linear layer (the one the levels
+        use: each output row depends on its input row alone, so a row computed here is the row a level computes)."""
+        n, h = x.shape
+        y = torch.empty(n, h, dtype=torch.bfloat16)
+        self.lib.lean_linear(packed.data_ptr(), x.data_ptr(), n, h, h, y.data_ptr(), None, kernels.OUT_BF16,
+                             torch.get_num_threads())
+        return y
+
+    def _tables(self, embed: torch.Tensor, draft_ids: torch.Tensor) -> None:
+        """Each head's root term bf16(e U^T) (and parent term bf16(e P^T)) for every token of the draft vocabulary,
+        [S, H] each (4.7 MB per table for the shipped heads): a tree step reads a row instead of U and P. Roots
+        outside the draft vocabulary are computed as before."""
+        rows = embed[draft_ids].contiguous()  # [S, H]
+        for j, (root, parent) in enumerate(self._conditioning):
+            tables = [self._linear(root, rows), None if parent is None else self._linear(parent, rows)]
+            self._keep += [t for t in tables if t is not None]
+            self._heads[j].root_table = tables[0].data_ptr()
+            self._heads[j].parent_table = None if tables[1] is None else tables[1].data_ptr()
+        self._draft_row = torch.full((embed.shape[0],), -1, dtype=torch.int32)
+        self._draft_row[draft_ids] = torch.arange(draft_ids.numel(), dtype=torch.int32)
+        self._draft_row = self._draft_row.tolist()  # root -> row, read once a step
+
     def _tree_plan(self, plan: list, embed: torch.Tensor, draft_ids: torch.Tensor | None):
         """The C structs of a tree's levels, and the tensors they point into (kept alive here)."""
         if embed is None or embed.dtype != torch.bfloat16:
             raise HeadsNativeError("native heads: a whole tree needs the model's bf16 input embeddings")
+        self._draft_row = None
+        if draft_ids is not None:
+            self._tables(embed, draft_ids.to(torch.int64))
         keep = [embed.contiguous()] + ([] if draft_ids is None else [draft_ids.to(torch.int64).contiguous()])
         levels = []
         for j, lv in enumerate(plan):
@@ -94,6 +144,7 @@ class NativeHeadLevels:
         work = torch.empty(self.lib.lean_heads_tree_work_size(self.hidden_size, self.vocab, widest, self.topk),
                            dtype=torch.bfloat16)
         nodes = 1 + sum(lv.children for lv in levels)
+        self._rows = torch.empty(nodes + widest, dtype=torch.int32)  # each node's draft row, a level's parents' rows
         return ((kernels.LeanLevel * len(levels))(*levels), len(levels), keep[0],
                 None if draft_ids is None else keep[1], work, nodes)
 
@@ -108,9 +159,10 @@ class NativeHeadLevels:
         chain = (ctypes.c_float * depth)()
         hidden = hidden.contiguous()
         done = self.lib.lean_heads_tree(self._heads, levels, depth, self.blocks, self.hidden_size, self.vocab,
-                                        self.projection.data_ptr(), embed.data_ptr(),
+                                        ctypes.byref(self.proj), embed.data_ptr(),
                                         None if draft is None else draft.data_ptr(), hidden.data_ptr(), root,
-                                        self.topk, gate, nodes.data_ptr(), chain, work.data_ptr(), int(self.amx),
+                                        -1 if self._draft_row is None else self._draft_row[root],
+                                        self._rows.data_ptr(), self.topk, gate, nodes.data_ptr(), chain, work.data_ptr(), int(self.amx),
                                         torch.get_num_threads())
         if done < 0:
             raise HeadsNativeError(f"native heads: the C library refused the tree (code {done})")
@@ -128,7 +180,7 @@ class NativeHeadLevels:
         hidden, root_e = hidden.contiguous(), root_e.contiguous()
         parents = None if parents_e is None else parents_e.contiguous()
         rc = self.lib.lean_heads_level(ctypes.byref(self.heads[j]), self.blocks, self.hidden_size, self.vocab,
-                                       self.projection.data_ptr(), hidden.data_ptr(), root_e.data_ptr(),
+                                       ctypes.byref(self.proj), hidden.data_ptr(), root_e.data_ptr(),
                                        None if parents is None else parents.data_ptr(), 0 if parents is None else rows,
                                        self.topk, top.data_ptr(), top1.data_ptr(), self._work.data_ptr(),
                                        int(self.amx), torch.get_num_threads())

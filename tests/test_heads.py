@@ -12,6 +12,7 @@ from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import (
     HeadsConfig,
     HeadsError,
+    Int8Projection,
     MedusaHeads,
     ResBlock,
     fresh_heads,
@@ -189,6 +190,30 @@ def test_bad_draft_vocabulary_is_refused(tmp_path):
     (folder / "draft_vocab.json").write_text("[1, 2, 99]")
     with pytest.raises(HeadsError, match="within \\[0, 64\\)"):
         load_heads(folder, 64, 64)
+
+
+def test_int8_projection_is_a_config_choice_that_round_trips_and_changes_only_the_scoring(tmp_path):
+    """``medusa_draft_projection: int8`` in config.json: saved and loaded; the same heads score within int8 rounding
+    of their bf16 scores (the top candidates the same here); any other value is refused in one line."""
+    torch.manual_seed(0)
+    heads = fresh_heads(2, 1, 64, 96)
+    lm = torch.randn(96, 64)
+    folder = save_heads(heads, tmp_path / "h")
+    assert not load_heads(folder, 64, 96).config.projection_int8
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "medusa_draft_projection": "int8"}))
+    int8 = load_heads(folder, 64, 96)
+    assert int8.config.projection_int8
+    again = load_heads(save_heads(int8, tmp_path / "h2"), 64, 96)
+    assert again.config.projection_int8
+    states = torch.randn(5, 2, 64)
+    exact, approx = heads.draft_logits(states, lm), int8.draft_logits(states, lm)
+    assert torch.equal(approx, Int8Projection(lm)(states)) and not torch.equal(approx, exact)
+    assert (approx - exact).abs().max() <= 0.02 * exact.abs().max()  # logits of magnitude ~20: within 0.4
+    assert torch.equal(approx.argmax(-1), exact.argmax(-1))
+    (folder / "config.json").write_text(json.dumps({**cfg, "medusa_draft_projection": "fp8"}))
+    with pytest.raises(HeadsError, match="must be 'bf16' or 'int8'"):
+        load_heads(folder, 64, 96)
 
 
 def test_root_conditioned_heads_read_the_root_and_round_trip(tmp_path):

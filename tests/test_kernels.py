@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from medusa_runtime import kernels
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
 from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx, pack_rows4
-from medusa_runtime.heads import resolve_heads
+from medusa_runtime.heads import Int8Projection, resolve_heads
 from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.tree_buffers import build_tree_buffers
 from treesearch.tree import load_tree, make_tree
@@ -48,6 +48,37 @@ def _linear(lib, w, x, kind, residual=None, path="avx512"):
     packed = pack_rows4(lib, w)
     lib.lean_linear(packed.data_ptr(), x.data_ptr(), n, out, w.shape[1], y.data_ptr(), r, kind, torch.get_num_threads())
     return y
+
+
+@pytest.mark.parametrize("out,width,rows", [(4096, 576, 1), (4097, 577, 5), (33, 64, 16), (16, 4, 3)])
+def test_int8_projection_is_the_pytorch_emulation_bit_for_bit(lib, out, width, rows):
+    """The C library's int8 projection (VNNI dot products, int32 sums, scales) against heads.Int8Projection, which
+    the calibration and the PyTorch decode path score with: equal to the last bit, zero rows included; and both
+    within int8 rounding of the float32 product."""
+    g = torch.Generator().manual_seed(out + width + rows)
+    w = (torch.randn(out, width, generator=g) * 0.05).to(torch.bfloat16)
+    w[min(3, out - 1)] = 0  # a row of zeros: scale 0, logits 0
+    x = (torch.randn(rows, width, generator=g) * 3).to(torch.bfloat16)
+    if rows > 2:
+        x[1] = 0
+    emulation = Int8Projection(w)
+    q = emulation.q.to(torch.int8).contiguous()
+    assert q.abs().max() <= 127 and torch.equal(q.float(), emulation.q)
+    packed = torch.empty(lib.lean_i8_packed_size(out, width), dtype=torch.int8)
+    lib.lean_pack_i8(q.data_ptr(), out, width, packed.data_ptr())
+    scale, sums = emulation.scale.contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
+    y = torch.empty(rows, out, dtype=torch.bfloat16)
+    xq = torch.empty(rows * ((width + 3) // 4 * 4), dtype=torch.uint8)
+    sx = torch.empty(rows)
+    lib.lean_linear_i8(packed.data_ptr(), scale.data_ptr(), sums.data_ptr(), x.data_ptr(), rows, out, width,
+                       y.data_ptr(), xq.data_ptr(), sx.data_ptr(), torch.get_num_threads())
+    want = emulation(x)
+    assert torch.equal(y, want)
+    exact = x.float() @ w.float().T
+    # |error| <= (|x| sum of half-steps of w) + (|w| sum of half-steps of x), per output
+    bound = 0.5 * (x.float().abs() @ (emulation.scale[:, None].expand(-1, width)).T
+                   + (x.float().abs().amax(-1, keepdim=True) / 127) * w.float().abs().sum(-1)) + 0.02 * exact.abs() + 1e-3
+    assert ((want.float() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -268,7 +299,8 @@ def test_native_head_levels_match_the_pytorch_heads(default_bf16, path, monkeypa
                 parents = None if j == 0 else embed[torch.randint(0, default_bf16.vocab_size, (3,), generator=gen)]
                 top, top1 = native.level(j, hidden[0], root, parents)
                 states = heads.conditioned_state(j, hidden[0], root, parents).reshape(-1, heads.config.hidden_size)
-                logits = (states @ weight.T).float()  # [rows, S]
+                assert heads.config.projection_int8  # the shipped heads score their draft projection in int8
+                logits = heads.draft_logits(states[:, None], engine.lm_head_weight())[:, 0].float()  # [rows, S]
                 want = torch.topk(logits, 10, dim=-1).indices
                 agree += sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top, want))
                 total += want.numel()

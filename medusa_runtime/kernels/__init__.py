@@ -45,7 +45,15 @@ class LeanHead(ctypes.Structure):
     """Addresses of one root-conditioned head's weights, as ``LeanHead`` in lean_cpu.c."""
 
     _fields_ = [("root_w", ctypes.c_void_p), ("parent_w", ctypes.c_void_p),
-                ("w", ctypes.c_void_p * HEAD_MAX_BLOCKS), ("b", ctypes.c_void_p * HEAD_MAX_BLOCKS)]
+                ("w", ctypes.c_void_p * HEAD_MAX_BLOCKS), ("b", ctypes.c_void_p * HEAD_MAX_BLOCKS),
+                ("root_table", ctypes.c_void_p), ("parent_table", ctypes.c_void_p)]
+
+
+class LeanProj(ctypes.Structure):
+    """The heads' projection, as ``LeanProj`` in lean_cpu.c: bf16 weights (``scale`` NULL) or int8 ones with per-row
+    scales and sums."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("sum", ctypes.c_void_p)]
 
 
 class LeanLevel(ctypes.Structure):
@@ -113,12 +121,20 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
-    lib.lean_heads_level.argtypes = [ctypes.POINTER(LeanHead), i, i, i, p, p, p, p, i, i, p, p, p, i, i]
+    lib.lean_pack_i8.argtypes = [p, i, i, p]
+    lib.lean_pack_i8.restype = None
+    lib.lean_i8_packed_size.argtypes = [i, i]
+    lib.lean_i8_packed_size.restype = z
+    lib.lean_linear_i8.argtypes = [p, p, p, p, i, i, i, p, p, p, i]
+    lib.lean_linear_i8.restype = None
+    lib.lean_heads_level.argtypes = [ctypes.POINTER(LeanHead), i, i, i, ctypes.POINTER(LeanProj), p, p, p, i, i, p, p,
+                                     p, i, i]
     lib.lean_heads_level.restype = i
     lib.lean_heads_work_size.argtypes = [i, i, i]
     lib.lean_heads_work_size.restype = z
-    lib.lean_heads_tree.argtypes = [ctypes.POINTER(LeanHead), ctypes.POINTER(LeanLevel), i, i, i, i, p, p, p, p,
-                                    ctypes.c_int64, i, f, p, p, p, i, i]
+    lib.lean_heads_tree.argtypes = [ctypes.POINTER(LeanHead), ctypes.POINTER(LeanLevel), i, i, i, i,
+                                    ctypes.POINTER(LeanProj), p, p, p,
+                                    ctypes.c_int64, i, p, i, f, p, p, p, i, i]
     lib.lean_heads_tree.restype = i
     lib.lean_heads_tree_work_size.argtypes = [i, i, i, i]
     lib.lean_heads_tree_work_size.restype = z

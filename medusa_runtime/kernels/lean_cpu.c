@@ -249,8 +249,9 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
  * residual (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
  * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
  * Called from inside a parallel region: the output rows are shared out in blocks of 4. */
-static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
-    int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32, prefetch = n >= ROWS4_PREFETCH_FROM;
+static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
+                           int prefetch) {
+    int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32;
     /* Activation rows per pass over a weight block: 4, but calls of 3 or 4 rows take passes of 2 (2+1, 2+2;
      * the block is re-read from L1 for the second) and calls of 2 rows passes of 1. Measured on the 2-core
      * Zen 4 VM (full verify forwards of the default model at context 112, variants interleaved in one process,
@@ -291,6 +292,10 @@ static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, v
             i += R;
         }
     }
+}
+
+static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
+    linear_rows_pf(wp, x, n, out, in, y, r, kind, n >= ROWS4_PREFETCH_FROM);
 }
 
 
@@ -835,6 +840,123 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
     return 0;
 }
 
+/* ------------------------------------------------------------------ int8 projections (the heads' draft vocabulary)
+ *
+ * The heads' projection onto their draft vocabulary (4,096 rows of 576 for the shipped heads, 4.7 MB in bf16) is
+ * read once per tree level, and from DRAM after every verify forward: most of the heads' time. In int8 (per output
+ * row a scale sw = max|w| / 127, q = round(w / sw)) it is half the bytes and stays in the two cores' L2 between
+ * the levels of a step. Activations are quantised per row alike (sx = max|x| / 127, x8 = round(x / sx), ties to
+ * even), the products summed exactly in int32, and
+ *     logit[r, o] = bf16( float(sum_k x8[r, k] q[o, k]) * (sx[r] * sw[o]) )
+ * which PyTorch computes bit for bit the same (medusa_runtime.heads.Int8Projection: the integer sums are exact in
+ * float32 too, |sum| <= 576 * 127 * 127 < 2^24), so calibration and the PyTorch path score what this does. */
+
+#ifndef HEADS_PREFETCH
+#define HEADS_PREFETCH 1 /* the heads' few rows prefetch their weights into L2 (see head_linear) */
+#endif
+
+/* Bytes of a packed int8 weight: [ceil(out/16)][ceil(in/4)][16 outputs][4 inputs], zero padded: the dot-product
+ * instruction's layout, a 64-byte run holds 4 consecutive inputs of 16 outputs. */
+size_t lean_i8_packed_size(int out, int in) { return (size_t)pad_to(out, 16) * (size_t)pad_to(in, 4); }
+
+void lean_pack_i8(const int8_t *q, int out, int in, int8_t *packed) {
+    int kg_n = pad_to(in, 4) / 4, blocks = pad_to(out, 16) / 16;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; ++b)
+        for (int g = 0; g < kg_n; ++g)
+            for (int c = 0; c < 16; ++c)
+                for (int t = 0; t < 4; ++t) {
+                    int o = 16 * b + c, i = 4 * g + t;
+                    packed[(((size_t)b * kg_n + g) * 16 + c) * 4 + t] = (o < out && i < in) ? q[(size_t)o * in + i] : 0;
+                }
+}
+
+/* x [n, in] bf16 -> xq [n, in4] uint8 holding x8 + 128 (in4 = in rounded up to 4, zero padded: x8 = 0), sx [n] */
+static void quantize_rows(const bf16 *x, int n, int in, uint8_t *xq, float *sx) {
+    int in4 = pad_to(in, 4);
+    for (int r = 0; r < n; ++r) {
+        const bf16 *xr = x + (size_t)r * in;
+        float m = 0.f;
+        for (int k = 0; k < in; ++k) m = fmaxf(m, fabsf(bf2f(xr[k])));
+        float scale = m / 127.0f;
+        sx[r] = scale;
+        for (int k = 0; k < in4; ++k)
+            xq[(size_t)r * in4 + k] = (uint8_t)(128 + (k < in && scale > 0.f ? (int)nearbyintf(bf2f(xr[k]) / scale) : 0));
+    }
+}
+
+/* y [n, out] bf16 = the int8 projection of the quantised rows (see above); wp packed by lean_pack_i8, sw [out] the
+ * rows' scales, wsum [out] the sums of each row's q (the uint8 offset of 128 is taken back out with them). Called
+ * from inside a parallel region: the output blocks of 16 are shared out. */
+static void linear_i8_rows(const int8_t *wp, const float *sw, const int32_t *wsum, const uint8_t *xq, const float *sx,
+                           int n, int out, int in, bf16 *y) {
+    int kg_n = pad_to(in, 4) / 4, in4 = 4 * kg_n, blocks = pad_to(out, 16) / 16;
+#pragma omp for schedule(static)
+    for (int b = 0; b < blocks; ++b) {
+        const int8_t *wb = wp + (size_t)b * kg_n * 64;
+        int o0 = 16 * b, cnt = out - o0 < 16 ? out - o0 : 16;
+        for (int i = 0; i < n; i += 4) {
+            int R = n - i < 4 ? n - i : 4;
+            int32_t acc[4][16];
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+            /* four partial sums per row, over every 4th group of inputs: four independent chains of dot-product
+             * instructions (one chain waits on each instruction's latency); integer sums, so their order does
+             * not change the result */
+            __m512i a[4][4];
+            for (int rr = 0; rr < 4; ++rr)
+                for (int u = 0; u < 4; ++u) a[rr][u] = _mm512_setzero_si512();
+            for (int g0 = 0; g0 < kg_n; g0 += 4) {
+                if (HEADS_PREFETCH && i == 0)  /* 16 KB ahead into L2, on the first pass over the block */
+                    for (int u = 0; u < 4; ++u) _mm_prefetch((const char *)(wb + (size_t)(g0 + u) * 64) + 16384, _MM_HINT_T1);
+                for (int u = 0; u < 4 && g0 + u < kg_n; ++u) {
+                    int g = g0 + u;
+                    __m512i w = _mm512_loadu_si512((const void *)(wb + (size_t)g * 64));
+                    for (int rr = 0; rr < R; ++rr) {
+                        int32_t x4;
+                        memcpy(&x4, xq + (size_t)(i + rr) * in4 + 4 * g, 4);
+                        a[rr][u] = _mm512_dpbusd_epi32(a[rr][u], _mm512_set1_epi32(x4), w);
+                    }
+                }
+            }
+            for (int rr = 0; rr < R; ++rr)
+                _mm512_storeu_si512((void *)acc[rr], _mm512_add_epi32(_mm512_add_epi32(a[rr][0], a[rr][1]),
+                                                                      _mm512_add_epi32(a[rr][2], a[rr][3])));
+#else
+            for (int rr = 0; rr < R; ++rr)
+                for (int c = 0; c < 16; ++c) {
+                    int32_t sum = 0;
+                    for (int g = 0; g < kg_n; ++g)
+                        for (int t = 0; t < 4; ++t)
+                            sum += (int32_t)xq[(size_t)(i + rr) * in4 + 4 * g + t] * (int32_t)wb[((size_t)g * 16 + c) * 4 + t];
+                    acc[rr][c] = sum;
+                }
+#endif
+            for (int rr = 0; rr < R; ++rr)
+                for (int c = 0; c < cnt; ++c) {
+                    int32_t dot = acc[rr][c] - 128 * wsum[o0 + c];
+                    float scale = sx[i + rr] * sw[o0 + c];
+                    y[(size_t)(i + rr) * out + o0 + c] = f2bf((float)dot * scale);
+                }
+        }
+    }
+}
+
+/* The int8 projection as a standalone call (tests): xq scratch of n * in4 bytes, sx of n floats. */
+void lean_linear_i8(const int8_t *wp, const float *sw, const int32_t *wsum, const bf16 *x, int n, int out, int in,
+                    bf16 *y, uint8_t *xq, float *sx, int nthreads) {
+    quantize_rows(x, n, in, xq, sx);
+#pragma omp parallel num_threads(nthreads)
+    linear_i8_rows(wp, sw, wsum, xq, sx, n, out, in, y);
+}
+
+/* A projection of the heads: bf16 weights (packed for the call's path, scale NULL), or int8 (lean_pack_i8) with
+ * per-row scales and sums. */
+typedef struct {
+    const void *w;
+    const float *scale;
+    const int32_t *sum;
+} LeanProj;
+
 /* ------------------------------------------------------------------ Medusa heads, one tree level */
 
 #define HEAD_MAX_BLOCKS 8
@@ -844,6 +966,10 @@ typedef struct {
     const bf16 *root_w;   /* U_j [H, H]: the root token's embedding into the first block */
     const bf16 *parent_w; /* P_j [H, H] (path-conditioned heads j >= 1), else NULL */
     const bf16 *w[HEAD_MAX_BLOCKS], *b[HEAD_MAX_BLOCKS]; /* residual blocks: W [H, H], b [H] */
+    /* the root's and a parent's terms for every token of the draft vocabulary, [S, H] (NULL: computed each time):
+     * bf16(e U^T) and bf16(e P^T) by this file's own linear layer, so a row read equals the row computed, bit for
+     * bit, and a step reads 1 KB instead of U's and P's 0.6 MB each */
+    const bf16 *root_table, *parent_table;
 } LeanHead;
 
 /* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none) */
@@ -892,24 +1018,52 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
 
 size_t lean_heads_work_size(int hsz, int vocab, int parents);
 
+
+/* A linear layer of the heads: right after a verify forward their weights come from DRAM, and a one-row pass
+ * without software prefetch streams them at what one core's own outstanding misses allow; with it, the L2
+ * fetches ahead (the tile path, where a caller asks for it, as linear_any) */
+static inline void head_linear(int amx, const bf16 *w, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
+                               int kind, bf16 *xa) {
+    if (amx)
+        linear_any(amx, w, x, n, out, in, y, r, kind, xa, 0);
+    else
+        linear_rows_pf(w, x, n, out, in, y, r, kind, HEADS_PREFETCH);
+}
+
 /* One tree level of root-conditioned (optionally path-conditioned) shared-format heads, as the decoder's
  * PyTorch path computes it in bf16 (each op rounded to bf16 where PyTorch rounds):
  *   e_p = bf16(bf16(root U^T) + bf16(parent_p P^T))          (e = bf16(root U^T) without parents)
  *   x_p = bf16(h + bf16(silu(bf16(bf16(h W_0^T + b_0) + e_p))))   then for blocks l >= 1:
  *   x_p = bf16(x_p + bf16(silu(bf16(x_p W_l^T + b_l))))
- *   logits_p = bf16(x_p proj^T) over the draft vocabulary [S];  top-k indices and top-1 probability.
+ *   logits_p = bf16(x_p proj^T) over the draft vocabulary [S] (or the int8 projection of x_p, see above);
+ *   top-k indices and top-1 probability.
  * rows = max(1, parents). Called by every thread of an OpenMP parallel region (its loops are worksharing
  * loops; it returns with the threads in step). work: lean_heads_work_size(hsz, vocab, parents) bf16. */
-static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int vocab, const bf16 *proj,
-                                const bf16 *hidden, const bf16 *root_e, const bf16 *parent_e, int parents, int k,
-                                int32_t *top, float *top1, bf16 *work, int amx) {
+static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int vocab, const LeanProj *proj,
+                                const bf16 *hidden, const bf16 *root_e, int root_row, const bf16 *parent_e,
+                                const int32_t *parent_rows, int parents, int k, int32_t *top, float *top1, bf16 *work,
+                                int amx) {
     int rows = parents > 0 ? parents : 1;
     bf16 *er = work, *ep = er + hsz, *z = ep + (size_t)rows * hsz, *x = z + (size_t)rows * hsz,
          *logits = x + (size_t)(rows + 1) * hsz, *xa = logits + (size_t)rows * vocab;
-    /* e: the root's term, plus each parent's */
-    linear_any(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa, 0);
+    /* the int8 projection's quantised rows and their scales, after the tile path's scratch */
+    float *sx = (float *)(xa + lean_amx_scratch_size(rows, hsz) + 2);
+    sx = (float *)(((uintptr_t)sx + 63) & ~(uintptr_t)63);
+    uint8_t *xq = (uint8_t *)(sx + rows + 16);
+    /* e: the root's term, plus each parent's (from the tables where the tokens are in the draft vocabulary:
+     * root_row >= 0, parent_rows given) */
+    if (head->root_table && root_row >= 0)
+        er = (bf16 *)head->root_table + (size_t)root_row * hsz;
+    else
+        head_linear(amx, head->root_w, root_e, 1, hsz, hsz, er, NULL, OUT_BF16, xa);
     if (parents > 0 && head->parent_w) {
-        linear_any(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa, 0);
+        if (head->parent_table && parent_rows) {
+#pragma omp for schedule(static)
+            for (int p = 0; p < parents; ++p)
+                memcpy(ep + (size_t)p * hsz, head->parent_table + (size_t)parent_rows[p] * hsz, (size_t)hsz * sizeof(bf16));
+        } else {
+            head_linear(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa);
+        }
 #pragma omp for schedule(static)
         for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
     } else {
@@ -919,14 +1073,20 @@ static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int v
     /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
 #pragma omp single
     memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
-    linear_any(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa, 0);
+    head_linear(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
     silu_residual_rows(x, z, ep, rows, hsz, 1);
     bf16 *xs = x + hsz; /* [rows, H] */
     for (int l = 1; l < blocks; ++l) {
-        linear_any(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa, 0);
+        head_linear(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
         silu_residual_rows(xs, z, NULL, rows, hsz, 0);
     }
-    linear_any(amx, proj, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa, 0);
+    if (proj->scale) {
+#pragma omp single
+        quantize_rows(xs, rows, hsz, xq, sx);
+        linear_i8_rows((const int8_t *)proj->w, proj->scale, proj->sum, xq, sx, rows, vocab, hsz, logits);
+    } else {
+        head_linear(amx, (const bf16 *)proj->w, xs, rows, vocab, hsz, logits, NULL, OUT_BF16, xa);
+    }
 #pragma omp for schedule(static)
     for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
 }
@@ -934,7 +1094,7 @@ static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int v
 /* One tree level (see heads_level_in_team) in a parallel region of its own. work: bf16,
  * lean_heads_work_size(hsz, vocab, parents) elements. amx: weights and proj packed by lean_pack_amx.
  * Returns 0, -2 without the tile unit, -3 for k or the block count out of range. */
-int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const bf16 *proj, const bf16 *hidden,
+int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const LeanProj *proj, const bf16 *hidden,
                      const bf16 *root_e, const bf16 *parent_e, int parents, int k, int32_t *top, float *top1,
                      bf16 *work, int amx, int nthreads) {
     if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
@@ -944,8 +1104,8 @@ int lean_heads_level(const LeanHead *head, int blocks, int hsz, int vocab, const
 #if LEAN_AMX_BUILD
         if (amx) amx_configure();
 #endif
-        heads_level_in_team(head, blocks, hsz, vocab, proj, hidden, root_e, parent_e, parents, k, top, top1, work,
-                            amx);
+        heads_level_in_team(head, blocks, hsz, vocab, proj, hidden, root_e, -1, parent_e, NULL, parents, k, top, top1,
+                            work, amx);
 #if LEAN_AMX_BUILD
         if (amx) amx_release();
 #endif
@@ -971,11 +1131,14 @@ typedef struct {
  * nodes [N] int64 (nodes[0] = root). chain[d] = the top-1 probability of level d+1's first parent (the top-1
  * chain a confidence gate reads). With gate > 0 the levels stop after the first whose chain product (float32,
  * as treesearch.replay.gated_depth) is below the gate: the decoder cuts the tree there, so deeper levels are
- * never verified. work: lean_heads_tree_work_size(hsz, vocab, max parents, k) bf16. Returns the number of levels computed, -2 without the tile
- * unit, -3 for k or the block count out of range. */
+ * never verified. work: lean_heads_tree_work_size(hsz, vocab, max parents, k) bf16. root_row: the root's row of
+ * the draft vocabulary (-1: not in it), for the heads' tables; rows: int32 scratch of N + max parents (each node's
+ * row, then a level's parents' rows). Returns the number of levels computed, -2 without the tile unit, -3 for k or
+ * the block count out of range. */
 int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, int blocks, int hsz, int vocab,
-                    const bf16 *proj, const bf16 *embed, const int64_t *draft_ids, const bf16 *hidden, int64_t root,
-                    int k, float gate, int64_t *nodes, float *chain, bf16 *work, int amx, int nthreads) {
+                    const LeanProj *proj, const bf16 *embed, const int64_t *draft_ids, const bf16 *hidden, int64_t root,
+                    int root_row, int32_t *rows, int k, float gate, int64_t *nodes, float *chain, bf16 *work, int amx,
+                    int nthreads) {
     if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
     if (amx && !lean_amx_available()) return -2;
     int max_rows = 1;
@@ -985,8 +1148,11 @@ int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, i
     int32_t *top = (int32_t *)(level_work + level_size + ((uintptr_t)(level_work + level_size) & 2 ? 1 : 0));
     float *top1 = (float *)(top + (size_t)max_rows * k);
     const bf16 *root_e = embed + (size_t)root * hsz;
-    int done = 0;
+    int done = 0, node_count = 1;
+    for (int d = 0; d < depth; ++d) node_count += levels[d].children;
+    int32_t *prow = rows + node_count; /* a level's parents' rows */
     nodes[0] = root;
+    rows[0] = root_row;
 #pragma omp parallel num_threads(nthreads)
     {
 #if LEAN_AMX_BUILD
@@ -995,14 +1161,26 @@ int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, i
         float product = 1.0f;
         for (int d = 0; d < depth; ++d) {
             const LeanLevel *lv = &levels[d];
+            /* the parents' rows of the draft vocabulary (tables), else their input embeddings gathered */
+            int tables = heads[d].parent_table != NULL && draft_ids != NULL;
+            for (int p = 0; p < lv->parents && tables; ++p) tables = rows[lv->parent_nodes[p]] >= 0;
+            if (tables) {
+#pragma omp single
+                for (int p = 0; p < lv->parents; ++p) prow[p] = rows[lv->parent_nodes[p]];
+            } else {
 #pragma omp for schedule(static)
-            for (int p = 0; p < lv->parents; ++p)
-                memcpy(pe + (size_t)p * hsz, embed + (size_t)nodes[lv->parent_nodes[p]] * hsz, (size_t)hsz * sizeof(bf16));
-            heads_level_in_team(&heads[d], blocks, hsz, vocab, proj, hidden, root_e, lv->parents ? pe : NULL,
-                                lv->parents, k, top, top1, level_work, amx);
+                for (int p = 0; p < lv->parents; ++p)
+                    memcpy(pe + (size_t)p * hsz, embed + (size_t)nodes[lv->parent_nodes[p]] * hsz, (size_t)hsz * sizeof(bf16));
+            }
+            heads_level_in_team(&heads[d], blocks, hsz, vocab, proj, hidden, root_e, draft_ids ? root_row : -1,
+                                lv->parents ? pe : NULL, tables ? prow : NULL, lv->parents, k, top, top1, level_work,
+                                amx);
             for (int c = 0; c < lv->children; ++c) { /* every thread places the same values: no barrier needed */
                 int32_t row = top[lv->child_parent[c] * k + lv->child_rank[c]];
-                if (omp_get_thread_num() == 0) nodes[lv->child_nodes[c]] = draft_ids ? draft_ids[row] : row;
+                if (omp_get_thread_num() == 0) {
+                    nodes[lv->child_nodes[c]] = draft_ids ? draft_ids[row] : row;
+                    rows[lv->child_nodes[c]] = draft_ids ? row : -1;
+                }
             }
             product *= top1[0]; /* each thread the same float32 product */
             if (omp_get_thread_num() == 0) {
@@ -1022,7 +1200,9 @@ int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, i
 /* bf16 elements of lean_heads_level's work for `parents` parents (0: the root level) */
 size_t lean_heads_work_size(int hsz, int vocab, int parents) {
     int rows = parents > 0 ? parents : 1;
-    return (size_t)(3 * rows + 2) * hsz + (size_t)rows * vocab + lean_amx_scratch_size(rows, hsz);
+    /* + the int8 projection's quantised rows (bytes) and scales, aligned (see heads_level_in_team) */
+    return (size_t)(3 * rows + 2) * hsz + (size_t)rows * vocab + lean_amx_scratch_size(rows, hsz) + 2 + 32 +
+           (size_t)2 * (rows + 16) + ((size_t)rows * pad_to(hsz, 4) + 1) / 2;
 }
 
 /* bf16 elements of lean_heads_tree's work: a level's work for the widest level, the parents' embeddings,
