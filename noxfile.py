@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the default), ``lint``, ``bench``, ``perf``.
+"""Sessions: ``tests`` (the default), ``lint``, ``bench``, ``perf``, ``gpu``.
 
 torch is installed first with an exact pin so that pip takes the local CPU wheel instead of a
 multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GPU machine).
@@ -37,6 +37,16 @@ def perf(session: nox.Session) -> None:
     session.run("pytest", "tests/test_perf.py", "--benchmark-enable", "--benchmark-only",
                 "--benchmark-columns=min,median,max,rounds", "--benchmark-sort=name",
                 "--benchmark-json=results/perf/benchmarks.json", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The runtime on a CUDA device: tree attention and greedy exactness on both engines, and decode steps timed
+    (tests/test_cuda.py, marker ``gpu``). Installs torch's default build (CUDA) unless MEDUSA_TORCH_SPEC says
+    otherwise; fails, not skips, without a CUDA device."""
+    session.install(os.environ.get("MEDUSA_TORCH_SPEC", "torch"))
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "gpu", "tests/test_cuda.py", *session.posargs)
 
 
 @nox.session

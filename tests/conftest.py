@@ -63,7 +63,7 @@ def tiny_gemma3(vocab: int = 64, seed: int = 2, window: int = 6) -> LoadedModel:
 def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
     """Reference: transformers' own generate, greedy, stopping at the model's EOS if it has one."""
     eos = list(loaded.eos_token_ids) or None
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=loaded.device)
     out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos,
                                 pad_token_id=eos[0] if eos else 0, top_p=None, top_k=None, temperature=None)
     return out[0, len(prompt):].tolist()
