@@ -86,15 +86,25 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def tuning_flags() -> tuple[str, ...]:
+    """Defines that pick a measured variant for this CPU: on AMD family 25 (Zen 4, the only AVX-512 CPUs of that
+    family) a linear layer takes two rows in two passes over its weights (see linear_rows_pf in lean_cpu.c)."""
+    vendor, family = cpuinfo_line("vendor_id") or "", cpuinfo_line("cpu family") or ""
+    zen4 = "AuthenticAMD" in vendor and family.split(":")[-1].strip() == "25"
+    return ("-DROWS2_SPLIT=1",) if zen4 else ()
+
+
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + tuning_flags()), version,
+                                    _cpu_flags()]).encode())
     return cache_root() / "kernels" / f"lean_cpu-{key.hexdigest()[:16]}.so"
 
 
 def _build(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
     with atomic_file(target, suffix=".so") as tmp:
-        done = subprocess.run([cc, *FLAGS, *extra_flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([cc, *FLAGS, *tuning_flags(), *extra_flags, "-o", str(tmp), str(SOURCE), "-lm"],
+                              capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")

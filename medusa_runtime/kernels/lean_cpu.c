@@ -241,6 +241,10 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
                 }
 }
 
+#ifndef ROWS2_SPLIT  /* 1: a call of 2 rows takes two passes of 1 over each weight block (see linear_rows_pf) */
+#define ROWS2_SPLIT 0
+#endif
+
 #ifndef ROWS4_PREFETCH_FROM  /* the fewest rows a call prefetches the weights for (see ROWS4_PREFETCH) */
 #define ROWS4_PREFETCH_FROM 2
 #endif
@@ -260,9 +264,13 @@ static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in
      * with the prefetch (the verify of whole decode steps, builds interleaved, 2026-12-02): 9.00 ms against
      * 9.98 / 10.35 as one pass of 2 with / without it, where one row took 9.59; in a second run 8.41 where one
      * row took 8.61; 3 and 4 rows in passes of 1 were slower (9.45 against 8.98 ms for 4). Why one pass of several rows streams slower than
-     * shorter passes is not understood (the prefetch distance, 8 / 16 / 32 KB, made no difference). Results
+     * shorter passes is not understood (the prefetch distance, 8 / 16 / 32 KB, made no difference). The split
+     * of 2 rows is Zen 4's alone (ROWS2_SPLIT, set by the build for AMD family 25): on a Zen 5 EPYC (2026-12-03,
+     * builds alternated in one process, 20 rounds, context 16 / 256, the forward's linear layers summed) one
+     * pass of 2 cost what one row costs (4.98 / 5.05 ms against 5.12 / 5.10 for one row in the same build)
+     * where 1 + 1 cost 5.41 / 5.55 (one row 5.23 / 5.00). Results
      * do not depend on the split (each output is summed in the same order whatever R is). */
-    int rows_per_pass = n == 2 ? 1 : n <= 4 ? 2 : 4;
+    int rows_per_pass = n == 2 ? (ROWS2_SPLIT ? 1 : 2) : n <= 4 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         int o0 = 4 * b, cnt = out - o0 < 4 ? out - o0 : 4;
@@ -612,6 +620,45 @@ static void silu_mul_rows(const bf16 *gu, int n, int inter, bf16 *act) {
 
 /* ------------------------------------------------------------------ attention */
 
+#if LEAN_AVX512BF16
+/* q . k for the 16 keys k[0..cnt) (rows of d = 64 bf16; lanes from cnt on are 0 and read nothing): each key's
+ * two dot-product steps in one accumulator, then reduce4's adds, whose pattern is the same for every key of a
+ * group of 4, so a key's score does not depend on its place in the block (the property that lets a tree row
+ * equal its one-row step, where the same key sits in another slot). Against one key at a time (dot_bf16,
+ * a horizontal sum per key) this is about a fifth of the instructions. */
+static inline __m512 scores16_d64(const bf16 *q, const bf16 *k, int cnt) {
+    __m512bh q0 = (__m512bh)_mm512_loadu_si512(q), q1 = (__m512bh)_mm512_loadu_si512(q + 32);
+    __m128 s[4];
+    for (int g = 0; g < 4; ++g) {
+        __m512 a[4];
+        for (int c = 0; c < 4; ++c) {
+            const bf16 *kr = k + (size_t)(4 * g + c) * 64;
+            a[c] = 4 * g + c < cnt
+                       ? _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(kr)),
+                                          q1, (__m512bh)_mm512_loadu_si512(kr + 32))
+                       : _mm512_setzero_ps();
+        }
+        s[g] = reduce4(a[0], a[1], a[2], a[3]);
+    }
+    __m512 out = _mm512_castps128_ps512(s[0]);
+    out = _mm512_insertf32x4(out, s[1], 1);
+    out = _mm512_insertf32x4(out, s[2], 2);
+    return _mm512_insertf32x4(out, s[3], 3);
+}
+
+/* which of the slots j..j+cnt-1 row i sees (see attention_rows), as a mask of cnt bits */
+static inline __mmask16 seen16(int j, int cnt, int start, int i, int n, const uint8_t *tree) {
+    unsigned all = cnt == 16 ? 0xffffu : (1u << cnt) - 1;
+    if (j + cnt <= start) return (__mmask16)all;
+    unsigned m = 0;
+    for (int c = 0; c < cnt; ++c) {
+        int slot = j + c, a = slot - start;
+        if (slot < start || (tree ? tree[(size_t)i * n + a] : a <= i)) m |= 1u << c;
+    }
+    return (__mmask16)m;
+}
+#endif
+
 /* Row i (query at cache slot start + i) sees slots [0, start) and the tree slots start + a with
  * tree[i, a] (tree: [n, n] bytes; NULL = causal, slots [0, start + i]). Out [n, nh * D] bf16.
  * Scores, softmax and the weighted sum in float32, every key's terms added in slot order (so a row's
@@ -645,6 +692,19 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
             mx = _mm512_reduce_max_ps(vmx);
         }
 #endif
+#if LEAN_AVX512BF16
+        if (!given && d == 64) { /* 16 keys at a time; unseen and missing lanes -inf */
+            __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
+            for (; j < end; j += 16) {
+                int cnt = end - j < 16 ? end - j : 16;
+                __m512 v = _mm512_mul_ps(scores16_d64(qi, kh + (size_t)j * d, cnt), vs);
+                v = _mm512_mask_blend_ps(seen16(j, cnt, start, i, n, tree), _mm512_set1_ps(-INFINITY), v);
+                _mm512_mask_storeu_ps(sc + j, (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1), v);
+                vmx = _mm512_max_ps(vmx, v);
+            }
+            mx = _mm512_reduce_max_ps(vmx);
+        }
+#endif
         for (; j < end; ++j) {
             int seen = j < start || (tree ? tree[(size_t)i * n + (j - start)] : j - start <= i);
             sc[j] = seen ? (given ? given[j] : dot_bf16(qi, kh + (size_t)j * d, d)) * scale : -INFINITY;
@@ -661,8 +721,16 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
              * set k % 2, whatever its slot, so a tree row and its one-row step add the same terms in the same
              * order), then set 0 + set 1 */
             int cnt = 0;
-            for (j = 0; j < end; ++j)
-                if (sc[j] != 0.f) seen_idx[cnt++] = j;
+            const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (j = 0; j < end; j += 16) { /* the seen slots' indices in order, 16 at a time */
+                int len = end - j < 16 ? end - j : 16;
+                __mmask16 m = (__mmask16)(len == 16 ? 0xffffu : (1u << len) - 1);
+                __mmask16 nz = _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, sc + j), _mm512_setzero_ps(), _CMP_NEQ_UQ) & m;
+                __m512i idx = _mm512_maskz_compress_epi32(nz, _mm512_add_epi32(_mm512_set1_epi32(j), iota));
+                int got = __builtin_popcount((unsigned)nz);
+                _mm512_mask_storeu_epi32(seen_idx + cnt, (__mmask16)((1u << got) - 1), idx);
+                cnt += got;
+            }
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
             float s0 = 0.f, s1 = 0.f;
             int k = 0;
