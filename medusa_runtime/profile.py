@@ -26,6 +26,7 @@ from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
 
 from .acceptance import AcceptConfig
+from .bandwidth import FloorProbe, floor_summary, weight_bytes
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
@@ -184,12 +185,14 @@ class Profiler:
         self.prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
         self.prefill_dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
         self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
+        self.floor_probe = FloorProbe(device=dev)  # the copy bandwidth right before and after each round's loops
         self.rounds_taken = 0
 
     @torch.inference_mode()
     def round(self) -> dict[str, list]:
         """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
-        prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length}."""
+        prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length,
+        "bandwidth_gbs": the copy bandwidth before and after the loops}."""
         r = self.rounds_taken
         self.rounds_taken += 1
         tight = [0.0] * len(self.steps)
@@ -206,12 +209,14 @@ class Profiler:
 
         # the loops stepped in turn, as the replay steps its configurations: every size meets the same
         # moments of the machine, so their ratios in a round carry little of its drift
+        before = self.floor_probe.gbs()
         lockstep({i: dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)},
                  f"profile/{r}", loop_times)
+        bandwidth = [before, self.floor_probe.gbs()]
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
-        return {"tight": tight, "loops": loops, "prefill": prefill}
+        return {"tight": tight, "loops": loops, "prefill": prefill, "bandwidth_gbs": bandwidth}
 
     def profile(self, rounds: list[dict], meta: dict | None = None) -> LatencyProfile:
         """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta) and of
@@ -255,6 +260,15 @@ class Profiler:
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
+        # the plain loop's step in each round against that round's floor (bandwidth: harmonic mean of the probes)
+        probed = [r for r in rounds if r.get("bandwidth_gbs")]
+        floor = floor_summary(weight_bytes(loaded), [r["loops"][0][0] for r in probed],
+                              [len(r["bandwidth_gbs"]) / sum(1 / b for b in r["bandwidth_gbs"]) for r in probed])
+        if floor:
+            meta["bandwidth_floor"] = {**floor, "context": self.mid, "note": (
+                "each round: the plain decode loop's step (at the middle context) over weight_bytes / the copy "
+                "bandwidth (bytes read + written) measured right before and after that round's loops; median "
+                "over rounds, distribution-free 95 % interval of the median")}
         # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
         # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, since more parents never cost
         # less)

@@ -110,6 +110,11 @@ def test_profile_smoke():
     # what a typical-acceptance step adds, by verified nodes (plain sampling's draw at 1)
     assert prof.sampling_nodes == (1, 4, 16) and all(x >= 0 for x in prof.sampling_extra_ms)
     assert list(prof.sampling_extra_ms) == sorted(prof.sampling_extra_ms)  # more parents never cost less
+    # the plain loop of each timed round against that round's own copy-bandwidth floor
+    floor = prof.meta["bandwidth_floor"]
+    assert floor["rounds"] == 3 and floor["context"] == 32  # max(3, repeats) timed rounds and floor["bandwidth_gbs"] > 0
+    lo, hi = floor["plain_over_floor_95"]
+    assert lo <= floor["plain_over_floor"] <= hi and floor["floor_ms"] > 0
 
 
 def test_sampling_extra_is_made_non_decreasing_as_isotonic_regression_does():

@@ -248,6 +248,16 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     for ctx, plain, row in zip(prof.contexts, prof.plain_ms, prof.verify_ms):
         lines.append(f"  context {ctx}: plain {plain:.2f}, verify " + "  ".join(
             f"{n}:{v:.1f}" for n, v in zip(prof.nodes, row)))
+        if 1 in prof.nodes:
+            one = row[prof.nodes.index(1)]
+            lines.append("    verify / one row: " + "  ".join(f"{n}:{v / one:.3f}" for n, v in zip(prof.nodes, row)))
+    if floor := prof.meta.get("bandwidth_floor"):
+        lo, hi = floor["plain_over_floor_95"]
+        lines.append(f"  plain step / bandwidth floor: {floor['plain_over_floor']:.3f} (95 % {lo:.3f}-{hi:.3f}), "
+                     f"{floor['rounds']} rounds each against its own copy bandwidth (median "
+                     f"{floor['bandwidth_gbs']:.1f} GB/s: {floor['weight_bytes'] / 1e6:.0f} MB in "
+                     f"{floor['floor_ms']:.2f} ms; plain loop step {floor['plain_ms']:.2f} ms at context "
+                     f"{floor['context']})")
     lines.append(f"written: {path}")
     plots = []
     if job.plots:

@@ -1,0 +1,81 @@
+"""The memory-bandwidth floor of a decode step: every weight byte streamed once at the measured copy bandwidth.
+
+The copy bandwidth of a shared VM moves by half between seconds, so the floor is only comparable with a step
+timed at the same moment: the latency profile takes a copy probe before and after each round's decode loops
+and compares each round's plain step with that round's floor (``FloorProbe``, ``floor_summary``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from .model import LoadedModel, device_sync
+
+
+def weight_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the model's parameters, each tensor once (tied embeddings are read once per step)."""
+    seen, total = set(), 0
+    for p in loaded.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+class FloorProbe:
+    """Copies of one large buffer, kept between calls: ``gbs()`` is the copy bandwidth now (GB/s, bytes read plus
+    bytes written, the median of ``repeats`` copies), the streaming rate the memory system sustains."""
+
+    def __init__(self, nbytes: int = 256 << 20, device: str | torch.device = "cpu"):
+        self.src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # first touch outside the timing
+
+    def gbs(self, repeats: int = 1) -> float:
+        times = []
+        for _ in range(repeats):
+            device_sync(self.src.device)
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            device_sync(self.src.device)
+            times.append(time.perf_counter() - t0)
+        return 2 * self.src.numel() / statistics.median(times) / 1e9
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7, device: str = "cpu") -> float:
+    """Median GB/s of copying a large buffer, counting bytes read plus bytes written."""
+    return FloorProbe(nbytes, device).gbs(repeats)
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median: the order statistics X_(r) <= X_(n+1-r) (1-based) with
+    P(X_(r) < median < X_(n+1-r)) = P(r <= B <= n - r) >= level for B ~ Binomial(n, 1/2), the narrowest
+    such symmetric pair; the whole range when n is too small for the level."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan
+    pmf = [math.comb(n, i) / 2 ** n for i in range(n + 1)]
+    for r in range((n + 1) // 2, 0, -1):  # widen symmetrically from the middle until the coverage is reached
+        if sum(pmf[r:n - r + 1]) >= level:
+            return xs[r - 1], xs[n - r]
+    return xs[0], xs[-1]
+
+
+def floor_summary(weights: int, plain_ms: list[float], bandwidth_gbs: list[float]) -> dict[str, object]:
+    """Each round's plain step over that round's floor (weights / bandwidth), then the median of the ratios with
+    its 95 % interval; rounds without a probe are left out."""
+    pairs = [(p, b) for p, b in zip(plain_ms, bandwidth_gbs) if b and b > 0 and p > 0]
+    floors = [weights / (b * 1e9) * 1000 for _, b in pairs]
+    ratios = [p / f for (p, _), f in zip(pairs, floors)]
+    if not ratios:
+        return {}
+    lo, hi = median_interval(ratios)
+    return {"weight_bytes": weights, "rounds": len(ratios),
+            "bandwidth_gbs": statistics.median(b for _, b in pairs), "floor_ms": statistics.median(floors),
+            "plain_ms": statistics.median(p for p, _ in pairs), "plain_over_floor": statistics.median(ratios),
+            "plain_over_floor_95": [lo, hi]}

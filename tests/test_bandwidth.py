@@ -1,0 +1,47 @@
+"""The bandwidth floor: the median's distribution-free interval against the binomial closed form, the per-round
+floor ratios against hand computation, and the copy probe against the bytes it moves."""
+
+from __future__ import annotations
+
+import pytest
+from scipy.stats import binom
+
+from medusa_runtime.bandwidth import FloorProbe, floor_summary, median_interval, weight_bytes
+
+from .conftest import tiny_llama
+
+
+@pytest.mark.parametrize("n", [6, 9, 24, 40, 101])
+def test_median_interval_is_the_narrowest_symmetric_pair_with_95_percent_coverage(n):
+    xs = [float(i) for i in range(1, n + 1)]  # x_(i) = i, so the interval names the order statistics
+    lo, hi = median_interval(xs[::-1])  # order of the input does not matter
+    r, s = int(lo), int(hi)
+    assert s == n + 1 - r  # symmetric
+    cover = binom.cdf(n - r, n, 0.5) - binom.cdf(r - 1, n, 0.5)  # P(r <= B <= n - r)
+    assert cover >= 0.95
+    if r < (n + 1) // 2:  # one rank narrower would fall short
+        assert binom.cdf(n - r - 1, n, 0.5) - binom.cdf(r, n, 0.5) < 0.95
+
+
+def test_median_interval_of_too_few_values_is_their_range():
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)  # n = 5: even the range covers 93.75 %
+
+
+def test_floor_summary_compares_each_round_with_its_own_bandwidth():
+    weights = 270_000_000
+    plain = [9.0, 6.0, 7.5]
+    bw = [30.0, 45.0, 0.0]  # the last round had no probe
+    got = floor_summary(weights, plain, bw)
+    floors = [weights / (b * 1e9) * 1000 for b in bw[:2]]  # 9.0 and 6.0 ms
+    assert got["rounds"] == 2 and got["floor_ms"] == pytest.approx(sum(floors) / 2)
+    assert got["plain_over_floor"] == pytest.approx(1.0)  # both rounds ran exactly at their floor
+    assert got["bandwidth_gbs"] == pytest.approx(37.5) and got["plain_ms"] == pytest.approx(7.5)
+    assert floor_summary(weights, [1.0], [0.0]) == {}
+
+
+def test_weight_bytes_counts_tied_tensors_once_and_the_probe_moves_its_bytes():
+    loaded = tiny_llama()
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in loaded.model.parameters()}
+    assert weight_bytes(loaded) == sum(params.values())
+    probe = FloorProbe(nbytes=8 << 20)
+    assert probe.gbs(repeats=3) > 0 and bool((probe.dst == 1).all())
