@@ -102,6 +102,23 @@ def test_linear_matches_float32_products_and_rows_are_independent(lib, out, widt
     assert torch.equal(_linear(lib, w, x, kernels.OUT_BF16_RESIDUAL, residual=r.clone(), path=path), want_r)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_rounds_nan_to_one_canonical_nan(lib, path):
+    """A NaN input gives NaN sums; rounded to bf16 they are c10's canonical quiet NaN (0x7FC0, what the scalar
+    rounding writes) in whole blocks of outputs and in the last partial one alike, and every other output is
+    PyTorch's rounding of the float32 sum."""
+    _need(path)
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(7, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    x[1, 5] = float("nan")
+    got = _linear(lib, w, x, kernels.OUT_BF16, path=path)
+    want = _linear(lib, w, x, kernels.OUT_F32, path=path).to(torch.bfloat16)
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
+    assert got[1].view(torch.int16).tolist() == [0x7FC0] * 7  # 7 outputs: a block of 4 and a partial one
+    assert torch.equal(got[[0, 2]].view(torch.int16), want[[0, 2]].view(torch.int16))
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 

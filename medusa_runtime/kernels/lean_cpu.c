@@ -222,6 +222,39 @@ static inline void store_out(void *y, const bf16 *r, int kind, size_t at, int co
 
 static inline int pad_to(int v, int m) { return (v + m - 1) / m * m; }
 
+#if LEAN_AVX512BF16
+/* 4 bf16 -> 4 float32 (exact) */
+static inline __m128 widen4(const bf16 *p) {
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)p)), 16));
+}
+
+/* f2bf of 4 floats, bit for bit (the same integer rounding, NaN -> 0x7FC0), in the low 64 bits */
+static inline __m128i f2bf4(__m128 v) {
+    __m128i u = _mm_castps_si128(v);
+    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7FFF), _mm_and_si128(_mm_srli_epi32(u, 16),
+                                                                                      _mm_set1_epi32(1))));
+    r = _mm_srli_epi32(r, 16);
+    __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
+    r = _mm_blendv_epi8(r, _mm_set1_epi32(0x7FC0), nan);
+    return _mm_packus_epi32(r, r);
+}
+
+/* store_out for the 4 adjacent outputs at..at+3 (columns col..col+3) of one row, from their sums v */
+static inline void store_out4(void *y, const bf16 *r, int kind, size_t at, int col, __m128 v) {
+    if (kind == OUT_F32) {
+        _mm_storeu_ps((float *)y + at, v);
+        return;
+    }
+    if (kind == OUT_BF16_BIAS)
+        v = _mm_add_ps(v, widen4(r + col));
+    else if (kind == OUT_BF16_RESIDUAL) {
+        __m128i vb = f2bf4(v);
+        v = _mm_add_ps(widen4(r + at), _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(vb), 16)));
+    }
+    _mm_storel_epi64((__m128i *)((bf16 *)y + at), f2bf4(v));
+}
+#endif
+
 /* Elements of W [out, in] in the AVX-512 path's layout: [ceil(out/4)][ceil(in/32)][4][32], zero padded. */
 size_t lean_rows4_packed_size(int out, int in) { return (size_t)pad_to(out, 4) * (size_t)pad_to(in, 32); }
 
@@ -294,6 +327,13 @@ static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in
                     for (int k = 0; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(xr[k]);
                     d[rr][c] = acc;
                 }
+#endif
+#if LEAN_AVX512BF16
+            if (cnt == 4) { /* a whole block: the four outputs of each row at once, the same bits as store_out */
+                for (int rr = 0; rr < R; ++rr) store_out4(y, r, kind, (size_t)(i + rr) * out + o0, o0, _mm_loadu_ps(d[rr]));
+                i += R;
+                continue;
+            }
 #endif
             for (int rr = 0; rr < R; ++rr)
                 for (int c = 0; c < cnt; ++c) store_out(y, r, kind, (size_t)(i + rr) * out + o0 + c, o0 + c, d[rr][c]);
