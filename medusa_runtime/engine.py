@@ -436,8 +436,8 @@ class LeanEngine:
         need = rows * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
-        # attention: a softmax row per thread, and with the tile path every query's scores q . k
-        need_sc = (2 * threads + (n * h if self.amx else 0)) * cache.capacity
+        # attention: two softmax rows and their tree slots per thread, and with the tile path every query's scores q . k
+        need_sc = (4 * threads + (n * h if self.amx else 0)) * cache.capacity
         if self._scratch.numel() < need_sc:
             self._scratch = torch.empty(need_sc, dtype=torch.float32)
         mask = None if tree is None else tree.to(torch.bool).contiguous()  # [n, n] bytes

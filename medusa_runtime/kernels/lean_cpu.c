@@ -699,16 +699,131 @@ static inline __mmask16 seen16(int j, int cnt, int start, int i, int n, const ui
 }
 #endif
 
+#if LEAN_AVX512BF16
+/* f2bf of 16 floats, bit for bit (see f2bf4), stored at y */
+static inline void store16_f2bf(bf16 *y, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
+}
+
+/* Row i's softmax numerators over the slots [0, end) against query qi (d = 64): p[j] = exp(q . k_j scale - max)
+ * for the slots it sees (see attention_rows), 0 for the others. */
+static inline void probs_d64(const bf16 *qi, const bf16 *kh, int i, int n, int start, int end, const uint8_t *tree,
+                             float scale, float *p) {
+    __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
+    for (int j = 0; j < end; j += 16) { /* 16 keys at a time; unseen and missing lanes -inf */
+        int cnt = end - j < 16 ? end - j : 16;
+        __m512 v = _mm512_mul_ps(scores16_d64(qi, kh + (size_t)j * 64, cnt), vs);
+        v = _mm512_mask_blend_ps(seen16(j, cnt, start, i, n, tree), _mm512_set1_ps(-INFINITY), v);
+        _mm512_mask_storeu_ps(p + j, (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1), v);
+        vmx = _mm512_max_ps(vmx, v);
+    }
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (int j = 0; j < end; ++j) p[j] -= mx; /* -inf stays -inf */
+    exp_inplace(p, end);
+}
+
+/* Rows i0..i0+R-1 (R = 1 or 2, a constant per call) of head hd, d = 64: out = sum_j p_j v_j / sum_j p_j over the
+ * slots each row sees. The k-th seen slot of a row goes to set k % 2 (two sets of accumulators, then set 0 +
+ * set 1), so a row adds the same terms in the same order whatever slots they sit in and whichever rows share its
+ * call: a tree row equals its one-row step. The cached prefix [0, start) is seen by every row (p > 0 there: exp
+ * of a finite score is at least exp(-87.3)), so the rows of a call share each prefix value's loads and
+ * conversions; then each row adds its own tree slots. p: R * end floats, tidx: R * n ints (scratch). */
+static inline __attribute__((always_inline)) void attend_rows_d64(const bf16 *q, const bf16 *kh, const bf16 *vh,
+                                                                 int i0, const int R, int hd, int nh, int n, int start,
+                                                                 int end, const uint8_t *tree, float scale, float *p,
+                                                                 int *tidx, bf16 *out) {
+    int tcnt[2] = {0, 0};
+    for (int r = 0; r < R; ++r) {
+        float *pr = p + (size_t)r * end;
+        probs_d64(q + ((size_t)(i0 + r) * nh + hd) * 64, kh, i0 + r, n, start, end, tree, scale, pr);
+        for (int j = start; j < end; ++j)
+            if (pr[j] != 0.f) tidx[r * n + tcnt[r]++] = j;
+    }
+    __m512 a[2][4], b[2][4];
+    float s0[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f};
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 4; ++c) a[r][c] = b[r][c] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 2 <= start; k += 2) { /* prefix slots k (set 0) and k + 1 (set 1) */
+        const bf16 *v0 = vh + (size_t)k * 64, *v1 = v0 + 64;
+        __m512 x0[4], x1[4];
+        for (int c = 0; c < 4; ++c) {
+            x0[c] = load16_bf16(v0 + 16 * c);
+            x1[c] = load16_bf16(v1 + 16 * c);
+        }
+        for (int r = 0; r < R; ++r) {
+            float p0 = p[(size_t)r * end + k], p1 = p[(size_t)r * end + k + 1];
+            __m512 q0 = _mm512_set1_ps(p0), q1 = _mm512_set1_ps(p1);
+            s0[r] += p0;
+            s1[r] += p1;
+            for (int c = 0; c < 4; ++c) {
+                a[r][c] = _mm512_fmadd_ps(q0, x0[c], a[r][c]);
+                b[r][c] = _mm512_fmadd_ps(q1, x1[c], b[r][c]);
+            }
+        }
+    }
+    if (k < start) { /* an odd last prefix slot: set 0's turn */
+        const bf16 *v0 = vh + (size_t)k * 64;
+        __m512 x0[4];
+        for (int c = 0; c < 4; ++c) x0[c] = load16_bf16(v0 + 16 * c);
+        for (int r = 0; r < R; ++r) {
+            float p0 = p[(size_t)r * end + k];
+            __m512 q0 = _mm512_set1_ps(p0);
+            s0[r] += p0;
+            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(q0, x0[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int m = 0; m < tcnt[r]; ++m) { /* the row's own tree slots: seen index start + m */
+            int j = tidx[r * n + m];
+            float pj = p[(size_t)r * end + j];
+            __m512 qj = _mm512_set1_ps(pj);
+            const bf16 *vj = vh + (size_t)j * 64;
+            if ((start + m) % 2 == 0) {
+                s0[r] += pj;
+                for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(qj, load16_bf16(vj + 16 * c), a[r][c]);
+            } else {
+                s1[r] += pj;
+                for (int c = 0; c < 4; ++c) b[r][c] = _mm512_fmadd_ps(qj, load16_bf16(vj + 16 * c), b[r][c]);
+            }
+        }
+        __m512 sum = _mm512_set1_ps(s0[r] + s1[r]);
+        bf16 *oi = out + ((size_t)(i0 + r) * nh + hd) * 64;
+        for (int c = 0; c < 4; ++c) store16_f2bf(oi + 16 * c, _mm512_div_ps(_mm512_add_ps(a[r][c], b[r][c]), sum));
+    }
+}
+#endif
+
 /* Row i (query at cache slot start + i) sees slots [0, start) and the tree slots start + a with
  * tree[i, a] (tree: [n, n] bytes; NULL = causal, slots [0, start + i]). Out [n, nh * D] bf16.
  * Scores, softmax and the weighted sum in float32, every key's terms added in slot order (so a row's
  * result depends only on the keys it sees, not on where the other rows' keys are). scratch holds
- * 2 (start + n) floats per thread. */
+ * 4 (start + n) floats per thread. */
 static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n, int nh, int nkv, int d, int cap,
                            int start, const uint8_t *tree, float scale, float *scratch, const float *scores,
                            bf16 *out) {
     int group = nh / nkv, tasks = n * nh, end = start + n;
-    float *sc = scratch + (size_t)omp_get_thread_num() * 2 * end; /* end scores, then end seen-key indices */
+    float *sc = scratch + (size_t)omp_get_thread_num() * 4 * end; /* end scores, then end seen-key indices */
+#if LEAN_AVX512BF16
+    if (d == 64 && !scores) { /* tasks: a head and a pair of rows (the last maybe one) */
+        int pairs = (n + 1) / 2;
+#pragma omp for schedule(static)
+        for (int t = 0; t < nh * pairs; ++t) {
+            int hd = t % nh, i0 = 2 * (t / nh);
+            const bf16 *kh = kc + (size_t)(hd / group) * cap * 64, *vh = vc + (size_t)(hd / group) * cap * 64;
+            int *tidx = (int *)(sc + 2 * end);
+            if (n - i0 >= 2)
+                attend_rows_d64(q, kh, vh, i0, 2, hd, nh, n, start, end, tree, scale, sc, tidx, out);
+            else
+                attend_rows_d64(q, kh, vh, i0, 1, hd, nh, n, start, end, tree, scale, sc, tidx, out);
+        }
+        return;
+    }
+#endif
 #if LEAN_AVX512BF16
     int *seen_idx = (int *)(sc + end);
 #endif
@@ -901,7 +1016,7 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
 
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
  * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
- * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (2 nthreads + (amx ? n nh : 0)) *
+ * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (4 nthreads + (amx ? n nh : 0)) *
  * (start + n). amx: the layers' weights are packed (lean_pack_amx) and the linear layers (and q . k) run on
  * the tile unit (xv: lean_amx_scratch_size(n, max(H, I, nh D)) bf16, used where a width is not a multiple of
  * 32; otherwise the activations are read in place).
@@ -918,7 +1033,7 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
     float scale = 1.0f / sqrtf((float)d);
     size_t layer_kv = (size_t)nkv * cap * d;
     /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
-    float *scores = amx && d % 32 == 0 ? scratch + (size_t)2 * nthreads * (start + n) : NULL;
+    float *scores = amx && d % 32 == 0 ? scratch + (size_t)4 * nthreads * (start + n) : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
 #if LEAN_AMX_BUILD
