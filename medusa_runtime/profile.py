@@ -192,7 +192,7 @@ class Profiler:
     def round(self) -> dict[str, list]:
         """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
         prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length,
-        "bandwidth_gbs": the copy bandwidth before and after the loops}."""
+        "floor": [a plain generate's ms per step, the copy bandwidth right before and right after it]}."""
         r = self.rounds_taken
         self.rounds_taken += 1
         tight = [0.0] * len(self.steps)
@@ -209,14 +209,16 @@ class Profiler:
 
         # the loops stepped in turn, as the replay steps its configurations: every size meets the same
         # moments of the machine, so their ratios in a round carry little of its drift
-        before = self.floor_probe.gbs()
         lockstep({i: dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)},
                  f"profile/{r}", loop_times)
-        bandwidth = [before, self.floor_probe.gbs()]
+        # the floor pair: a plain generate alone, between two copy probes a fraction of a second apart
+        before = self.floor_probe.gbs()
+        alone = self.decoders[0].generate(self.loop_prompt).stats
+        floor = [1000 * (alone.time_total - alone.time_prefill) / max(1, alone.steps), before, self.floor_probe.gbs()]
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
-        return {"tight": tight, "loops": loops, "prefill": prefill, "bandwidth_gbs": bandwidth}
+        return {"tight": tight, "loops": loops, "prefill": prefill, "floor": floor}
 
     def profile(self, rounds: list[dict], meta: dict | None = None) -> LatencyProfile:
         """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta) and of
@@ -260,15 +262,14 @@ class Profiler:
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
-        # the plain loop's step in each round against that round's floor (bandwidth: harmonic mean of the probes)
-        probed = [r for r in rounds if r.get("bandwidth_gbs")]
-        floor = floor_summary(weight_bytes(loaded), [r["loops"][0][0] for r in probed],
-                              [len(r["bandwidth_gbs"]) / sum(1 / b for b in r["bandwidth_gbs"]) for r in probed])
+        # each round's plain step against that round's floor (bandwidth: the harmonic mean of its two probes)
+        probed = [r["floor"] for r in rounds if r.get("floor")]
+        floor = floor_summary(weight_bytes(loaded), [f[0] for f in probed], [2 / (1 / f[1] + 1 / f[2]) for f in probed])
         if floor:
             meta["bandwidth_floor"] = {**floor, "context": self.mid, "note": (
-                "each round: the plain decode loop's step (at the middle context) over weight_bytes / the copy "
-                "bandwidth (bytes read + written) measured right before and after that round's loops; median "
-                "over rounds, distribution-free 95 % interval of the median")}
+                "each round: a plain generate alone (24 tokens after a prompt of the middle context), ms per "
+                "step, over weight_bytes / the copy bandwidth (bytes read + written) measured right before and "
+                "right after it; median over rounds, distribution-free 95 % interval of the median")}
         # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
         # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, since more parents never cost
         # less)
