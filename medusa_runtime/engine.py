@@ -326,8 +326,9 @@ class LeanEngine:
         self._cos = self._sin = torch.empty(0)
         self.lib = self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
-        if self.lib is not None:  # the layers' packed weight addresses, once; the tensors live in _PACKED
+        if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
             packed, self._logits_kernel = _kernel_weights(model, self.layers, self.lm_head, self.lib, self.amx)
+            self._packed = packed  # held here too: the table below points into them, and the model may go first
             mats = [tuple(t.data_ptr() for t in p) for p in packed]
             self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
                 kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)

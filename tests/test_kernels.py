@@ -182,6 +182,28 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, mo
             assert torch.equal(step_hidden[0], hidden[node]) and torch.equal(step_logits[0], logits[node]), node
 
 
+def test_engine_outlives_the_loaded_model_it_was_made_from(default_bf16):
+    """make_engine(load_model(...)) keeps no other reference to the model: the engine must hold the packed
+    weights its C layer table points into (it once read freed memory once the model was collected)."""
+    import gc
+
+    from medusa_runtime.model import load_model
+
+    engine = LeanEngine(load_model("default", "bfloat16", log=lambda m: None), use_kernels=True)
+    gc.collect()
+    ref = LeanEngine(default_bf16, use_kernels=True)
+    prompt = torch.tensor(encode_prompt(default_bf16, "Name three colours.", chat=True))
+    with torch.inference_mode():
+        outs = []
+        for e in (engine, ref):
+            cache = e.new_cache(len(prompt) + 4)
+            e.forward(prompt, 0, cache, last_only=True)
+            trash = [torch.full((1 << 20,), 7.0) for _ in range(64)]  # reuse whatever was freed
+            outs.append(e.forward(prompt[-1:], len(prompt), cache))
+            del trash
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("tree,lookup", [("chain:3", 0), ("mc_sim_7b_63", 0), ("chain:3", 4)])
 def test_bf16_medusa_equals_bf16_plain_decoding(default_bf16, mt_bench_first_turns, tree, lookup, monkeypatch):
     """With the C forward, bf16 Medusa greedy decoding (shipped heads) is token-exact against the

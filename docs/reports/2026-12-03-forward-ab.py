@@ -73,7 +73,8 @@ def main() -> None:
     t0, c0 = time.perf_counter(), libs[0].lean_prof_tsc()
     time.sleep(0.2)
     tsc = (libs[0].lean_prof_tsc() - c0) / (time.perf_counter() - t0)  # counter ticks per second
-    engine = make_engine(load_model("default", "bfloat16", log=lambda m: None), "lean", max_nodes=16)
+    loaded = load_model("default", "bfloat16", log=lambda m: None)  # kept: the engine's packed weights live with it
+    engine = make_engine(loaded, "lean", max_nodes=16)
     caches = {}
     for c in ctxs:
         caches[c] = engine.new_cache(c + 32)
