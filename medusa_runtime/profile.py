@@ -185,7 +185,7 @@ class Profiler:
         self.prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
         self.prefill_dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
         self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
-        self.floor_probe = FloorProbe(device=dev)  # the copy bandwidth right before and after each round's loops
+        self.floor_probe = FloorProbe(device=dev)  # the copy bandwidth on either side of each round's plain generate
         self.rounds_taken = 0
 
     @torch.inference_mode()
