@@ -1,7 +1,10 @@
-"""Builds of the C forward alternated in one process, each phase of a layer timed (docs/reports/2026-12-03-verify-rows.md).
+"""Builds of the C forward alternated in one process, each phase of a layer timed
+(docs/reports/2026-12-03-verify-rows.md).
 
     python docs/reports/2026-12-03-forward-ab.py CONTEXTS ROUNDS A.c B.c ...    (NS=1,2,4,5 picks the row counts)
 
+PHASES=0 builds the sources as they are (the per-phase barriers of the instrumented builds would hide a change
+that removes barriers) and prints whole forwards only.
 Each source is instrumented (a barrier and a time-stamp counter read after every phase of every layer: norm1, qkv,
 rope, attn, o, norm2, gate_up, silu, down), built, and swapped into one lean engine of the default model in bf16; a
 verify forward of n rows (a chain) at each context is timed per build in shuffled order per round. Prints the
@@ -51,16 +54,17 @@ def instrumented(source: str) -> str:
     return src.replace(loop, "        unsigned long long _pt = __rdtsc();\n" + loop, 1)
 
 
-def build(source: str, out_dir: str) -> ctypes.CDLL:
-    text = instrumented(source)
+def build(source: str, out_dir: str, phases: bool) -> ctypes.CDLL:
+    text = instrumented(source) if phases else open(source).read()
     stem = hashlib.sha256(text.encode()).hexdigest()[:12]
     c_file, so_file = Path(out_dir, f"{stem}.c"), Path(out_dir, f"{stem}.so")
     c_file.write_text(text)
     subprocess.run(["gcc", *kernels.FLAGS, *kernels.tuning_flags(), "-o", str(so_file), str(c_file), "-lm"],
                    check=True)
     lib = kernels._declare(ctypes.CDLL(str(so_file)))
-    lib.lean_prof_get.restype, lib.lean_prof_get.argtypes = ctypes.c_double, [ctypes.c_int]
-    lib.lean_prof_tsc.restype = ctypes.c_ulonglong
+    if phases:
+        lib.lean_prof_get.restype, lib.lean_prof_get.argtypes = ctypes.c_double, [ctypes.c_int]
+        lib.lean_prof_tsc.restype = ctypes.c_ulonglong
     return lib
 
 
@@ -68,11 +72,14 @@ def main() -> None:
     torch.set_num_threads(2)
     ctxs, rounds, sources = [int(c) for c in sys.argv[1].split(",")], int(sys.argv[2]), sys.argv[3:]
     ns = [int(x) for x in os.environ.get("NS", "1,2,3,4,5").split(",")]
+    phased = os.environ.get("PHASES", "1") != "0"
     tmp = tempfile.mkdtemp()
-    libs = [build(s, tmp) for s in sources]
-    t0, c0 = time.perf_counter(), libs[0].lean_prof_tsc()
-    time.sleep(0.2)
-    tsc = (libs[0].lean_prof_tsc() - c0) / (time.perf_counter() - t0)  # counter ticks per second
+    libs = [build(s, tmp, phased) for s in sources]
+    tsc = 1.0
+    if phased:
+        t0, c0 = time.perf_counter(), libs[0].lean_prof_tsc()
+        time.sleep(0.2)
+        tsc = (libs[0].lean_prof_tsc() - c0) / (time.perf_counter() - t0)  # counter ticks per second
     loaded = load_model("default", "bfloat16", log=lambda m: None)  # kept: the engine's packed weights live with it
     engine = make_engine(loaded, "lean", max_nodes=16)
     caches = {}
@@ -86,19 +93,22 @@ def main() -> None:
         random.shuffle(keys)
         for b, c, n in keys:
             engine.lib = libs[b]
-            libs[b].lean_prof_reset()
+            if phased:
+                libs[b].lean_prof_reset()
             start = time.perf_counter()
             engine.forward(torch.randint(100, 40000, (n,)), c, caches[c],
                            tree=torch.tril(torch.ones(n, n, dtype=torch.bool)) if n > 1 else None,
                            positions=torch.arange(c, c + n))
             whole[(b, c, n)].append(time.perf_counter() - start)
-            phases[(b, c, n)].append([libs[b].lean_prof_get(i) / tsc * 1000 for i in range(len(PHASES))])
+            if phased:
+                phases[(b, c, n)].append([libs[b].lean_prof_get(i) / tsc * 1000 for i in range(len(PHASES))])
     for c in ctxs:
         for b, source in enumerate(sources):
             one = st.median(whole[(b, c, 1)])
+            meds = {n: st.median(whole[(b, c, n)]) for n in ns}
             print(f"{Path(source).name} context {c}: " + "  ".join(
-                f"{n}: {1000 * st.median(whole[(b, c, n)]):.3f} ms x{st.median(whole[(b, c, n)]) / one:.3f}" for n in ns))
-            for n in ns:
+                f"{n}: {1000 * m:.3f} ms x{m / one:.3f}" for n, m in meds.items()))
+            for n in ns if phased else ():
                 med = [st.median(x[i] for x in phases[(b, c, n)]) for i in range(len(PHASES))]
                 print(f"    n={n} " + " ".join(f"{a} {v:.3f}" for a, v in zip(NAMES, med)) + f"  sum {sum(med):.3f}")
 
