@@ -809,7 +809,7 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
     int group = nh / nkv, tasks = n * nh, end = start + n;
     float *sc = scratch + (size_t)omp_get_thread_num() * 4 * end; /* end scores, then end seen-key indices */
 #if LEAN_AVX512BF16
-    if (d == 64 && !scores) { /* tasks: a head and a pair of rows (the last maybe one) */
+    if (d == 64 && !scores) { /* tasks: a head and a pair of rows (the last maybe one); below: other widths, AMX */
         int pairs = (n + 1) / 2;
 #pragma omp for schedule(static)
         for (int t = 0; t < nh * pairs; ++t) {
@@ -842,19 +842,6 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
             for (; j + 16 <= start; j += 16) {
                 __m512 v = _mm512_mul_ps(_mm512_loadu_ps(given + j), vs);
                 _mm512_storeu_ps(sc + j, v);
-                vmx = _mm512_max_ps(vmx, v);
-            }
-            mx = _mm512_reduce_max_ps(vmx);
-        }
-#endif
-#if LEAN_AVX512BF16
-        if (!given && d == 64) { /* 16 keys at a time; unseen and missing lanes -inf */
-            __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
-            for (; j < end; j += 16) {
-                int cnt = end - j < 16 ? end - j : 16;
-                __m512 v = _mm512_mul_ps(scores16_d64(qi, kh + (size_t)j * d, cnt), vs);
-                v = _mm512_mask_blend_ps(seen16(j, cnt, start, i, n, tree), _mm512_set1_ps(-INFINITY), v);
-                _mm512_mask_storeu_ps(sc + j, (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1), v);
                 vmx = _mm512_max_ps(vmx, v);
             }
             mx = _mm512_reduce_max_ps(vmx);
