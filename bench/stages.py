@@ -33,8 +33,8 @@ from treesearch.tree import write_json_atomic
 # 23: the heads' root and parent terms from tables over the draft vocabulary, the shipped heads' draft projection
 # in int8, the heads' rows on the AVX-512 path also on AMX CPUs (a chain:4 tree after a forward 1.25 -> 0.66 ms).
 # 24: attention on the AVX-512 path scores 16 keys at a time and takes a head for a pair of rows per task (4 rows
-# at context 256: attention 0.97 -> 0.62, then 0.66 -> 0.52 ms, each against the build before); 2-row calls in one pass except on Zen 4; whole blocks of outputs
-# stored as vectors; the profile's floor pairs.
+# at context 256: attention 0.97 -> 0.62, then 0.66 -> 0.52 ms, each against the build before); 2-row calls in
+# one pass except on Zen 4; whole blocks of outputs stored as vectors; the profile's floor pairs.
 RUNTIME_REVISION = 24
 
 
