@@ -1,8 +1,9 @@
 """The memory-bandwidth floor of a decode step: every weight byte streamed once at the measured copy bandwidth.
 
 The copy bandwidth of a shared VM moves by half between seconds, so the floor is only comparable with a step
-timed at the same moment: the latency profile takes a copy probe before and after each round's decode loops
-and compares each round's plain step with that round's floor (``FloorProbe``, ``floor_summary``).
+timed at the same moment: a floor pair is a plain generate alone between two copy probes (``floor_pair``), and
+the ratio of its step to its own floor, taken over many pairs, is the figure (``floor_summary``; the latency
+profile takes one pair per round, ``medusa-bench speed`` a dozen after its replay, ``floor_pairs``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,33 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
         if sum(pmf[r:n - r + 1]) >= level:
             return xs[r - 1], xs[n - r]
     return xs[0], xs[-1]
+
+
+def floor_pair(probe: FloorProbe, decoder, prompt: torch.Tensor) -> tuple[float, float, float]:
+    """One floor pair: a plain generate alone (``decoder``: no heads) between two copy probes a fraction of a
+    second apart -> (its ms per decode step, GB/s before, GB/s after)."""
+    before = probe.gbs()
+    stats = decoder.generate(prompt).stats
+    return 1000 * (stats.time_total - stats.time_prefill) / max(1, stats.steps), before, probe.gbs()
+
+
+def pairs_summary(weights: int, pairs: list) -> dict[str, object]:
+    """``floor_summary`` of floor pairs, each pair's bandwidth the harmonic mean of its two probes (the mean of
+    the two floors)."""
+    return floor_summary(weights, [p[0] for p in pairs], [2 / (1 / p[1] + 1 / p[2]) for p in pairs])
+
+
+def floor_pairs(loaded: LoadedModel, rounds: int = 12, prompt_tokens: int = 128, new_tokens: int = 24) -> dict:
+    """``rounds`` floor pairs on a random prompt, summarised by ``floor_summary`` (one warm-up generate first)."""
+    from .decode import DecodeConfig, MedusaDecoder  # the decoder imports the engine; this module stays light
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, loaded.vocab_size, (prompt_tokens,), generator=gen).to(loaded.device)
+    decoder = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=new_tokens, stop_on_eos=False))
+    probe = FloorProbe(device=loaded.device)
+    decoder.generate(prompt)
+    pairs = [floor_pair(probe, decoder, prompt) for _ in range(rounds)]
+    return {**pairs_summary(weight_bytes(loaded), pairs), "context": prompt_tokens}
 
 
 def floor_summary(weights: int, plain_ms: list[float], bandwidth_gbs: list[float]) -> dict[str, object]:

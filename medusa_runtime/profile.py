@@ -26,7 +26,7 @@ from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
 
 from .acceptance import AcceptConfig
-from .bandwidth import FloorProbe, floor_summary, weight_bytes
+from .bandwidth import FloorProbe, floor_pair, pairs_summary, weight_bytes
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
@@ -192,7 +192,7 @@ class Profiler:
     def round(self) -> dict[str, list]:
         """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
         prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length,
-        "floor": [a plain generate's ms per step, the copy bandwidth right before and right after it]}."""
+        "floor": [a plain generate's ms per step, the copy bandwidth right before and right after it (GB/s)]}."""
         r = self.rounds_taken
         self.rounds_taken += 1
         tight = [0.0] * len(self.steps)
@@ -211,10 +211,7 @@ class Profiler:
         # moments of the machine, so their ratios in a round carry little of its drift
         lockstep({i: dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)},
                  f"profile/{r}", loop_times)
-        # the floor pair: a plain generate alone, between two copy probes a fraction of a second apart
-        before = self.floor_probe.gbs()
-        alone = self.decoders[0].generate(self.loop_prompt).stats
-        floor = [1000 * (alone.time_total - alone.time_prefill) / max(1, alone.steps), before, self.floor_probe.gbs()]
+        floor = list(floor_pair(self.floor_probe, self.decoders[0], self.loop_prompt))  # the plain loop, alone
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
@@ -262,9 +259,8 @@ class Profiler:
                         f"{SEARCH_TEMPERATURE} (plain sampling at 1 node, typical acceptance on the shapes) over "
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
-        # each round's plain step against that round's floor (bandwidth: the harmonic mean of its two probes)
-        probed = [r["floor"] for r in rounds if r.get("floor")]
-        floor = floor_summary(weight_bytes(loaded), [f[0] for f in probed], [2 / (1 / f[1] + 1 / f[2]) for f in probed])
+        # each round's plain step against that round's floor
+        floor = pairs_summary(weight_bytes(loaded), [r["floor"] for r in rounds if r.get("floor")])
         if floor:
             meta["bandwidth_floor"] = {**floor, "context": self.mid, "note": (
                 "each round: a plain generate alone (24 tokens after a prompt of the middle context), ms per "

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 from scipy.stats import binom
 
-from medusa_runtime.bandwidth import FloorProbe, floor_summary, median_interval, weight_bytes
+from medusa_runtime.bandwidth import (
+    FloorProbe,
+    floor_pairs,
+    floor_summary,
+    median_interval,
+    pairs_summary,
+    weight_bytes,
+)
 
 from .conftest import tiny_llama
 
@@ -45,3 +52,14 @@ def test_weight_bytes_counts_tied_tensors_once_and_the_probe_moves_its_bytes():
     assert weight_bytes(loaded) == sum(params.values())
     probe = FloorProbe(nbytes=8 << 20)
     assert probe.gbs(repeats=3) > 0 and bool((probe.dst == 1).all())
+
+
+def test_pairs_take_the_harmonic_mean_of_their_probes_and_floor_pairs_time_a_plain_generate():
+    weights = 300_000_000
+    got = pairs_summary(weights, [(10.0, 20.0, 60.0)])  # floors 15 and 5 ms: their mean 10 ms, at 30 GB/s
+    assert got["bandwidth_gbs"] == pytest.approx(30.0) and got["floor_ms"] == pytest.approx(10.0)
+    assert got["plain_over_floor"] == pytest.approx(1.0)
+    summary = floor_pairs(tiny_llama(), rounds=3, prompt_tokens=16, new_tokens=4)
+    assert summary["rounds"] == 3 and summary["context"] == 16 and summary["plain_ms"] > 0
+    lo, hi = summary["plain_over_floor_95"]
+    assert lo <= summary["plain_over_floor"] <= hi

@@ -218,7 +218,7 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     """generate, plain, prompt lookup and the job's trees timed on its questions, with the step's breakdown
     and the bandwidth floor."""
     from bench.analyze import to_markdown
-    from bench.bandwidth import bandwidth_floor
+    from medusa_runtime.bandwidth import floor_pairs
     from medusa_runtime.engine import c_forward_status
 
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
@@ -231,7 +231,7 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
         configs = [c for c in configs if c.name in (*args.only, "generate", "plain")]
     loaded, df, text, obj = _run_replay(args, configs, turns=1)
     breakdown = step_breakdown(df)
-    floor = bandwidth_floor(loaded)
+    floor = floor_pairs(loaded)
     plain = df[df["config"] == "plain"]
     # a decode step: the plain runs' time after the prompt forward, per forward
     prefill = plain["prefill_time"].fillna(0) if "prefill_time" in plain else 0.0  # older records lack it
@@ -239,11 +239,13 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     status = c_forward_status(loaded)
     text += (f"\n\nthe runtime's decode steps on the C forward: {status}"
              "\n\nwhere a step's time goes (ms per step; prefill ms per generate):\n\n" + to_markdown(breakdown)
-             + f"\n\nbandwidth floor of one step: {floor.floor_ms:.1f} ms ({floor.weight_bytes / 1e6:.0f} MB of weights "
-             f"at {floor.bandwidth_gbs:.1f} GB/s measured copy bandwidth); runtime plain decode step {step_ms:.1f} ms = "
-             f"{step_ms / floor.floor_ms:.2f}x the floor")
-    obj.update(c_forward=status, step_breakdown=breakdown.to_dict("records"), bandwidth_floor_ms=floor.floor_ms,
-               bandwidth_gbs=floor.bandwidth_gbs, plain_step_ms=step_ms)
+             + f"\n\nbandwidth floor of one step: {floor['floor_ms']:.1f} ms ({floor['weight_bytes'] / 1e6:.0f} MB of "
+             f"weights at {floor['bandwidth_gbs']:.1f} GB/s copy bandwidth, the median of {floor['rounds']} floor "
+             f"pairs: a plain generate alone between two copy probes); its plain step {floor['plain_ms']:.2f} ms = "
+             f"{floor['plain_over_floor']:.3f}x its own floor (95 % {floor['plain_over_floor_95'][0]:.3f}-"
+             f"{floor['plain_over_floor_95'][1]:.3f}); the replay's plain decode step {step_ms:.1f} ms")
+    obj.update(c_forward=status, step_breakdown=breakdown.to_dict("records"), bandwidth_floor_ms=floor["floor_ms"],
+               bandwidth_gbs=floor["bandwidth_gbs"], plain_step_ms=step_ms, bandwidth_floor=floor)
     return obj, text
 
 
