@@ -47,11 +47,6 @@ class FloorProbe:
         return 2 * self.src.numel() / statistics.median(times) / 1e9
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7, device: str = "cpu") -> float:
-    """Median GB/s of copying a large buffer, counting bytes read plus bytes written."""
-    return FloorProbe(nbytes, device).gbs(repeats)
-
-
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     """A distribution-free interval for the median: the order statistics X_(r) <= X_(n+1-r) (1-based) with
     P(X_(r) < median < X_(n+1-r)) = P(r <= B <= n - r) >= level for B ~ Binomial(n, 1/2), the narrowest
