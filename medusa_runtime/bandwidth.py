@@ -66,8 +66,8 @@ def floor_pair(probe: FloorProbe, decoder, prompt: torch.Tensor) -> tuple[float,
     """One floor pair: a plain generate alone (``decoder``: no heads) between two copy probes a fraction of a
     second apart -> (its ms per decode step, GB/s before, GB/s after)."""
     before = probe.gbs()
-    stats = decoder.generate(prompt).stats
-    return 1000 * (stats.time_total - stats.time_prefill) / max(1, stats.steps), before, probe.gbs()
+    step_ms = decoder.generate(prompt).stats.step_ms
+    return step_ms, before, probe.gbs()
 
 
 def pairs_summary(weights: int, pairs: list) -> dict[str, object]:

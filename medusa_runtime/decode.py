@@ -98,6 +98,11 @@ class GenerateStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.time_total if self.time_total > 0 else 0.0
 
+    @property
+    def step_ms(self) -> float:
+        """Milliseconds per decode step: the time after the prefill over the steps (at least one)."""
+        return 1000 * (self.time_total - self.time_prefill) / max(1, self.steps)
+
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
         out.update(tau=self.tau, head_acceptance=self.head_acceptance, tokens_per_second=self.tokens_per_second)

@@ -202,8 +202,7 @@ class Profiler:
 
         def loop_times(i: int, res) -> None:
             st = res.stats
-            steps = max(1, st.steps)
-            loop = 1000 * (st.time_total - st.time_prefill) / steps
+            steps, loop = max(1, st.steps), st.step_ms
             heads, verify = 1000 * st.time_heads / steps, 1000 * st.time_verify / steps
             loops[i] = [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
 
