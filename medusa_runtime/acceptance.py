@@ -117,13 +117,16 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.detach().float().numpy().argmax(axis=-1).tolist()
 
 
-def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Accepted:
-    """The longest root-to-node path whose every node is the base model's argmax after its parent.
+def accept_greedy(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers,
+                  pred: list[int] | None = None) -> Accepted:
+    """The longest root-to-node path whose every node is the base model's argmax after its parent (``pred``:
+    each row's argmax where the forward already took it, as the C decode step does).
 
     One argmax over [N, V] and a walk of the tree in Python lists: a handful of nodes cost less as list
     lookups than as the dozen small tensor ops of :func:`_longest_path` (same length, same tokens).
     """
-    pred = argmax_rows(logits)  # [N]: the base model's own next token after each node
+    if pred is None:
+        pred = argmax_rows(logits)  # [N]: the base model's own next token after each node
     path = _greedy_walk(tokens.tolist(), pred, buffers.children, 0)
     return Accepted(path, pred[path[-1]])
 
@@ -197,9 +200,10 @@ def accept_sample(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffe
 
 
 def accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers, cfg: AcceptConfig,
-           gen: torch.Generator | None = None) -> Accepted:
+           gen: torch.Generator | None = None, pred: list[int] | None = None) -> Accepted:
+    """The accepted path and the next token under ``cfg``'s rule (``pred``: each row's argmax, if known)."""
     if cfg.rule == "greedy" or cfg.temperature == 0:
-        return accept_greedy(tokens, logits, buffers)
+        return accept_greedy(tokens, logits, buffers, pred)
     if cfg.rule == "typical":
         return accept_typical(tokens, logits, buffers, cfg, gen)
     return accept_sample(tokens, logits, buffers, cfg, gen)

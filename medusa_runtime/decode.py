@@ -31,7 +31,7 @@ from treesearch.tree import Tree, load_tree
 
 from .acceptance import AcceptConfig, accept, first_token
 from .drafter import Drafter, make_drafter
-from .engine import make_engine
+from .engine import DecodeStep, make_engine
 from .lookup import LookupConfig, NgramIndex
 from .model import LoadedModel, chat_template_ids, device_sync
 from .tree_buffers import TreeBuffers
@@ -147,11 +147,14 @@ class MedusaDecoder:
         self.buffers: TreeBuffers = self.variants[-1]
         self.step_buffers: TreeBuffers = self.buffers  # what the last propose laid its tokens out for
         self.engine = make_engine(loaded, config.engine, max_nodes=self.buffers.num_nodes)
+        self._fused = getattr(self.engine, "fused_steps", False)  # decode steps as one C call (verify_step)
         # the heads' candidates (None: plain decoding), built once: batched blocks, prepacked projection
         self.drafter: Drafter | None = None if self.tree is None else make_drafter(
             heads, self.model, self.engine, self.tree, config.topk, self.device, config.draft_vocab,
             config.native_heads)
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)
+        # on the CPU the root is written through a NumPy view: an item store, not a tensor op (fill_)
+        self._root_np = self._root.numpy() if self.device.type == "cpu" else None
         self.eos = set(loaded.eos_token_ids) if config.stop_on_eos else set()
         # one RNG per decoder: a seeded decoder replays the same sequence of generate calls
         self.generator = torch.Generator()
@@ -187,6 +190,9 @@ class MedusaDecoder:
         buffers = self.step_buffers = self.variants[len(draft)]
         if self.tree is None:
             if not draft:
+                if self._root_np is not None:
+                    self._root_np[0] = root
+                    return self._root
                 return self._root.fill_(root)
             return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
         if self.drafter.in_node_order:
@@ -218,6 +224,17 @@ class MedusaDecoder:
         buffers = buffers or self.variants[-1]
         positions = cur_len + buffers.position_offsets
         return self.engine.forward(tokens, cur_len, cache, tree=buffers.attn_mask, positions=positions)
+
+    def verify_step(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers) -> DecodeStep:
+        """``verify`` as the decode loop takes it: logits, hidden, each row's argmax (None where the engine does
+        not give it) and hidden's rows. Where the C forward runs, one call that also embeds, projects the logits
+        and takes the argmax (``LeanEngine.decode_step``: the same values, into buffers the cache keeps)."""
+        if self._fused:
+            if tokens.shape[0] == 1:
+                return self.engine.decode_step(tokens, cur_len, cache)
+            return self.engine.decode_step(tokens, cur_len, cache, buffers.attn_mask, buffers.position_offsets)
+        logits, hidden = self.verify(tokens, cur_len, cache, buffers)
+        return DecodeStep(logits, hidden, None, hidden)
 
     def compact(self, cache, cur_len: int, path: Sequence[int]) -> None:
         """Keep the cache's first ``cur_len`` entries plus the accepted tree nodes, in order."""
@@ -276,10 +293,10 @@ class MedusaDecoder:
             buffers = self.step_buffers
             self._sync()
             t1 = time.perf_counter()
-            logits, hiddens = self.verify(tokens, cur_len, cache, buffers)
+            step = self.verify_step(tokens, cur_len, cache, buffers)
             self._sync()
             t2 = time.perf_counter()
-            acc = accept(tokens, logits, buffers, self.accept_cfg, gen)
+            acc = accept(tokens, step.logits, buffers, self.accept_cfg, gen, pred=step.pred)
             # list lookups, not a tensor index: right after a forward that streamed the weights through the
             # caches, each distinct torch op costs ~20-130 us of cold code (~5-15 warm)
             candidates = tokens.tolist()
@@ -288,7 +305,7 @@ class MedusaDecoder:
                 ngrams.extend(committed)
             self.compact(cache, cur_len, acc.path)
             cur_len += len(acc.path)
-            hidden = hiddens[acc.path[-1]]
+            hidden = step.rows[acc.path[-1]]
             root = acc.next_token
             stop = None
             n_out = 0

@@ -28,6 +28,7 @@ import ctypes
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,51 @@ class HFEngine:
 # ---------------------------------------------------------------------------- lean Llama engine
 
 
+class DecodeStep(NamedTuple):
+    """What ``LeanEngine.decode_step`` returns: views of the cache's step buffers, valid until its next step."""
+
+    logits: torch.Tensor  # [n, V] float32, unrounded
+    hidden: torch.Tensor  # [n, H]
+    pred: list[int]  # each row's argmax (argmax_rows' rule)
+    rows: tuple[torch.Tensor, ...]  # hidden's rows [H] as views, so that picking one is no tensor op
+
+
+class _StepBuffers:
+    """One cache's ``lean_decode`` state: the call's constant struct, the tensors it points into, and the step's
+    outputs (``rows`` rows at most), with their views per row count built once."""
+
+    def __init__(self, engine: LeanEngine, cache: LeanCache, rows: int, threads: int):
+        lib, hsz, h, kv, d = engine.lib, engine.embed.shape[1], engine.num_heads, engine.kv_heads, engine.head_dim
+        inter, vocab, amx = engine.intermediate, engine.lm_head.shape[0], int(engine.amx)
+        self.rows, self.threads = rows, threads
+        self.work = torch.empty(lib.lean_decode_work_size(rows, hsz, h, kv, d, inter, amx), dtype=engine.dtype)
+        self.scratch = torch.empty((4 * threads + (rows * h if amx else 0)) * cache.capacity, dtype=torch.float32)
+        self.xv = torch.empty(lib.lean_amx_scratch_size(rows, max(hsz, inter, h * d)) if amx else 0, dtype=engine.dtype)
+        self.hidden = torch.empty(rows, hsz, dtype=engine.dtype)
+        self.logits = torch.empty(rows, vocab, dtype=torch.float32)
+        self.pred = torch.empty(rows, dtype=torch.int64)
+        self.pred_np = self.pred.numpy()
+        # held: the struct points into them (the engine may build longer RoPE tables for a later cache)
+        self.keep = (engine._layer_table, engine._cos, engine._sin, engine._logits_kernel.packed, cache.keys, cache.values)
+        self.model = kernels.LeanModel(
+            ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
+            inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
+            engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
+            engine._cos.shape[0], cache.capacity, threads, amx, cache.keys.data_ptr(), cache.values.data_ptr(),
+            self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr())
+        self.ref = ctypes.byref(self.model)
+        self.out = (self.hidden.data_ptr(), self.logits.data_ptr(), self.pred.data_ptr())
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def view(self, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(logits [n, V], hidden [n, H], hidden's rows) as views, built on first use."""
+        hit = self.views.get(n)
+        if hit is None:
+            hidden = self.hidden[:n]
+            hit = self.views[n] = (self.logits[:n], hidden, tuple(hidden.unbind(0)))
+        return hit
+
+
 @dataclass
 class LeanCache:
     """Keys and values of every layer, preallocated: ``[layers, kv_heads, capacity, head_dim]``.
@@ -145,6 +191,7 @@ class LeanCache:
     keys: torch.Tensor
     values: torch.Tensor
     visible: torch.Tensor
+    native: _StepBuffers | None = None  # the C decode step's buffers for this cache (LeanEngine.decode_step)
 
     @property
     def capacity(self) -> int:
@@ -458,6 +505,39 @@ class LeanEngine:
             hidden = hidden[-1:]
         return self._logits_kernel(hidden), hidden  # logits [n, V] float32, unrounded
 
+    @property
+    def fused_steps(self) -> bool:
+        """Whether ``decode_step`` runs here (the C forward)."""
+        return self.lib is not None
+
+    def decode_step(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
+                    offsets: torch.Tensor | None = None) -> DecodeStep:
+        """A decode step in one call of the C library: ids [n] (int64) at cache slots start.., RoPE positions
+        start + offsets (int64 [n]; None: the slots), ``tree`` the [n, n] bool ancestor mask (None: causal rows)
+        -> logits, hidden, each row's argmax: the values ``forward`` gives for the same rows, with the embedding,
+        the logits and the argmax in the same call (no tensor op between the forward's pieces). The outputs are
+        views of buffers the cache keeps, overwritten by its next step."""
+        if self.lib is None:
+            raise EngineError("decode_step needs the C forward (bf16 on a CPU with the kernels)")
+        n = ids.shape[0]
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or ids.device.type != "cpu":
+            raise EngineError(f"ids must be a contiguous int64 CPU vector, got {ids.dtype} {list(ids.shape)}")
+        if tree is not None and (tree.dtype != torch.bool or tuple(tree.shape) != (n, n) or not tree.is_contiguous()):
+            raise EngineError(f"the tree mask must be a contiguous bool [{n}, {n}], got {tree.dtype} {list(tree.shape)}")
+        if offsets is not None and (offsets.dtype != torch.int64 or tuple(offsets.shape) != (n,)
+                                    or not offsets.is_contiguous()):
+            raise EngineError(f"offsets must be {n} contiguous int64 values")
+        buf, threads = cache.native, torch.get_num_threads()
+        if buf is None or buf.rows < n or buf.threads != threads:
+            buf = cache.native = _StepBuffers(self, cache, max(n, self.max_nodes, buf.rows if buf else 0), threads)
+        hidden, logits, pred = buf.out
+        rc = self.lib.lean_decode(buf.ref, ids.data_ptr(), n, None if offsets is None else offsets.data_ptr(), start,
+                                  None if tree is None else tree.data_ptr(), hidden, logits, pred)
+        if rc:
+            raise EngineError(_DECODE_ERRORS.get(rc, f"the C decode step failed (code {rc})"))
+        logits_n, hidden_n, rows = buf.view(n)
+        return DecodeStep(logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
+
     def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
         n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)  # [n, H]
@@ -502,6 +582,8 @@ class LeanEngine:
 
 
 _BF16_CPU_ONLY = "runs bfloat16 on the CPU only"
+_DECODE_ERRORS = {-1: "the C forward cannot run a head_dim over 256", -2: "the AMX tile unit is unavailable in this process",
+                  -3: "a token id is outside the vocabulary", -4: "a position is outside the RoPE table or the cache"}
 
 
 def _c_forward_blocker(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -176,7 +176,7 @@ def test_sample_rule_preserves_model_distribution(monkeypatch, residual, lookup)
     if not residual:  # the deliberately wrong rule: resample from p instead of the residual
         wrong = functools.partial(acceptance.accept_sample, residual=False)
         monkeypatch.setattr(decode, "accept",
-                            lambda t, lg, b, c, g=None: wrong(t, lg, b, c, g))
+                            lambda t, lg, b, c, g=None, pred=None: wrong(t, lg, b, c, g))
     n = 3000
     target2, target1 = _model_target_second_token(loaded, prompt, temperature)
     first, second, accepted = _sample_counts(loaded, heads, prompt, n, temperature, lookup)

@@ -182,6 +182,70 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, mo
             assert torch.equal(step_hidden[0], hidden[node]) and torch.equal(step_logits[0], logits[node]), node
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_step_is_the_forward_its_logits_and_their_argmax(default_bf16, path, monkeypatch):
+    """The one-call decode step (embedding, forward, logits, argmax in the C library) against the engine's own
+    forward, the logits projection and argmax_rows, bit for bit: a tree of 40 nodes (three tile blocks on the AMX
+    path) and then one row, each into its own cache; the caches' keys and values end up equal too. Two caches
+    keep their own outputs (a step of one does not overwrite what the other returned)."""
+    from medusa_runtime.acceptance import argmax_rows
+
+    _need(path)
+    monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
+    buffers = build_tree_buffers(make_tree(load_tree("mc_sim_7b_63").paths[:39]), 4, 10)
+    engine = LeanEngine(default_bf16, max_nodes=buffers.num_nodes, use_kernels=True)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, default_bf16.vocab_size, (37,), generator=gen)
+    tokens = torch.randint(0, default_bf16.vocab_size, (buffers.num_nodes,), generator=gen)
+    with torch.inference_mode():
+        ref, fused = engine.new_cache(80), engine.new_cache(80)
+        for cache in (ref, fused):
+            engine.forward(prompt, 0, cache, last_only=True)
+        logits, hidden = engine.forward(tokens, 37, ref, tree=buffers.attn_mask, positions=37 + buffers.position_offsets)
+        step = engine.decode_step(tokens, 37, fused, buffers.attn_mask, buffers.position_offsets)
+        assert torch.equal(step.logits, logits) and torch.equal(step.hidden, hidden)
+        assert step.pred == argmax_rows(logits) and all(torch.equal(r, h) for r, h in zip(step.rows, hidden))
+        assert torch.equal(ref.keys[:, :, :77], fused.keys[:, :, :77])
+        assert torch.equal(ref.values[:, :, :77], fused.values[:, :, :77])
+        kept = step.logits.clone()
+        one = engine.decode_step(tokens[3:4], 37, ref)  # the other cache's step
+        assert torch.equal(step.logits, kept)
+        logits, hidden = engine.forward(tokens[3:4], 37, fused)
+        assert torch.equal(one.logits, logits) and torch.equal(one.hidden, hidden)
+        assert one.pred == argmax_rows(logits) and len(one.rows) == 1
+
+
+def test_decode_step_refuses_what_it_would_index_out_of_bounds(default_bf16):
+    engine = LeanEngine(default_bf16, max_nodes=4, use_kernels=True)
+    cache = engine.new_cache(16)
+    with torch.inference_mode():
+        engine.forward(torch.tensor([1, 2, 3]), 0, cache)
+        with pytest.raises(EngineError, match="outside the vocabulary"):
+            engine.decode_step(torch.tensor([default_bf16.vocab_size]), 3, cache)
+        with pytest.raises(EngineError, match="outside the RoPE table or the cache"):
+            engine.decode_step(torch.tensor([5, 6]), 15, cache)
+        with pytest.raises(EngineError, match="outside the RoPE table or the cache"):
+            engine.decode_step(torch.tensor([5, 6]), 3, cache, torch.ones(2, 2, dtype=torch.bool),
+                               torch.tensor([0, 10 ** 6]))
+        with pytest.raises(EngineError, match="tree mask must be"):
+            engine.decode_step(torch.tensor([5, 6]), 3, cache, torch.ones(3, 3, dtype=torch.bool))
+        with pytest.raises(EngineError, match="int64"):
+            engine.decode_step(torch.tensor([5, 6], dtype=torch.int32), 3, cache)
+
+
+def test_decode_loop_with_and_without_the_fused_step_gives_the_same_tokens(default_bf16, mt_bench_first_turns):
+    """The decode loop on the one-call step and on forward + argmax (the path engines without it take): the same
+    tokens, plain and with a tree."""
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size)
+    prompt = encode_prompt(default_bf16, mt_bench_first_turns[3]["turns"][0], chat=True)
+    for h, tree in ((None, None), (heads, "mc_sim_7b_63")):
+        fused = MedusaDecoder(default_bf16, h, tree, config=DecodeConfig(max_new_tokens=24))
+        unfused = MedusaDecoder(default_bf16, h, tree, config=DecodeConfig(max_new_tokens=24))
+        unfused._fused = False
+        assert fused._fused
+        assert fused.generate(prompt).token_ids == unfused.generate(prompt).token_ids
+
+
 def test_engine_outlives_the_loaded_model_it_was_made_from(default_bf16):
     """make_engine(load_model(...)) keeps no other reference to the model: the engine must hold the packed
     weights its C layer table points into (it once read freed memory once the model was collected)."""

@@ -41,6 +41,18 @@ class LeanLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "o", "ln2", "gate_up", "down")]
 
 
+class LeanModel(ctypes.Structure):
+    """The constant part of a ``lean_decode`` call (weights, shapes, one cache, its buffers), as ``LeanModel`` in
+    lean_cpu.c."""
+
+    _fields_ = [("layers", ctypes.POINTER(LeanLayer)),
+                *[(name, ctypes.c_int) for name in ("num_layers", "hsz", "nh", "nkv", "d", "inter", "vocab")],
+                ("eps", ctypes.c_float),
+                *[(name, ctypes.c_void_p) for name in ("norm_w", "embed", "lm_head", "cos_t", "sin_t")],
+                *[(name, ctypes.c_int) for name in ("rope_len", "cap", "nthreads", "amx")],
+                *[(name, ctypes.c_void_p) for name in ("kcache", "vcache", "work", "xv", "scratch")]]
+
+
 class LeanHead(ctypes.Structure):
     """Addresses of one root-conditioned head's weights, as ``LeanHead`` in lean_cpu.c."""
 
@@ -131,6 +143,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
+    lib.lean_decode.argtypes = [ctypes.POINTER(LeanModel), p, i, p, i, p, p, p, p]
+    lib.lean_decode.restype = i
+    lib.lean_decode_work_size.argtypes = [i, i, i, i, i, i, i]
+    lib.lean_decode_work_size.restype = z
     lib.lean_pack_i8.argtypes = [p, i, i, p]
     lib.lean_pack_i8.restype = None
     lib.lean_i8_packed_size.argtypes = [i, i]

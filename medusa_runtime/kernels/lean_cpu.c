@@ -985,6 +985,8 @@ typedef struct {
     const bf16 *ln1, *qkv, *o, *ln2, *gate_up, *down;
 } LeanLayer;
 
+void lean_argmax_rows(const void *x, int rows, int len, int bf16_in, int64_t *out);
+
 /* one linear layer on the path chosen for the call (w: packed when amx). padded: x holds n rows rounded up
  * to 16 and is read in place by the tile path (the forward's activations); else the tile path copies the n
  * rows into xv first (the heads' few rows) */
@@ -1001,6 +1003,39 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
     linear_rows(w, x, n, out, in, y, r, kind);
 }
 
+/* The layers and the final norm, inside the caller's parallel region: x [n, H] (embedded input, overwritten
+ * with the last layer's residual stream) -> hidden [n, H]. See lean_forward for the buffers. */
+static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter,
+                           float eps, const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, int start, bf16 *kcache,
+                           bf16 *vcache, int cap, const uint8_t *tree, const bf16 *cos_t, const bf16 *sin_t,
+                           bf16 *work, float *scratch, bf16 *hidden, int nthreads, int amx, bf16 *xv) {
+    int qkv_w = (nh + 2 * nkv) * d, rows = amx ? (n + 15) / 16 * 16 : n; /* the tile path reads 16-row blocks */
+    bf16 *h = work, *qkv = h + (size_t)rows * hsz, *q = qkv + (size_t)rows * qkv_w, *att = q + (size_t)rows * nh * d,
+         *gu = att + (size_t)rows * nh * d, *act = gu + (size_t)rows * 2 * inter;
+    float scale = 1.0f / sqrtf((float)d);
+    size_t layer_kv = (size_t)nkv * cap * d;
+    /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
+    float *scores = amx && d % 32 == 0 ? scratch + (size_t)4 * nthreads * (start + n) : NULL;
+    for (int l = 0; l < num_layers; ++l) {
+        const LeanLayer *w = layers + l;
+        bf16 *kc = kcache + l * layer_kv, *vc = vcache + l * layer_kv;
+        rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
+        linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, 1);
+        rope_rows(qkv, n, nh, nkv, d, pos, cos_t, sin_t, q, kc, vc, cap, start);
+#if LEAN_AMX_BUILD
+        if (scores) attention_scores_amx(q, kc, n, nh, nkv, d, cap, start, scores);
+#endif
+        attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, scores, att);
+        linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, 1);
+        rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
+        linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, 1);
+        silu_mul_rows(gu, n, inter, act);
+        linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
+    }
+    rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
+    (void)nthreads;
+}
+
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
  * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
  * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, (4 nthreads + (amx ? n nh : 0)) *
@@ -1014,38 +1049,79 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
                  bf16 *hidden, int nthreads, int amx, bf16 *xv) {
     if (d > 256) return -1;
     if (amx && !lean_amx_available()) return -2; /* no tile unit, or the kernel refused its state */
-    int qkv_w = (nh + 2 * nkv) * d, rows = amx ? (n + 15) / 16 * 16 : n; /* the tile path reads 16-row blocks */
-    bf16 *h = work, *qkv = h + (size_t)rows * hsz, *q = qkv + (size_t)rows * qkv_w, *att = q + (size_t)rows * nh * d,
-         *gu = att + (size_t)rows * nh * d, *act = gu + (size_t)rows * 2 * inter;
-    float scale = 1.0f / sqrtf((float)d);
-    size_t layer_kv = (size_t)nkv * cap * d;
-    /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
-    float *scores = amx && d % 32 == 0 ? scratch + (size_t)4 * nthreads * (start + n) : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
 #if LEAN_AMX_BUILD
         if (amx) amx_configure();
 #endif
-        for (int l = 0; l < num_layers; ++l) {
-            const LeanLayer *w = layers + l;
-            bf16 *kc = kcache + l * layer_kv, *vc = vcache + l * layer_kv;
-            rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
-            linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, 1);
-            rope_rows(qkv, n, nh, nkv, d, pos, cos_t, sin_t, q, kc, vc, cap, start);
-#if LEAN_AMX_BUILD
-            if (scores) attention_scores_amx(q, kc, n, nh, nkv, d, cap, start, scores);
-#endif
-            attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, scores, att);
-            linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, 1);
-            rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
-            linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, 1);
-            silu_mul_rows(gu, n, inter, act);
-            linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
-        }
-        rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
+        layers_in_team(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, start, kcache, vcache, cap,
+                       tree, cos_t, sin_t, work, scratch, hidden, nthreads, amx, xv);
 #if LEAN_AMX_BUILD
         if (amx) amx_release();
 #endif
+    }
+    return 0;
+}
+
+/* A decode step as one call: what lean_forward does for the tree's (or the plain step's) n tokens, with the
+ * embedding before it and the logits and each row's argmax after it, in one parallel region (no Python, no
+ * thread hand-over between the pieces). The constant part of the call (weights, shapes, cache, buffers) is
+ * a LeanModel the engine fills once per cache; see lean_decode_work_size for its buffers. */
+typedef struct {
+    const LeanLayer *layers;
+    int num_layers, hsz, nh, nkv, d, inter, vocab;
+    float eps;
+    const bf16 *norm_w, *embed, *lm_head; /* lm_head packed like the layers (lean_pack_rows4 or lean_pack_amx) */
+    const bf16 *cos_t, *sin_t;             /* RoPE tables [rope_len, D] (sign of the rotation in sin) */
+    int rope_len, cap, nthreads, amx;
+    bf16 *kcache, *vcache;                 /* [layers, kv heads, cap, D] each */
+    bf16 *work, *xv;                       /* lean_decode_work_size(n) bf16; the tile path's copies (amx) */
+    float *scratch;                        /* (4 nthreads + (amx ? n nh : 0)) * cap float32 */
+} LeanModel;
+
+/* bf16 elements of lean_decode's work for n rows: the embedded rows and lean_forward's work */
+size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
+    size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
+    return rows * (size_t)(2 * hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter);
+}
+
+/* ids [n] at cache slots start..start+n-1, RoPE positions start + offsets[i] (offsets NULL: start + i), tree
+ * [n, n] ancestor bytes or NULL (causal rows) -> hidden [n, H] bf16, logits [n, V] float32 (unrounded), and
+ * pred [n] (NULL: none), each row's argmax as lean_argmax_rows takes it. Every value is the one lean_forward
+ * and the logits' lean_linear give for the same rows.
+ * Returns 0; -1 head_dim over 256, -2 no tile unit, -3 a token outside the vocabulary, -4 a position outside
+ * the RoPE table or a slot outside the cache. */
+int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *offsets, int start, const uint8_t *tree,
+                bf16 *hidden, float *logits, int64_t *pred) {
+    if (m->d > 256) return -1;
+    if (m->amx && !lean_amx_available()) return -2;
+    if (start < 0 || start + n > m->cap) return -4;
+    int64_t pos[n > 0 ? n : 1];
+    for (int i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= m->vocab) return -3;
+        pos[i] = start + (offsets ? offsets[i] : i);
+        if (pos[i] < 0 || pos[i] >= m->rope_len) return -4;
+    }
+    size_t rows = m->amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
+    bf16 *x = m->work, *work = x + rows * m->hsz;
+    for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
+#pragma omp parallel num_threads(m->nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (m->amx) amx_configure();
+#endif
+        layers_in_team(m->layers, m->num_layers, m->hsz, m->nh, m->nkv, m->d, m->inter, m->eps, m->norm_w, x, n, pos,
+                       start, m->kcache, m->vcache, m->cap, tree, m->cos_t, m->sin_t, work, m->scratch, hidden,
+                       m->nthreads, m->amx, m->xv);
+        /* the logits: hidden is read from its n rows (the tile path copies them into xv first) */
+        linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
+#if LEAN_AMX_BUILD
+        if (m->amx) amx_release();
+#endif
+        if (pred) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; ++i) lean_argmax_rows(logits + (size_t)i * m->vocab, 1, m->vocab, 0, pred + i);
+        }
     }
     return 0;
 }
