@@ -35,7 +35,10 @@ from treesearch.tree import write_json_atomic
 # 24: attention on the AVX-512 path scores 16 keys at a time and takes a head for a pair of rows per task (4 rows
 # at context 256: attention 0.97 -> 0.62, then 0.66 -> 0.52 ms, each against the build before); 2-row calls in
 # one pass except on Zen 4; whole blocks of outputs stored as vectors; the profile's floor pairs.
-RUNTIME_REVISION = 24
+# 25: decode steps as one C call (embedding, forward, logits, argmax: lean_decode), the heads' tree tokens written
+# into the loop's own buffer (plain / chain:1 / a 4-node tree 4-5 / 2-3 / 1-4 % faster a step, alternated in one
+# process); the floor counts the KV cache's bytes too.
+RUNTIME_REVISION = 25
 
 
 def file_hash(path: Path) -> str:

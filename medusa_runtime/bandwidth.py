@@ -1,4 +1,7 @@
-"""The memory-bandwidth floor of a decode step: every weight byte streamed once at the measured copy bandwidth.
+"""The memory-bandwidth floor of a decode step: every byte it must read, streamed once at the measured copy
+bandwidth. Those bytes are the weights (each tensor once) and the KV cache up to the step's context (every
+layer's keys and values of every earlier position); the weights alone are the floor a step could reach with
+no context, reported beside it.
 
 The copy bandwidth of a shared VM moves by half between seconds, so the floor is only comparable with a step
 timed at the same moment: a floor pair is a plain generate alone between two copy probes (``floor_pair``), and
@@ -25,6 +28,21 @@ def weight_bytes(loaded: LoadedModel) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def kv_bytes_per_position(loaded: LoadedModel) -> int:
+    """Bytes of keys and values one cached position holds over all layers (what a decode step reads per position
+    of its context)."""
+    cfg = loaded.model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=loaded.dtype).element_size()
+
+
+def generate_kv_bytes(loaded: LoadedModel, prompt_tokens: int, new_tokens: int) -> int:
+    """The KV-cache bytes a decode step of a generate reads on average: its mean context, the prompt plus half of
+    the steps after it (prompt + 1, ..., prompt + new_tokens - 1 positions)."""
+    return round(kv_bytes_per_position(loaded) * (prompt_tokens + new_tokens / 2))
 
 
 class FloorProbe:
@@ -70,10 +88,10 @@ def floor_pair(probe: FloorProbe, decoder, prompt: torch.Tensor) -> tuple[float,
     return step_ms, before, probe.gbs()
 
 
-def pairs_summary(weights: int, pairs: list) -> dict[str, object]:
+def pairs_summary(weights: int, pairs: list, kv: int = 0) -> dict[str, object]:
     """``floor_summary`` of floor pairs, each pair's bandwidth the harmonic mean of its two probes (the mean of
     the two floors)."""
-    return floor_summary(weights, [p[0] for p in pairs], [2 / (1 / p[1] + 1 / p[2]) for p in pairs])
+    return floor_summary(weights, [p[0] for p in pairs], [2 / (1 / p[1] + 1 / p[2]) for p in pairs], kv)
 
 
 def floor_pairs(loaded: LoadedModel, rounds: int = 12, prompt_tokens: int = 128, new_tokens: int = 24) -> dict:
@@ -86,19 +104,36 @@ def floor_pairs(loaded: LoadedModel, rounds: int = 12, prompt_tokens: int = 128,
     probe = FloorProbe(device=loaded.device)
     decoder.generate(prompt)
     pairs = [floor_pair(probe, decoder, prompt) for _ in range(rounds)]
-    return {**pairs_summary(weight_bytes(loaded), pairs), "context": prompt_tokens}
+    kv = generate_kv_bytes(loaded, prompt_tokens, new_tokens)
+    return {**pairs_summary(weight_bytes(loaded), pairs, kv), "context": prompt_tokens}
 
 
-def floor_summary(weights: int, plain_ms: list[float], bandwidth_gbs: list[float]) -> dict[str, object]:
-    """Each round's plain step over that round's floor (weights / bandwidth), then the median of the ratios with
-    its 95 % interval; rounds without a probe are left out."""
+def floor_summary(weights: int, plain_ms: list[float], bandwidth_gbs: list[float], kv: int = 0) -> dict[str, object]:
+    """Each round's plain step over that round's floor ((weights + kv bytes) / bandwidth), then the median of the
+    ratios with its 95 % interval, and the same against the weights alone; rounds without a probe are left out."""
     pairs = [(p, b) for p, b in zip(plain_ms, bandwidth_gbs) if b and b > 0 and p > 0]
-    floors = [weights / (b * 1e9) * 1000 for _, b in pairs]
-    ratios = [p / f for (p, _), f in zip(pairs, floors)]
-    if not ratios:
+    if not pairs:
         return {}
-    lo, hi = median_interval(ratios)
-    return {"weight_bytes": weights, "rounds": len(ratios),
-            "bandwidth_gbs": statistics.median(b for _, b in pairs), "floor_ms": statistics.median(floors),
-            "plain_ms": statistics.median(p for p, _ in pairs), "plain_over_floor": statistics.median(ratios),
-            "plain_over_floor_95": [lo, hi]}
+
+    def ratios(nbytes: int) -> list[float]:
+        return [p / (nbytes / (b * 1e9) * 1000) for p, b in pairs]
+
+    full, weights_only = ratios(weights + kv), ratios(weights)
+    return {"weight_bytes": weights, "kv_bytes": kv, "rounds": len(pairs),
+            "bandwidth_gbs": statistics.median(b for _, b in pairs),
+            "floor_ms": statistics.median((weights + kv) / (b * 1e9) * 1000 for _, b in pairs),
+            "plain_ms": statistics.median(p for p, _ in pairs), "plain_over_floor": statistics.median(full),
+            "plain_over_floor_95": list(median_interval(full)),
+            "plain_over_weights_floor": statistics.median(weights_only),
+            "plain_over_weights_floor_95": list(median_interval(weights_only))}
+
+
+def floor_line(floor: dict) -> str:
+    """One line for a ``floor_summary``: the plain step over its floor, and over the weights' alone."""
+    lo, hi = floor["plain_over_floor_95"]
+    wlo, whi = floor.get("plain_over_weights_floor_95", (math.nan, math.nan))
+    return (f"plain step {floor['plain_ms']:.2f} ms = {floor['plain_over_floor']:.3f}x its bandwidth floor (95 % "
+            f"{lo:.3f}-{hi:.3f}; {floor['weight_bytes'] / 1e6:.0f} MB of weights + {floor.get('kv_bytes', 0) / 1e6:.1f} "
+            f"MB of KV cache in {floor['floor_ms']:.2f} ms at the median {floor['bandwidth_gbs']:.1f} GB/s of "
+            f"{floor['rounds']} floor pairs), {floor.get('plain_over_weights_floor', math.nan):.3f}x the weights' "
+            f"alone (95 % {wlo:.3f}-{whi:.3f})")

@@ -182,10 +182,12 @@ class MedusaDecoder:
         """Prompt ids [n] into an empty cache -> logits [1, V] and hidden [1, H] of the last position."""
         return self.engine.forward(ids, 0, cache, last_only=True)
 
-    def propose(self, hidden: torch.Tensor, root: int, draft: Sequence[int] = ()) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, root: int, draft: Sequence[int] = (), out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Tree tokens [N] from the root token, the heads' top-k on one hidden state [H] and a lookup draft.
 
         The buffers the tokens are laid out for (the full tree, or its gated cut) are left in ``step_buffers``.
+        ``out``: an int64 tensor of the tree's nodes that path-conditioned heads may write into (the loop's own).
         """
         buffers = self.step_buffers = self.variants[len(draft)]
         if self.tree is None:
@@ -196,7 +198,7 @@ class MedusaDecoder:
                 return self._root.fill_(root)
             return torch.tensor([root, *draft], device=self.device)[buffers.candidate_index]
         if self.drafter.in_node_order:
-            return self._propose_path(hidden, root, draft)
+            return self._propose_path(hidden, root, draft, out)
         top, logits = self.drafter.top(hidden, root)  # [depth, topk] token ids, [depth, S]
         if self.gated is not None:
             buffers = self.step_buffers = self.gated[self._gated_depth(logits)][len(draft)]
@@ -206,14 +208,15 @@ class MedusaDecoder:
             parts.append(torch.tensor(list(draft), device=self.device))
         return torch.cat(parts)[buffers.candidate_index]
 
-    def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int]) -> torch.Tensor:
+    def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int], out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """Path-conditioned heads: tree tokens in node order, level by level (each level's parents known)."""
-        nodes, chain = self.drafter.nodes(hidden, root, self.config.gate if self.gated is not None else 0.0)
+        nodes, chain = self.drafter.nodes(hidden, root, self.config.gate if self.gated is not None else 0.0, out)
         buffers = self.step_buffers = (self.gated[self._gated_depth_of(chain)][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)
         if not draft:
-            return nodes[:tree_nodes]
+            return nodes if tree_nodes == nodes.shape[0] else nodes[:tree_nodes]
         return torch.cat([nodes[:tree_nodes], torch.tensor(list(draft), device=self.device)])
 
     def verify(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers | None = None
@@ -273,6 +276,8 @@ class MedusaDecoder:
         cur_len = int(ids.numel())
         out: list[int] = []
         ngrams = NgramIndex(cfg.lookup, ids.tolist()) if cfg.lookup.num_tokens else None
+        # this generate's tree tokens, written in place by path-conditioned heads (no allocation per step)
+        nodes = torch.empty(self.tree.num_nodes, dtype=torch.long, device=self.device) if self.tree else None
         self._sync()
         stats.time_prefill = time.perf_counter() - t_start
         paused = 0.0  # seconds between a yield and the resume: another run's time
@@ -289,7 +294,7 @@ class MedusaDecoder:
                 break
             t0 = time.perf_counter()
             draft = ngrams.draft(root) if ngrams is not None else []
-            tokens = self.propose(hidden, root, draft)
+            tokens = self.propose(hidden, root, draft, nodes)
             buffers = self.step_buffers
             self._sync()
             t1 = time.perf_counter()

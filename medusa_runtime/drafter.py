@@ -34,9 +34,11 @@ class Drafter:
         (what a confidence gate reads)."""
         raise NotImplementedError
 
-    def nodes(self, hidden: torch.Tensor, root: int, gate: float) -> tuple[torch.Tensor, list[float]]:
+    def nodes(self, hidden: torch.Tensor, root: int, gate: float, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[float]]:
         """hidden [H], the root token -> the tree's tokens [N] in node order and the top-1 chain's per-level
-        probabilities (only with ``gate`` > 0, whose cut may leave deeper levels unset)."""
+        probabilities (only with ``gate`` > 0, whose cut may leave deeper levels unset); ``out``: an int64 [N]
+        tensor the tokens may be written into (a drafter may also return a tensor of its own)."""
         raise NotImplementedError
 
 
@@ -106,9 +108,10 @@ class PathDrafter(StackedDrafter):
         if native and native_support(heads, engine) is None:  # the whole tree in one call of the C library
             self.native = NativeHeadLevels(heads, engine, self.weight, depth, topk, plan, self.embed, self.draft_ids)
 
-    def nodes(self, hidden: torch.Tensor, root: int, gate: float) -> tuple[torch.Tensor, list[float]]:
+    def nodes(self, hidden: torch.Tensor, root: int, gate: float, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[float]]:
         if self.native is not None:  # with a gate it stops at the first level the cut drops
-            return self.native.tree(hidden, root, gate)
+            return self.native.tree(hidden, root, gate, out)
         return self.nodes_torch(hidden, root, gate)
 
     def nodes_torch(self, hidden: torch.Tensor, root: int, gate: float) -> tuple[torch.Tensor, list[float]]:

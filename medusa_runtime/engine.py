@@ -529,6 +529,7 @@ class LeanEngine:
             raise EngineError(f"offsets must be {n} contiguous int64 values")
         buf, threads = cache.native, torch.get_num_threads()
         if buf is None or buf.rows < n or buf.threads != threads:
+            self._rope(cache.capacity)  # this engine's tables may be shorter (the cache made by another engine)
             buf = cache.native = _StepBuffers(self, cache, max(n, self.max_nodes, buf.rows if buf else 0), threads)
         hidden, logits, pred = buf.out
         rc = self.lib.lean_decode(buf.ref, ids.data_ptr(), n, None if offsets is None else offsets.data_ptr(), start,

@@ -148,14 +148,21 @@ class NativeHeadLevels:
         return ((kernels.LeanLevel * len(levels))(*levels), len(levels), keep[0],
                 None if draft_ids is None else keep[1], work, nodes)
 
-    def tree(self, hidden: torch.Tensor, root: int, gate: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    def tree(self, hidden: torch.Tensor, root: int, gate: float = 0.0, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[float]]:
         """hidden [H] and the root token -> the tree's tokens [N] in node order and the top-1 chain's per-level
         probabilities. With ``gate`` > 0 the levels stop after the first whose chain product is below it (the
-        tokens of deeper levels are then left unset: the decoder's gated cut does not verify them)."""
+        tokens of deeper levels are then left unset: the decoder's gated cut does not verify them). ``out``: an
+        int64 [N] tensor to write the tokens into (a decode loop's own, so that a step allocates nothing)."""
         levels, depth, embed, draft, work, n = self._tree
         if not 0 <= root < embed.shape[0]:  # the C code indexes the embeddings with it unchecked
             raise HeadsNativeError(f"native heads: root token {root} is outside the vocabulary ({embed.shape[0]})")
-        nodes = torch.empty(n, dtype=torch.long)
+        if out is None:
+            nodes = torch.empty(n, dtype=torch.long)
+        elif out.dtype != torch.long or tuple(out.shape) != (n,) or not out.is_contiguous():
+            raise HeadsNativeError(f"native heads: out must be a contiguous int64 [{n}], got {out.dtype} {list(out.shape)}")
+        else:
+            nodes = out
         chain = (ctypes.c_float * depth)()
         hidden = hidden.contiguous()
         done = self.lib.lean_heads_tree(self._heads, levels, depth, self.blocks, self.hidden_size, self.vocab,

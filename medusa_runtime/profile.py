@@ -2,7 +2,7 @@
 
 Timing hygiene: warm-up excluded, device synchronised, ``perf_counter``, medians of repeats taken in
 rounds across the tree sizes (a slow spell of a shared machine hits every size alike). The
-verify step is timed through the decoder's own ``verify`` (mask writing included) on top of a
+verify step is timed through the decoder's own ``verify_step`` (what its decode loop runs) on top of a
 real KV cache of the given context length, which is cropped back after every forward.
 """
 
@@ -26,7 +26,7 @@ from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
 
 from .acceptance import AcceptConfig
-from .bandwidth import FloorProbe, floor_pair, pairs_summary, weight_bytes
+from .bandwidth import FloorProbe, floor_pair, generate_kv_bytes, pairs_summary, weight_bytes
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
@@ -164,7 +164,7 @@ class Profiler:
                 tokens = torch.randint(0, loaded.vocab_size, (n,), generator=gen).to(dev)
 
                 def step(dec=dec, tokens=tokens, ctx=ctx, cache=cache):
-                    dec.verify(tokens, ctx, cache)
+                    dec.verify_step(tokens, ctx, cache, dec.buffers)  # what a decode step runs
                     dec.compact(cache, ctx, [])  # drop the tree again
 
                 self.steps.append(step)
@@ -259,12 +259,15 @@ class Profiler:
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
         # each round's plain step against that round's floor
-        floor = pairs_summary(weight_bytes(loaded), [r["floor"] for r in rounds if r.get("floor")])
+        floor = pairs_summary(weight_bytes(loaded), [r["floor"] for r in rounds if r.get("floor")],
+                              generate_kv_bytes(loaded, self.mid, FLOOR_TOKENS))
         if floor:
             meta["bandwidth_floor"] = {**floor, "context": self.mid, "note": (
-                "each round: a plain generate alone (24 tokens after a prompt of the middle context), ms per "
-                "step, over weight_bytes / the copy bandwidth (bytes read + written) measured right before and "
-                "right after it; median over rounds, distribution-free 95 % interval of the median")}
+                f"each round: a plain generate alone ({FLOOR_TOKENS} tokens after a prompt of the middle context), ms "
+                "per step, over (weight_bytes + kv_bytes, the KV cache at the generate's mean context) / the copy "
+                "bandwidth (bytes read + written) measured right before and right after it; median over rounds, "
+                "distribution-free 95 % interval of the median; plain_over_weights_floor: against the weights "
+                "alone")}
         # a sampled step over the greedy step of the same size, both inside real decode loops of the same rounds
         # (a difference of two ~8 ms steps is noisy: made non-decreasing in nodes, since more parents never cost
         # less)
@@ -341,8 +344,11 @@ def _non_decreasing(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
+FLOOR_TOKENS = 24  # new tokens of each decode loop's generate (the floor pairs' plain loop among them)
+
+
 def _loop_cfg(topk: int = 10, seed: int | None = None) -> DecodeConfig:
-    return DecodeConfig(max_new_tokens=24, topk=topk, stop_on_eos=False, seed=seed)
+    return DecodeConfig(max_new_tokens=FLOOR_TOKENS, topk=topk, stop_on_eos=False, seed=seed)
 
 
 def _lookup_ms(loaded: LoadedModel, cfg: ProfileConfig, draft_tokens: int = 4, steps: int = 200) -> float:

@@ -4,12 +4,16 @@ floor ratios against hand computation, and the copy probe against the bytes it m
 from __future__ import annotations
 
 import pytest
+import torch
 from scipy.stats import binom
 
 from medusa_runtime.bandwidth import (
     FloorProbe,
+    floor_line,
     floor_pairs,
     floor_summary,
+    generate_kv_bytes,
+    kv_bytes_per_position,
     median_interval,
     pairs_summary,
     weight_bytes,
@@ -44,6 +48,27 @@ def test_floor_summary_compares_each_round_with_its_own_bandwidth():
     assert got["plain_over_floor"] == pytest.approx(1.0)  # both rounds ran exactly at their floor
     assert got["bandwidth_gbs"] == pytest.approx(37.5) and got["plain_ms"] == pytest.approx(7.5)
     assert floor_summary(weights, [1.0], [0.0]) == {}
+    with_kv = floor_summary(weights, plain, bw, kv=30_000_000)  # 300 MB a step in all: floors 10 and 6.67 ms
+    assert with_kv["plain_over_floor"] == pytest.approx((0.9 + 0.9) / 2)
+    assert with_kv["plain_over_weights_floor"] == pytest.approx(1.0) and with_kv["kv_bytes"] == 30_000_000
+    lo, hi = with_kv["plain_over_floor_95"]
+    assert lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
+
+
+def test_kv_bytes_are_every_layers_keys_and_values_at_the_mean_context():
+    loaded = tiny_llama()
+    cfg = loaded.model.config
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
+        * loaded.model.model.embed_tokens.weight.element_size()
+    assert kv_bytes_per_position(loaded) == per_position
+    # a plain decoder's cache after a generate: positions = prompt + new - 1 (the last token is never forwarded)
+    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+
+    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=5, stop_on_eos=False))
+    cache = dec.new_cache(20)
+    dec.prefill(torch.arange(7), cache)
+    assert (cache.keys.numel() + cache.values.numel()) * cache.keys.element_size() == per_position * 20
+    assert generate_kv_bytes(loaded, 7, 5) == round(per_position * 9.5)
 
 
 def test_weight_bytes_counts_tied_tensors_once_and_the_probe_moves_its_bytes():
@@ -63,3 +88,6 @@ def test_pairs_take_the_harmonic_mean_of_their_probes_and_floor_pairs_time_a_pla
     assert summary["rounds"] == 3 and summary["context"] == 16 and summary["plain_ms"] > 0
     lo, hi = summary["plain_over_floor_95"]
     assert lo <= summary["plain_over_floor"] <= hi
+    assert summary["kv_bytes"] == generate_kv_bytes(tiny_llama(), 16, 4)
+    assert summary["plain_over_floor"] < summary["plain_over_weights_floor"]  # more bytes, a later floor
+    assert "x its bandwidth floor" in floor_line(summary) and "the weights' alone" in floor_line(summary)

@@ -484,3 +484,19 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
                 assert torch.equal(got[keep], want[keep])
         with pytest.raises(HeadsNativeError, match="outside the vocabulary"):
             native.tree(hidden[0], default_bf16.vocab_size)
+
+
+def test_decode_step_on_a_cache_another_engine_made(default_bf16):
+    """A profile verifies every tree size on one cache that a plain decoder made: an engine whose own RoPE tables
+    were never grown to that cache still steps on it, as its forward does."""
+    plain = LeanEngine(default_bf16, use_kernels=True)
+    other = LeanEngine(default_bf16, max_nodes=4, use_kernels=True)
+    prompt = torch.arange(100, 140)
+    with torch.inference_mode():
+        cache, ref = plain.new_cache(48), plain.new_cache(48)
+        plain.forward(prompt, 0, cache, last_only=True)
+        plain.forward(prompt, 0, ref, last_only=True)
+        mask = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+        step = other.decode_step(torch.tensor([7, 8, 9, 10]), 40, cache, mask, torch.arange(4))
+        logits, _ = plain.forward(torch.tensor([7, 8, 9, 10]), 40, ref, tree=mask, positions=40 + torch.arange(4))
+    assert torch.equal(step.logits, logits)

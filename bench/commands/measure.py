@@ -221,6 +221,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     """The profile stage: the latency profile the search prices with -> latency.json (and its plot)."""
+    from medusa_runtime.bandwidth import floor_line
     from medusa_runtime.profile import ProfileConfig, profile_latency
     from treesearch.cost import profile_to_json, save_profile
 
@@ -252,12 +253,7 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
             one = row[prof.nodes.index(1)]
             lines.append("    verify / one row: " + "  ".join(f"{n}:{v / one:.3f}" for n, v in zip(prof.nodes, row)))
     if floor := prof.meta.get("bandwidth_floor"):
-        lo, hi = floor["plain_over_floor_95"]
-        lines.append(f"  plain step / bandwidth floor: {floor['plain_over_floor']:.3f} (95 % {lo:.3f}-{hi:.3f}), "
-                     f"{floor['rounds']} rounds each against its own copy bandwidth (median "
-                     f"{floor['bandwidth_gbs']:.1f} GB/s: {floor['weight_bytes'] / 1e6:.0f} MB in "
-                     f"{floor['floor_ms']:.2f} ms; plain loop step {floor['plain_ms']:.2f} ms at context "
-                     f"{floor['context']})")
+        lines.append(f"  {floor_line(floor)}; context {floor['context']}")
     lines.append(f"written: {path}")
     plots = []
     if job.plots:

@@ -218,7 +218,7 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     """generate, plain, prompt lookup and the job's trees timed on its questions, with the step's breakdown
     and the bandwidth floor."""
     from bench.analyze import to_markdown
-    from medusa_runtime.bandwidth import floor_pairs
+    from medusa_runtime.bandwidth import floor_line, floor_pairs
     from medusa_runtime.engine import c_forward_status
 
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
@@ -239,11 +239,8 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     status = c_forward_status(loaded)
     text += (f"\n\nthe runtime's decode steps on the C forward: {status}"
              "\n\nwhere a step's time goes (ms per step; prefill ms per generate):\n\n" + to_markdown(breakdown)
-             + f"\n\nbandwidth floor of one step: {floor['floor_ms']:.1f} ms ({floor['weight_bytes'] / 1e6:.0f} MB of "
-             f"weights at {floor['bandwidth_gbs']:.1f} GB/s copy bandwidth, the median of {floor['rounds']} floor "
-             f"pairs: a plain generate alone between two copy probes); its plain step {floor['plain_ms']:.2f} ms = "
-             f"{floor['plain_over_floor']:.3f}x its own floor (95 % {floor['plain_over_floor_95'][0]:.3f}-"
-             f"{floor['plain_over_floor_95'][1]:.3f}); the replay's plain decode step {step_ms:.1f} ms")
+             + f"\n\nbandwidth floor (a plain generate alone between two copy probes, context {floor['context']}): "
+             f"{floor_line(floor)}; the replay's plain decode step {step_ms:.1f} ms")
     obj.update(c_forward=status, step_breakdown=breakdown.to_dict("records"), bandwidth_floor_ms=floor["floor_ms"],
                bandwidth_gbs=floor["bandwidth_gbs"], plain_step_ms=step_ms, bandwidth_floor=floor)
     return obj, text

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import random
+import re
 import statistics as st
 import subprocess
 import sys
@@ -50,8 +51,9 @@ def instrumented(source: str) -> str:
     for k, call in enumerate(PHASES):
         end = src.index(";", src.index(call)) + 1
         src = src[:end] + f" PROF_MARK({k});" + src[end:]
-    loop = "        for (int l = 0; l < num_layers; ++l) {\n            const LeanLayer *w = layers + l;"
-    return src.replace(loop, "        unsigned long long _pt = __rdtsc();\n" + loop, 1)
+    # the layer loop (in lean_forward up to e3f16ad, in layers_in_team since, one indent level less)
+    loop = re.search(r"\n( +)for \(int l = 0; l < num_layers; \+\+l\) \{\n +const LeanLayer \*w = layers \+ l;", src)
+    return src[:loop.start()] + f"\n{loop.group(1)}unsigned long long _pt = __rdtsc();" + src[loop.start():]
 
 
 def build(source: str, out_dir: str, phases: bool) -> ctypes.CDLL:
