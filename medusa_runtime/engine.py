@@ -141,7 +141,7 @@ class DecodeStep(NamedTuple):
     logits: torch.Tensor  # [n, V] float32, unrounded
     hidden: torch.Tensor  # [n, H]
     pred: list[int]  # each row's argmax (argmax_rows' rule)
-    rows: tuple[torch.Tensor, ...]  # hidden's rows [H] as views, so that picking one is no tensor op
+    rows: tuple[torch.Tensor, ...] | torch.Tensor  # hidden's rows [H] as views (picking one is no tensor op)
 
 
 class _StepBuffers:
