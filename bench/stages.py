@@ -37,7 +37,8 @@ from treesearch.tree import write_json_atomic
 # one pass except on Zen 4; whole blocks of outputs stored as vectors; the profile's floor pairs.
 # 25: decode steps as one C call (embedding, forward, logits, argmax: lean_decode), the heads' tree tokens written
 # into the loop's own buffer (plain / chain:1 / a 4-node tree 4-5 / 2-3 / 1-4 % faster a step, alternated in one
-# process); the floor counts the KV cache's bytes too.
+# process); attention's weighted sum in bf16 dot products of key pairs, keys and values prefetched; the floor
+# counts the KV cache's bytes too.
 RUNTIME_REVISION = 25
 
 

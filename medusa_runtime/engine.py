@@ -153,7 +153,7 @@ class _StepBuffers:
         inter, vocab, amx = engine.intermediate, engine.lm_head.shape[0], int(engine.amx)
         self.rows, self.threads = rows, threads
         self.work = torch.empty(lib.lean_decode_work_size(rows, hsz, h, kv, d, inter, amx), dtype=engine.dtype)
-        self.scratch = torch.empty((4 * threads + (rows * h if amx else 0)) * cache.capacity, dtype=torch.float32)
+        self.scratch = torch.empty(lib.lean_scratch_size(threads, rows, h, cache.capacity, amx), dtype=torch.float32)
         self.xv = torch.empty(lib.lean_amx_scratch_size(rows, max(hsz, inter, h * d)) if amx else 0, dtype=engine.dtype)
         self.hidden = torch.empty(rows, hsz, dtype=engine.dtype)
         self.logits = torch.empty(rows, vocab, dtype=torch.float32)
@@ -484,8 +484,8 @@ class LeanEngine:
         need = rows * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
-        # attention: two softmax rows and their tree slots per thread, and with the tile path every query's scores q . k
-        need_sc = (4 * threads + (n * h if self.amx else 0)) * cache.capacity
+        # attention: two softmax rows, their weights and tree slots per thread; with the tile path every query's q . k
+        need_sc = self.lib.lean_scratch_size(threads, n, h, cache.capacity, int(self.amx))
         if self._scratch.numel() < need_sc:
             self._scratch = torch.empty(need_sc, dtype=torch.float32)
         mask = None if tree is None else tree.to(torch.bool).contiguous()  # [n, n] bytes

@@ -56,8 +56,18 @@ def instrumented(source: str) -> str:
     return src[:loop.start()] + f"\n{loop.group(1)}unsigned long long _pt = __rdtsc();" + src[loop.start():]
 
 
+# what sources before runtime revision 25 lack for kernels._declare (their forward needs 4 floats a slot per thread)
+SHIMS = {"lean_scratch_size": "size_t lean_scratch_size(int t, int rows, int nh, int cap, int amx) "
+                              "{ return ((size_t)4 * t + (amx ? (size_t)rows * nh : 0)) * cap; }\n",
+         "lean_decode_work_size": "size_t lean_decode_work_size(int n, int h, int nh, int nkv, int d, int i, int amx) "
+                                  "{ return 0; }\nint lean_decode(const void *m, const int64_t *ids, int n, "
+                                  "const int64_t *off, int start, const uint8_t *tree, void *h, float *l, int64_t *p) "
+                                  "{ return -1; }\n"}
+
+
 def build(source: str, out_dir: str, phases: bool) -> ctypes.CDLL:
     text = instrumented(source) if phases else open(source).read()
+    text += "".join(shim for name, shim in SHIMS.items() if name not in text)
     stem = hashlib.sha256(text.encode()).hexdigest()[:12]
     c_file, so_file = Path(out_dir, f"{stem}.c"), Path(out_dir, f"{stem}.so")
     c_file.write_text(text)
