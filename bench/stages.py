@@ -40,7 +40,9 @@ from treesearch.tree import write_json_atomic
 # process); the floor counts the KV cache's bytes too.
 # 26: attention's weighted sum in bf16 dot products of key pairs (weights rounded to bf16), keys and values
 # prefetched (the 30 layers' attention at context 256: one row 0.44 -> 0.41 -> 0.33 ms, 4 rows 0.86 -> 0.84 ms).
-RUNTIME_REVISION = 26
+# 27: up to 4 rows in one pass over each weight block except on Zen 4 (4 rows / one row at context 256: 1.107 ->
+# 1.085 and 1.112 -> 1.051, 3 rows 1.093 -> 1.053, builds alternated in one process).
+RUNTIME_REVISION = 27
 
 
 def file_hash(path: Path) -> str:

@@ -376,27 +376,29 @@ def test_portable_build_without_avx512_bf16(default_bf16, tmp_path, monkeypatch)
             assert torch.equal(h[0], outs[1][1][i])
 
 
-def test_both_two_row_pass_shapes_give_the_same_bits(default_bf16, tmp_path, monkeypatch):
-    """Two rows in one pass over each weight block (the default) or in two passes (ROWS2_SPLIT, Zen 4's
-    tuning): the build this CPU does not get is built here too, and a 2-row verify forward through it
-    returns exactly the default build's logits and hidden states (each output is summed in one order)."""
-    split = "-DROWS2_SPLIT=1" in kernels.tuning_flags()
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_both_pass_shapes_give_the_same_bits(default_bf16, tmp_path, monkeypatch, rows):
+    """Up to 4 rows in one pass over each weight block (the default) or in passes of 1-2 rows (SPLIT_PASSES, Zen
+    4's tuning): the build this CPU does not get is built here too, and a verify forward of 2, 3 and 4 rows
+    through it returns exactly the default build's logits and hidden states (each output is summed in one
+    order)."""
+    split = "-DSPLIT_PASSES=1" in kernels.tuning_flags()
     target = tmp_path / "lean_cpu_other_pass.so"
-    kernels._build(kernels._compiler(), target, extra_flags=(f"-DROWS2_SPLIT={0 if split else 1}",))
+    kernels._build(kernels._compiler(), target, extra_flags=(f"-DSPLIT_PASSES={0 if split else 1}",))
     other = kernels._declare(ctypes.CDLL(str(target)))
-    ours = LeanEngine(default_bf16, max_nodes=2, use_kernels=True)
+    ours = LeanEngine(default_bf16, max_nodes=rows, use_kernels=True)
     monkeypatch.setattr(kernels, "_state", {"lib": other, "why": None})
-    theirs = LeanEngine(default_bf16, max_nodes=2, use_kernels=True)
+    theirs = LeanEngine(default_bf16, max_nodes=rows, use_kernels=True)
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, default_bf16.vocab_size, (30,), generator=gen)
-    tokens = torch.randint(0, default_bf16.vocab_size, (2,), generator=gen)
-    chain = torch.tril(torch.ones(2, 2, dtype=torch.bool))
+    tokens = torch.randint(0, default_bf16.vocab_size, (rows,), generator=gen)
+    chain = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
     outs = []
     with torch.inference_mode():
         for engine in (ours, theirs):
-            cache = engine.new_cache(32)
+            cache = engine.new_cache(30 + rows)
             engine.forward(prompt, 0, cache, last_only=True)
-            outs.append(engine.forward(tokens, 30, cache, tree=chain, positions=torch.arange(30, 32)))
+            outs.append(engine.forward(tokens, 30, cache, tree=chain, positions=torch.arange(30, 30 + rows)))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

@@ -100,10 +100,11 @@ def _compiler() -> str | None:
 
 def tuning_flags() -> tuple[str, ...]:
     """Defines that pick a measured variant for this CPU: on AMD family 25 (Zen 4, the only AVX-512 CPUs of that
-    family) a linear layer takes two rows in two passes over its weights (see linear_rows_pf in lean_cpu.c)."""
+    family) a linear layer takes 2 rows in two passes over its weights and 3-4 rows in passes of 2 (SPLIT_PASSES,
+    see linear_rows_pf in lean_cpu.c); elsewhere up to 4 rows share one pass."""
     vendor, family = cpuinfo_line("vendor_id") or "", cpuinfo_line("cpu family") or ""
     zen4 = "AuthenticAMD" in vendor and family.split(":")[-1].strip() == "25"
-    return ("-DROWS2_SPLIT=1",) if zen4 else ()
+    return ("-DSPLIT_PASSES=1",) if zen4 else ()
 
 
 def _library_path(cc: str) -> Path:

@@ -274,8 +274,9 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
                 }
 }
 
-#ifndef ROWS2_SPLIT  /* 1: a call of 2 rows takes two passes of 1 over each weight block (see linear_rows_pf) */
-#define ROWS2_SPLIT 0
+#ifndef SPLIT_PASSES  /* 1: Zen 4's pass shapes, calls of 2 rows as 1 + 1 and of 3-4 rows as 2 + 1 / 2 + 2 passes
+                         over each weight block (see linear_rows_pf) */
+#define SPLIT_PASSES 0
 #endif
 
 #ifndef ROWS4_PREFETCH_FROM  /* the fewest rows a call prefetches the weights for (see ROWS4_PREFETCH) */
@@ -289,21 +290,23 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
                            int prefetch) {
     int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32;
-    /* Activation rows per pass over a weight block: 4, but calls of 3 or 4 rows take passes of 2 (2+1, 2+2;
-     * the block is re-read from L1 for the second) and calls of 2 rows passes of 1. Measured on the 2-core
-     * Zen 4 VM (full verify forwards of the default model at context 112, variants interleaved in one process,
-     * 30 rounds, medians): 3 rows 9.61 -> 9.10 ms, 4 rows 9.85 -> 9.12 ms, 1, 2 and 5 rows unchanged (8.8,
-     * 9.0, 9.3 ms); passes of at most 2 or 3 rows for every n were slower from 5 rows on. Two rows as 1 + 1
-     * with the prefetch (the verify of whole decode steps, builds interleaved, 2026-12-02): 9.00 ms against
-     * 9.98 / 10.35 as one pass of 2 with / without it, where one row took 9.59; in a second run 8.41 where one
-     * row took 8.61; 3 and 4 rows in passes of 1 were slower (9.45 against 8.98 ms for 4). Why one pass of several rows streams slower than
-     * shorter passes is not understood (the prefetch distance, 8 / 16 / 32 KB, made no difference). The split
-     * of 2 rows is Zen 4's alone (ROWS2_SPLIT, set by the build for AMD family 25): on a Zen 5 EPYC (2026-12-03,
-     * builds alternated in one process, 20 rounds, context 16 / 256, the forward's linear layers summed) one
-     * pass of 2 cost what one row costs (4.98 / 5.05 ms against 5.12 / 5.10 for one row in the same build)
-     * where 1 + 1 cost 5.41 / 5.55 (one row 5.23 / 5.00). Results
-     * do not depend on the split (each output is summed in the same order whatever R is). */
-    int rows_per_pass = n == 2 ? (ROWS2_SPLIT ? 1 : 2) : n <= 4 ? 2 : 4;
+    /* Activation rows per pass over a weight block: up to 4, all of a call's rows in one pass; on Zen 4
+     * (SPLIT_PASSES, set by the build for AMD family 25) calls of 3 or 4 rows take passes of 2 (2+1, 2+2; the
+     * block is re-read from L1 for the second) and calls of 2 rows passes of 1. Measured on the 2-core Zen 4 VM
+     * (full verify forwards of the default model at context 112, variants interleaved in one process, 30 rounds,
+     * medians): 3 rows 9.61 -> 9.10 ms, 4 rows 9.85 -> 9.12 ms with passes of 2, 1, 2 and 5 rows unchanged (8.8,
+     * 9.0, 9.3 ms); passes of at most 2 or 3 rows for every n were slower from 5 rows on. Two rows as 1 + 1 with
+     * the prefetch (the verify of whole decode steps, builds interleaved, 2026-12-02): 9.00 ms against 9.98 /
+     * 10.35 as one pass of 2 with / without it, where one row took 9.59; in a second run 8.41 where one row took
+     * 8.61. Why one pass of several rows streamed slower there is not understood (the prefetch distance, 8 / 16 /
+     * 32 KB, made no difference). On a Zen 5 EPYC (2026-12-03, builds alternated in one process) one pass of 2
+     * cost what one row costs (the forward's linear layers, 20 rounds, context 16 / 256: 4.98 / 5.05 ms against
+     * 5.12 / 5.10 for one row) where 1 + 1 cost 5.41 / 5.55; and one pass of 3 or 4 rows streamed a 75 MB weight
+     * at 59-70 / 57-64 GB/s (best of 20-30 calls, three builds alternated) where passes of 2 reached 50-61 /
+     * 46-58: a bf16 dot-product step's latency is ~4.5 ns there, so the 8 accumulators of a pass of 2 cap two
+     * cores near 56 GB/s, what that VM's memory gives in its fast mode, and one pass of 4 keeps 16 chains
+     * going. Results do not depend on the passes (each output is summed in the same order whatever R is). */
+    int rows_per_pass = SPLIT_PASSES ? (n == 2 ? 1 : n <= 4 ? 2 : 4) : 4;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
         int o0 = 4 * b, cnt = out - o0 < 4 ? out - o0 : 4;
