@@ -159,8 +159,9 @@ class _StepBuffers:
         self.logits = torch.empty(rows, vocab, dtype=torch.float32)
         self.pred = torch.empty(rows, dtype=torch.int64)
         self.pred_np = self.pred.numpy()
-        # held: the struct points into them (the engine may build longer RoPE tables for a later cache)
-        self.keep = (engine._layer_table, engine._cos, engine._sin, engine._logits_kernel.packed, cache.keys, cache.values)
+        # held: the struct points into them: the engine (its layer table, packed weights, embeddings), its RoPE
+        # tables of now (it may build longer ones for a later cache), the cache's keys and values
+        self.keep = (engine, engine._cos, engine._sin, cache.keys, cache.values)
         self.model = kernels.LeanModel(
             ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
             inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
@@ -480,8 +481,7 @@ class LeanEngine:
             raise EngineError(f"positions must be {n} values in [0, {self._rope_len})")
         if tree is not None and tuple(tree.shape) != (n, n):
             raise EngineError(f"the tree mask must be [{n}, {n}], got {list(tree.shape)}")
-        rows = -(-n // 16) * 16 if self.amx else n  # the tile path reads activations in blocks of 16 rows
-        need = rows * (hsz + (h + 2 * kv) * d + 2 * h * d + 3 * inter)  # h, qkv, q, att, gate_up, act
+        need = self.lib.lean_forward_work_size(n, hsz, h, kv, d, inter, int(self.amx))
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
         # attention: two softmax rows, their weights and tree slots per thread; with the tile path every query's q . k

@@ -59,6 +59,9 @@ def instrumented(source: str) -> str:
 # what sources before runtime revision 25 lack for kernels._declare (their forward needs 4 floats a slot per thread)
 SHIMS = {"lean_scratch_size": "size_t lean_scratch_size(int t, int rows, int nh, int cap, int amx) "
                               "{ return ((size_t)4 * t + (amx ? (size_t)rows * nh : 0)) * cap; }\n",
+         "lean_forward_work_size": "size_t lean_forward_work_size(int n, int h, int nh, int nkv, int d, int i, "
+                                   "int amx) { size_t r = amx ? (n + 15) / 16 * 16 : n; "
+                                   "return r * (h + (nh + 2 * nkv) * d + 2 * nh * d + 3 * i); }\n",
          "lean_decode_work_size": "size_t lean_decode_work_size(int n, int h, int nh, int nkv, int d, int i, int amx) "
                                   "{ return 0; }\nint lean_decode(const void *m, const int64_t *ids, int n, "
                                   "const int64_t *off, int start, const uint8_t *tree, void *h, float *l, int64_t *p) "

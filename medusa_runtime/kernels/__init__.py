@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_decode.restype = i
     lib.lean_decode_work_size.argtypes = [i, i, i, i, i, i, i]
     lib.lean_decode_work_size.restype = z
+    lib.lean_forward_work_size.argtypes = [i, i, i, i, i, i, i]
+    lib.lean_forward_work_size.restype = z
     lib.lean_scratch_size.argtypes = [i, i, i, i, i]
     lib.lean_scratch_size.restype = z
     lib.lean_pack_i8.argtypes = [p, i, i, p]

@@ -1051,6 +1051,13 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
     linear_rows(w, x, n, out, in, y, r, kind);
 }
 
+/* bf16 elements of lean_forward's work for n rows (the layout layers_in_team carves out of it): h, qkv, q, att,
+ * gate_up, act, each for n rows (rounded up to 16 on the tile path) */
+size_t lean_forward_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
+    size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
+    return rows * (size_t)(hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter);
+}
+
 /* The layers and the final norm, inside the caller's parallel region: x [n, H] (embedded input, overwritten
  * with the last layer's residual stream) -> hidden [n, H]. See lean_forward for the buffers. */
 static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter,
@@ -1081,12 +1088,10 @@ static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int
         linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
     }
     rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
-    (void)nthreads;
 }
 
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
- * final RMSNorm applied. work: bf16 scratch of rows * (H + (nh + 2 nkv) D + nh D + nh D + 3 I) elements,
- * rows = n (n rounded up to a multiple of 16 with amx); scratch: float32, lean_scratch_size(nthreads, n, nh,
+ * final RMSNorm applied. work: bf16, lean_forward_work_size(n, ...) elements; scratch: float32, lean_scratch_size(nthreads, n, nh,
  * start + n, amx). amx: the layers' weights are packed (lean_pack_amx) and the linear layers (and q . k) run on
  * the tile unit (xv: lean_amx_scratch_size(n, max(H, I, nh D)) bf16, used where a width is not a multiple of
  * 32; otherwise the activations are read in place).
@@ -1127,10 +1132,10 @@ typedef struct {
     float *scratch;                        /* lean_scratch_size(nthreads, n, nh, cap, amx) float32 */
 } LeanModel;
 
-/* bf16 elements of lean_decode's work for n rows: the embedded rows and lean_forward's work */
+/* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work */
 size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
     size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
-    return rows * (size_t)(2 * hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter);
+    return rows * (size_t)hsz + lean_forward_work_size(n, hsz, nh, nkv, d, inter, amx);
 }
 
 /* ids [n] at cache slots start..start+n-1, RoPE positions start + offsets[i] (offsets NULL: start + i), tree
