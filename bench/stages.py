@@ -42,7 +42,10 @@ from treesearch.tree import write_json_atomic
 # prefetched (the 30 layers' attention at context 256: one row 0.44 -> 0.41 -> 0.33 ms, 4 rows 0.86 -> 0.84 ms).
 # 27: up to 4 rows in one pass over each weight block except on Zen 4 (4 rows / one row at context 256: 1.107 ->
 # 1.085 and 1.112 -> 1.051, 3 rows 1.093 -> 1.053, builds alternated in one process).
-RUNTIME_REVISION = 27
+# 28: an attention task takes a row and up to 3 heads of one kv head (they share each key's and value's loads) when
+# a call has rows enough (the 30 layers' attention at context 256, 2 / 3 / 4 rows 0.285 / 0.408 / 0.460 ->
+# 0.250 / 0.297 / 0.348 ms, one row 0.234 / 0.235; same bits).
+RUNTIME_REVISION = 28
 
 
 def file_hash(path: Path) -> str:

@@ -8,12 +8,14 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_runtime import kernels
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
 from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx, pack_rows4
 from medusa_runtime.heads import Int8Projection, resolve_heads
 from medusa_runtime.lookup import LookupConfig
+from medusa_runtime.model import LoadedModel
 from medusa_runtime.tree_buffers import build_tree_buffers
 from treesearch.tree import load_tree, make_tree
 
@@ -180,6 +182,47 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, mo
             for i, a in enumerate(path):
                 step_logits, step_hidden = engine.forward(tokens[a: a + 1], 40 + i, seq)
             assert torch.equal(step_hidden[0], hidden[node]) and torch.equal(step_logits[0], logits[node]), node
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (6, 1), (5, 1)])
+def test_head_groups_tree_rows_equal_one_row_steps_and_stay_close(heads, kv_heads, monkeypatch):
+    """Random head_dim-64 Llamas with 2, 1, 6 and 5 query heads per kv head: the attention gives a task up to 3
+    heads of one kv head (3, 2 or 1 by the group's size) when a call has rows enough, one head otherwise, so a
+    12-node tree and its one-row steps take different task shapes. Each tree row equals its one-row steps bit for
+    bit, and the tree's hidden states are as close to the float32 model's as the bf16 PyTorch path's are."""
+    monkeypatch.setenv(kernels.AMX_SWITCH, "0")  # the tile path takes q . k from the tile unit, not these tasks
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64 * heads, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
+                      max_position_embeddings=256, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    ref = LeanEngine(LoadedModel(model, None, "llama-d64", torch.float32, torch.device("cpu")))
+    bf16 = LoadedModel(LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False), None, "llama-d64",
+                       torch.bfloat16, torch.device("cpu"))
+    bf16.model.load_state_dict(model.state_dict())
+    tree = make_tree(load_tree("mc_sim_7b_63").paths[:11])
+    buffers = build_tree_buffers(tree, 4, 10)
+    engines = [LeanEngine(bf16, max_nodes=buffers.num_nodes, use_kernels=k) for k in (True, False)]
+    assert engines[0].uses_kernels and not engines[0].amx
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 512, (37,), generator=gen)  # an odd prefix: a pair straddles it and the tree
+    tokens = torch.randint(0, 512, (buffers.num_nodes,), generator=gen)
+    positions, mask = 37 + buffers.position_offsets, buffers.attn_mask
+    hidden = []
+    with torch.inference_mode():
+        for engine in (engines[0], engines[1], ref):
+            cache = engine.new_cache(37 + buffers.num_nodes)
+            engine.forward(prompt, 0, cache, last_only=True)
+            hidden.append(engine.forward(tokens, 37, cache, tree=mask, positions=positions)[1].float())
+        for node in range(buffers.num_nodes):
+            seq = engines[0].new_cache(37 + buffers.num_nodes)
+            engines[0].forward(prompt, 0, seq, last_only=True)
+            for i, a in enumerate(a for a in range(buffers.num_nodes) if mask[node, a]):
+                step_hidden = engines[0].forward(tokens[a: a + 1], 37 + i, seq)[1]
+            assert torch.equal(step_hidden[0].float(), hidden[0][node]), node
+    err_c, err_t = _rel(hidden[0], hidden[2]), _rel(hidden[1], hidden[2])
+    assert err_c <= 1.25 * err_t + 1e-3, (err_c, err_t)
 
 
 @pytest.mark.parametrize("path", PATHS)

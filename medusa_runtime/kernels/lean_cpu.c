@@ -664,31 +664,6 @@ static void silu_mul_rows(const bf16 *gu, int n, int inter, bf16 *act) {
 /* ------------------------------------------------------------------ attention */
 
 #if LEAN_AVX512BF16
-/* q . k for the 16 keys k[0..cnt) (rows of d = 64 bf16; lanes from cnt on are 0 and read nothing): each key's
- * two dot-product steps in one accumulator, then reduce4's adds, whose pattern is the same for every key of a
- * group of 4, so a key's score does not depend on its place in the block (the property that lets a tree row
- * equal its one-row step, where the same key sits in another slot). Against one key at a time (dot_bf16,
- * a horizontal sum per key) this is about a fifth of the instructions. */
-static inline __m512 scores16_d64(const bf16 *q, const bf16 *k, int cnt) {
-    __m512bh q0 = (__m512bh)_mm512_loadu_si512(q), q1 = (__m512bh)_mm512_loadu_si512(q + 32);
-    __m128 s[4];
-    for (int g = 0; g < 4; ++g) {
-        __m512 a[4];
-        for (int c = 0; c < 4; ++c) {
-            const bf16 *kr = k + (size_t)(4 * g + c) * 64;
-            a[c] = 4 * g + c < cnt
-                       ? _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(kr)),
-                                          q1, (__m512bh)_mm512_loadu_si512(kr + 32))
-                       : _mm512_setzero_ps();
-        }
-        s[g] = reduce4(a[0], a[1], a[2], a[3]);
-    }
-    __m512 out = _mm512_castps128_ps512(s[0]);
-    out = _mm512_insertf32x4(out, s[1], 1);
-    out = _mm512_insertf32x4(out, s[2], 2);
-    return _mm512_insertf32x4(out, s[3], 3);
-}
-
 /* which of the slots j..j+cnt-1 row i sees (see attention_rows), as a mask of cnt bits */
 static inline __mmask16 seen16(int j, int cnt, int start, int i, int n, const uint8_t *tree) {
     unsigned all = cnt == 16 ? 0xffffu : (1u << cnt) - 1;
@@ -712,29 +687,83 @@ static inline void store16_f2bf(bf16 *y, __m512 v) {
     _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
 }
 
-/* Row i's softmax numerators over the slots [0, end) against query qi (d = 64): p[j] = exp(q . k_j scale - max)
- * for the slots it sees (see attention_rows), 0 for the others. The keys 32 slots ahead are prefetched into L1,
- * and with vh the values of the same slots into L2 for the weighted sum that follows: a layer's cache comes from
- * DRAM (the weights streamed since evicted it), and one row's attention waited on it (context 256, one row,
- * the 30 layers' attention 0.369 -> 0.331 ms, builds alternated in one process, 20 rounds; 4 rows unchanged,
- * 0.705 / 0.709 ms). */
-static inline void probs_d64(const bf16 *qi, const bf16 *kh, const bf16 *vh, int i, int n, int start, int end,
-                             const uint8_t *tree, float scale, float *p) {
-    __m512 vmx = _mm512_set1_ps(-INFINITY), vs = _mm512_set1_ps(scale);
+/* q . k for H query heads sharing a kv head (qs[h], rows of d = 64 bf16; H <= 3, a constant per call) and the 16
+ * keys k[0..cnt) (rows of 64 bf16): each key's two dot-product steps in one accumulator, then reduce4's adds, whose
+ * pattern is the same for every key of a group of 4, so a key's score does not depend on its place in the block
+ * (the property that lets a tree row equal its one-row step, where the same key sits in another slot) nor on how
+ * many heads share the call. Each key is loaded once for the H heads. Against one key at a time (dot_bf16, a
+ * horizontal sum per key) this is about a fifth of the instructions. out[h]: lanes from cnt on are undefined. */
+static inline __attribute__((always_inline)) void scores16_heads_d64(const bf16 *const *qs, const int H,
+                                                                    const bf16 *k, int cnt, __m512 *out) {
+    __m512bh q0[3], q1[3];
+    for (int h = 0; h < H; ++h) {
+        q0[h] = (__m512bh)_mm512_loadu_si512(qs[h]);
+        q1[h] = (__m512bh)_mm512_loadu_si512(qs[h] + 32);
+    }
+    __m128 s[3][4];
+    for (int g = 0; g < 4; ++g) {
+        __m512bh k0[4], k1[4];
+        for (int c = 0; c < 4; ++c) {
+            const bf16 *kr = k + (size_t)(4 * g + c) * 64;
+            int have = 4 * g + c < cnt;
+            k0[c] = (__m512bh)(have ? _mm512_loadu_si512(kr) : _mm512_setzero_si512());
+            k1[c] = (__m512bh)(have ? _mm512_loadu_si512(kr + 32) : _mm512_setzero_si512());
+        }
+        for (int h = 0; h < H; ++h) {
+            __m512 a[4];
+            for (int c = 0; c < 4; ++c)
+                a[c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0[h], k0[c]), q1[h], k1[c]);
+            s[h][g] = reduce4(a[0], a[1], a[2], a[3]);
+        }
+    }
+    for (int h = 0; h < H; ++h) {
+        __m512 o = _mm512_castps128_ps512(s[h][0]);
+        o = _mm512_insertf32x4(o, s[h][1], 1);
+        o = _mm512_insertf32x4(o, s[h][2], 2);
+        out[h] = _mm512_insertf32x4(o, s[h][3], 3);
+    }
+}
+
+/* Row i's softmax numerators for H heads sharing a kv head over the slots [0, end): p[h end + j] = exp(q_h . k_j
+ * scale - max_h) for the slots the row sees (see attention_rows), 0 for the others, and pb the same rounded to
+ * bf16 (the weights of the values' sum). The keys 32 slots ahead are prefetched into L1 and the values of the
+ * same slots into L2 for the weighted sum that follows: a layer's cache comes from DRAM (the weights streamed
+ * since evicted it), and one row's attention waited on it (context 256, one row, the 30 layers' attention 0.369
+ * -> 0.331 ms, builds alternated in one process, 20 rounds). */
+static inline __attribute__((always_inline)) void probs_heads_d64(const bf16 *const *qs, const int H,
+                                                                 const bf16 *kh, const bf16 *vh, int i, int n,
+                                                                 int start, int end, const uint8_t *tree,
+                                                                 float scale, float *p, bf16 *pb) {
+    __m512 vmx[3], vs = _mm512_set1_ps(scale);
+    for (int h = 0; h < H; ++h) vmx[h] = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < end; j += 16) { /* 16 keys at a time; unseen and missing lanes -inf */
         int cnt = end - j < 16 ? end - j : 16;
         for (int l = 0; l < 16 * 64 * (int)sizeof(bf16); l += 64) { /* prefetches never fault */
             if (j + 32 < end) _mm_prefetch((const char *)(kh + (size_t)(j + 32) * 64) + l, _MM_HINT_T0);
-            if (vh) _mm_prefetch((const char *)(vh + (size_t)j * 64) + l, _MM_HINT_T1);
+            _mm_prefetch((const char *)(vh + (size_t)j * 64) + l, _MM_HINT_T1);
         }
-        __m512 v = _mm512_mul_ps(scores16_d64(qi, kh + (size_t)j * 64, cnt), vs);
-        v = _mm512_mask_blend_ps(seen16(j, cnt, start, i, n, tree), _mm512_set1_ps(-INFINITY), v);
-        _mm512_mask_storeu_ps(p + j, (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1), v);
-        vmx = _mm512_max_ps(vmx, v);
+        __m512 sc[3];
+        scores16_heads_d64(qs, H, kh + (size_t)j * 64, cnt, sc);
+        __mmask16 seen = seen16(j, cnt, start, i, n, tree), live = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1);
+        for (int h = 0; h < H; ++h) {
+            __m512 v = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(sc[h], vs));
+            _mm512_mask_storeu_ps(p + (size_t)h * end + j, live, v);
+            vmx[h] = _mm512_max_ps(vmx[h], v);
+        }
     }
-    float mx = _mm512_reduce_max_ps(vmx);
-    for (int j = 0; j < end; ++j) p[j] -= mx; /* -inf stays -inf */
-    exp_inplace(p, end);
+    for (int h = 0; h < H; ++h) { /* exp(x - max), 0 where x is -inf, and its bf16 copy */
+        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx[h]));
+        float *ph = p + (size_t)h * end;
+        bf16 *bh = pb + (size_t)h * end;
+        for (int j = 0; j < end; j += 16) {
+            __mmask16 m = (__mmask16)(end - j >= 16 ? 0xffffu : (1u << (end - j)) - 1);
+            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, ph + j), mx);
+            __mmask16 on = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & m;
+            __m512 e = _mm512_maskz_mov_ps(on, exp16(x));
+            _mm512_mask_storeu_ps(ph + j, m, e);
+            _mm256_mask_storeu_epi16(bh + j, m, narrow16(e));
+        }
+    }
 }
 
 /* dims of a pair product's four accumulators (see pair_dp) back in order: acc0 holds dims 8L + t, acc1 dims
@@ -765,79 +794,82 @@ static inline void pair_dp(__m512 acc[4], const __m512bh w[4], uint32_t pp) {
     for (int c = 0; c < 4; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w[c], b);
 }
 
-/* Rows i0..i0+R-1 (R = 1 or 2, a constant per call) of head hd, d = 64: out = sum_j p_j v_j / sum_j p_j over the
- * slots each row sees, p_j the softmax numerators in float32 and, as weights of the sum, rounded to bf16 (as
- * PyTorch's CPU flash attention rounds them for bf16 values); the sum of the weights stays float32. A row's
- * seen slots, in order (the cached prefix [0, start), seen by every row, then its own tree slots), go in pairs
- * (2m, 2m + 1), each pair one dot-product step (p_a v_a + p_b v_b in each output lane) into set m % 2 of the
- * accumulators (then set 0 + set 1); an odd last slot pairs with a zero weight. So a row adds the same terms in
- * the same order whatever slots they sit in and whichever rows share its call: a tree row equals its one-row
- * step. The rows of a call share each prefix pair's loads and interleaving. p: R * end floats; pb: R * end bf16;
- * tidx: R * n ints (scratch). */
-static inline __attribute__((always_inline)) void attend_rows_d64(const bf16 *q, const bf16 *kh, const bf16 *vh,
-                                                                 int i0, const int R, int hd, int nh, int n, int start,
-                                                                 int end, const uint8_t *tree, float scale, float *p,
-                                                                 bf16 *pb, int *tidx, bf16 *out) {
-    int tcnt[2] = {0, 0};
-    float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}}; /* [row][set]: the float32 numerators, in seen order */
-    for (int r = 0; r < R; ++r) {
-        float *pr = p + (size_t)r * end;
-        bf16 *br = pb + (size_t)r * end;
-        probs_d64(q + ((size_t)(i0 + r) * nh + hd) * 64, kh, r == 0 ? vh : NULL, i0 + r, n, start, end, tree, scale, pr);
-        int j = 0;
-        for (; j + 16 <= end; j += 16) _mm256_storeu_si256((__m256i *)(br + j), narrow16(_mm512_loadu_ps(pr + j)));
-        for (; j < end; ++j) br[j] = f2bf(pr[j]);
-        for (j = start; j < end; ++j)
-            if (pr[j] != 0.f) tidx[r * n + tcnt[r]++] = j;
-    }
-    __m512 acc[2][2][4]; /* [row][set][dims block] */
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < 2; ++t)
-            for (int c = 0; c < 4; ++c) acc[r][t][c] = _mm512_setzero_ps();
+/* Row i, heads hd0..hd0+H-1 (H <= 3, a constant per call; one kv head), d = 64: out = sum_j p_j v_j / sum_j p_j
+ * over the slots the row sees, p_j the softmax numerators in float32 and, as weights of the sum, rounded to bf16
+ * (as PyTorch's CPU flash attention rounds them for bf16 values); the sum of the weights stays float32. The seen
+ * slots, in order (the cached prefix [0, start), seen by every row, then the row's own tree slots), go in pairs
+ * (2m, 2m + 1), each pair one dot-product step (p_a v_a + p_b v_b in each output lane) into set m % 2 of a head's
+ * accumulators (then set 0 + set 1); an odd last slot pairs with a zero weight. So a head adds the same terms in
+ * the same order whatever slots they sit in and whichever heads or rows share its call: a tree row equals its
+ * one-row step. The H heads share each pair's loads and interleaving. p: H * end floats; pb: H * end bf16;
+ * tidx: n ints (scratch). */
+static inline __attribute__((always_inline)) void attend_heads_d64(const bf16 *q, const bf16 *kh, const bf16 *vh,
+                                                                  int i, int hd0, const int H, int nh, int n,
+                                                                  int start, int end, const uint8_t *tree,
+                                                                  float scale, float *p, bf16 *pb, int *tidx,
+                                                                  bf16 *out) {
+    const bf16 *qs[3];
+    for (int h = 0; h < H; ++h) qs[h] = q + ((size_t)i * nh + hd0 + h) * 64;
+    probs_heads_d64(qs, H, kh, vh, i, n, start, end, tree, scale, p, pb);
+    int tcnt = 0;
+    for (int a = 0; a < n; ++a)
+        if (tree ? tree[(size_t)i * n + a] : a <= i) tidx[tcnt++] = start + a;
+    __m512 acc[3][2][4]; /* [head][set][dims block] */
+    float s[3][2];       /* [head][set]: the float32 numerators, in seen order */
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < 2; ++t) {
+            s[h][t] = 0.f;
+            for (int c = 0; c < 4; ++c) acc[h][t][c] = _mm512_setzero_ps();
+        }
     int k = 0;
     for (; k + 4 <= start; k += 4) { /* prefix pairs (k, k + 1), set 0, and (k + 2, k + 3), set 1 */
-        __m512bh w0[4], w1[4];
-        pair_values(vh + (size_t)k * 64, vh + (size_t)(k + 1) * 64, w0);
-        pair_values(vh + (size_t)(k + 2) * 64, vh + (size_t)(k + 3) * 64, w1);
-        for (int r = 0; r < R; ++r) {
-            const float *pr = p + (size_t)r * end + k;
-            uint32_t pp0, pp1;
-            memcpy(&pp0, pb + (size_t)r * end + k, 4);
-            memcpy(&pp1, pb + (size_t)r * end + k + 2, 4);
-            s[r][0] += pr[0];
-            s[r][0] += pr[1];
-            s[r][1] += pr[2];
-            s[r][1] += pr[3];
-            pair_dp(acc[r][0], w0, pp0);
-            pair_dp(acc[r][1], w1, pp1);
+        for (int t = 0; t < 2; ++t) {
+            __m512bh w[4];
+            pair_values(vh + (size_t)(k + 2 * t) * 64, vh + (size_t)(k + 2 * t + 1) * 64, w);
+            for (int h = 0; h < H; ++h) {
+                const float *ph = p + (size_t)h * end + k + 2 * t;
+                uint32_t pp;
+                memcpy(&pp, pb + (size_t)h * end + k + 2 * t, 4);
+                s[h][t] += ph[0];
+                s[h][t] += ph[1];
+                pair_dp(acc[h][t], w, pp);
+            }
         }
     }
     static const bf16 zeros[64];
-    for (int r = 0; r < R; ++r) { /* the rest of each row's seen sequence: prefix slots k.., then its tree slots */
-        const float *pr = p + (size_t)r * end;
-        const bf16 *br = pb + (size_t)r * end;
-        int total = start + tcnt[r];
-        for (int a = k; a < total; a += 2) {
-            int sa = a < start ? a : tidx[r * n + a - start];
-            int sb = a + 1 >= total ? -1 : a + 1 < start ? a + 1 : tidx[r * n + a + 1 - start];
-            __m512bh w[4];
-            pair_values(vh + (size_t)sa * 64, sb < 0 ? zeros : vh + (size_t)sb * 64, w);
-            int t = (a / 2) % 2;
-            s[r][t] += pr[sa];
-            if (sb >= 0) s[r][t] += pr[sb];
-            pair_dp(acc[r][t], w, (uint32_t)br[sa] | (sb < 0 ? 0u : (uint32_t)br[sb] << 16));
+    int total = start + tcnt;
+    for (int a = k; a < total; a += 2) { /* the rest of the seen sequence: the prefix's last slots, then the tree's */
+        int sa = a < start ? a : tidx[a - start];
+        int sb = a + 1 >= total ? -1 : a + 1 < start ? a + 1 : tidx[a + 1 - start];
+        __m512bh w[4];
+        pair_values(vh + (size_t)sa * 64, sb < 0 ? zeros : vh + (size_t)sb * 64, w);
+        int t = (a / 2) % 2;
+        for (int h = 0; h < H; ++h) {
+            const float *ph = p + (size_t)h * end;
+            const bf16 *bh = pb + (size_t)h * end;
+            s[h][t] += ph[sa];
+            if (sb >= 0) s[h][t] += ph[sb];
+            pair_dp(acc[h][t], w, (uint32_t)bh[sa] | (sb < 0 ? 0u : (uint32_t)bh[sb] << 16));
         }
-        __m512 sum = _mm512_set1_ps(s[r][0] + s[r][1]);
+    }
+    for (int h = 0; h < H; ++h) {
+        __m512 sum = _mm512_set1_ps(s[h][0] + s[h][1]);
         __m512 c[4];
-        for (int b = 0; b < 4; ++b) c[b] = _mm512_add_ps(acc[r][0][b], acc[r][1][b]);
-        unpair_store(out + ((size_t)(i0 + r) * nh + hd) * 64, c[0], c[1], c[2], c[3], sum);
+        for (int b = 0; b < 4; ++b) c[b] = _mm512_add_ps(acc[h][0][b], acc[h][1][b]);
+        unpair_store(out + ((size_t)i * nh + hd0 + h) * 64, c[0], c[1], c[2], c[3], sum);
     }
 }
 #endif
 
-/* float32 scratch per thread and cache slot of the attention: two rows' softmax numerators, their bf16 copies
- * (the weights of the values' sum), two rows' seen tree slots */
-#define ATT_SCRATCH 5
+/* float32 scratch per thread and cache slot of the attention: three heads' softmax numerators, their bf16 copies
+ * (the weights of the values' sum), the row's seen tree slots */
+#define ATT_SCRATCH 6
+
+/* a call's attention tasks share a kv head's keys and values among up to 3 of its heads when that leaves at
+ * least this many tasks per thread (else one head a task, for balance) */
+#ifndef HEADS_MIN_TASKS
+#define HEADS_MIN_TASKS 2
+#endif
 
 /* floats of lean_forward's / lean_decode's scratch for rows rows over a cache of cap slots: the attention's per
  * thread, and with the tile path every query's scores q . k after them */
@@ -856,18 +888,23 @@ static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n,
     int group = nh / nkv, tasks = n * nh, end = start + n;
     float *sc = scratch + (size_t)omp_get_thread_num() * ATT_SCRATCH * end; /* see ATT_SCRATCH */
 #if LEAN_AVX512BF16
-    if (d == 64 && !scores) { /* tasks: a head and a pair of rows (the last maybe one); below: other widths, AMX */
-        int pairs = (n + 1) / 2;
+    if (d == 64 && !scores) { /* tasks: a row and up to 3 heads of one kv head; below: other widths, AMX */
+        int hg = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1, nt = omp_get_num_threads();
+        if (HEADS_MIN_TASKS * nt > n * nh / hg) hg = 1; /* too few tasks to share between the threads */
+        int chunks = nh / hg;
+        float *pp = sc;
+        bf16 *pb = (bf16 *)(sc + 3 * end);
+        int *tidx = (int *)(sc + 5 * end);
 #pragma omp for schedule(static)
-        for (int t = 0; t < nh * pairs; ++t) {
-            int hd = t % nh, i0 = 2 * (t / nh);
-            const bf16 *kh = kc + (size_t)(hd / group) * cap * 64, *vh = vc + (size_t)(hd / group) * cap * 64;
-            bf16 *pb = (bf16 *)(sc + 2 * end);
-            int *tidx = (int *)(sc + 3 * end);
-            if (n - i0 >= 2)
-                attend_rows_d64(q, kh, vh, i0, 2, hd, nh, n, start, end, tree, scale, sc, pb, tidx, out);
+        for (int t = 0; t < n * chunks; ++t) { /* a kv head's tasks together: a thread reads fewer kv heads */
+            int i = t % n, hd0 = (t / n) * hg;
+            const bf16 *kh = kc + (size_t)(hd0 / group) * cap * 64, *vh = vc + (size_t)(hd0 / group) * cap * 64;
+            if (hg == 3)
+                attend_heads_d64(q, kh, vh, i, hd0, 3, nh, n, start, end, tree, scale, pp, pb, tidx, out);
+            else if (hg == 2)
+                attend_heads_d64(q, kh, vh, i, hd0, 2, nh, n, start, end, tree, scale, pp, pb, tidx, out);
             else
-                attend_rows_d64(q, kh, vh, i0, 1, hd, nh, n, start, end, tree, scale, sc, pb, tidx, out);
+                attend_heads_d64(q, kh, vh, i, hd0, 1, nh, n, start, end, tree, scale, pp, pb, tidx, out);
         }
         return;
     }
