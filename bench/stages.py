@@ -45,7 +45,8 @@ from treesearch.tree import write_json_atomic
 # 28: an attention task takes a row and up to 3 heads of one kv head (they share each key's and value's loads) when
 # a call has rows enough (the 30 layers' attention at context 256, 2 / 3 / 4 rows 0.285 / 0.408 / 0.460 ->
 # 0.250 / 0.297 / 0.348 ms, one row 0.234 / 0.235; same bits).
-RUNTIME_REVISION = 28
+# 29: one-row calls prefetch the weights too, except on Zen 4 (one-row forwards on Zen 5 1-7 % faster).
+RUNTIME_REVISION = 29
 
 
 def file_hash(path: Path) -> str:

@@ -92,10 +92,13 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 }
 
 #if LEAN_AVX512BF16
-/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of 2 rows or more
- * (ROWS4_PREFETCH_FROM). Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants
- * interleaved in one process): for 1 row the hardware prefetcher alone streams best (8.5 ms against 8.7-9.3
- * with any software prefetch; again 2026-12-02 in whole decode steps: 9.43 against 8.61 ms); from 2 rows on,
+/* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead into L2, for calls of ROWS4_PREFETCH_FROM
+ * rows or more: 1 (every call), except on Zen 4 where the build sets 2. Measured on a 2-core Zen 4 VM (verify
+ * forwards of the default model, variants interleaved in one process): for 1 row the hardware prefetcher alone
+ * streams best (8.5 ms against 8.7-9.3 with any software prefetch; again 2026-12-02 in whole decode steps: 9.43
+ * against 8.61 ms). On a 2-core Zen 5 EPYC VM (2026-12-03, one-row forwards, builds alternated, 60-80 rounds,
+ * five runs) the prefetch for one row too cut 1-7 % (context 256: 8.74 / 7.85 / 7.45 / 8.07 -> 8.58 / 7.71 /
+ * 7.23 / 7.72 ms; context 112: 7.64 -> 7.06), where a 2-row forward had cost less than a 1-row one. From 2 rows on,
  * where the dot products take longer than the weights' transfer, 16 KB ahead into L2 pays (3 / 4 rows
  * 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 / 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8
  * ms against 13.4 / 24.9; docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
@@ -280,7 +283,7 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 #endif
 
 #ifndef ROWS4_PREFETCH_FROM  /* the fewest rows a call prefetches the weights for (see ROWS4_PREFETCH) */
-#define ROWS4_PREFETCH_FROM 2
+#define ROWS4_PREFETCH_FROM 1
 #endif
 
 /* y = x W^T for x [n, in] and W packed by lean_pack_rows4. Output kinds: bf16 (rounded), bf16 plus a
