@@ -1,11 +1,13 @@
 """The verify step inside decode loops against the same step in tight calls, all stepped in one lockstep
 (docs/reports/2026-12-03-head-groups.md).
 
-    python docs/reports/2026-12-03-loop-vs-tight.py NEW_TOKENS GENERATES
+    python docs/reports/2026-12-03-loop-vs-tight.py NEW_TOKENS GENERATES [whole]
 
 A plain and a chain:3 decode loop (the shipped heads, their adapter merged, bf16, a 256-token prompt) and two
 tight decode steps (one row, and a 4-node chain, at context 256 on a cache of their own) are advanced in an
 order shuffled every round; each verify is timed. Prints the median verify of each and the ratios.
+With ``whole``: no lockstep and no tight steps; whole generates of plain decoding, chain:3 and the profile's
+4-node shape, in an order shuffled per repeat, each generate's verify per step (medians over repeats).
 """
 
 import random
@@ -18,7 +20,24 @@ import torch
 
 from bench.commands.common import _model_and_heads
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.profile import _shape_tree
 from treesearch.tree import chain
+
+
+def whole_generates(loaded, heads, prompt, new_tokens: int, repeats: int) -> None:
+    cfg = DecodeConfig(max_new_tokens=new_tokens, stop_on_eos=False, topk=10)
+    decs = {"plain": MedusaDecoder(loaded, None, None, config=cfg),
+            "chain:3": MedusaDecoder(loaded, heads, chain(3), config=cfg),
+            "4-node shape": MedusaDecoder(loaded, heads, _shape_tree(4, heads.num_heads), config=cfg)}
+    verify = {k: [] for k in decs}
+    for _ in range(repeats):
+        for k in random.sample(list(decs), len(decs)):
+            stats = decs[k].generate(prompt).stats
+            verify[k].append(1000 * stats.time_verify / stats.steps)
+    med = {k: st.median(v) for k, v in verify.items()}
+    print("  ".join(f"{k} {v:.3f} ms" for k, v in med.items()))
+    print(f"verify over plain's: chain:3 {med['chain:3'] / med['plain']:.3f}, "
+          f"4-node shape {med['4-node shape'] / med['plain']:.3f}")
 
 
 def main() -> None:
@@ -27,6 +46,9 @@ def main() -> None:
     loaded, heads = _model_and_heads(types.SimpleNamespace(model="default", dtype="bfloat16", device="cpu",
                                                            heads="default"))
     prompt = torch.randint(100, 40000, (256,), generator=torch.Generator().manual_seed(0))
+    if sys.argv[3:] == ["whole"]:
+        whole_generates(loaded, heads, prompt, new_tokens, generates)
+        return
     cfg = DecodeConfig(max_new_tokens=new_tokens, stop_on_eos=False, topk=2)
     decs = {"plain loop": MedusaDecoder(loaded, None, None, config=cfg),
             "chain:3 loop": MedusaDecoder(loaded, heads, chain(3), config=cfg)}
