@@ -46,7 +46,8 @@ from treesearch.tree import write_json_atomic
 # a call has rows enough (the 30 layers' attention at context 256, 2 / 3 / 4 rows 0.285 / 0.408 / 0.460 ->
 # 0.250 / 0.297 / 0.348 ms, one row 0.234 / 0.235; same bits).
 # 29: one-row calls prefetch the weights too, except on Zen 4 (one-row forwards on Zen 5 1-7 % faster).
-RUNTIME_REVISION = 29
+# 30: a one-row step's attention shares a kv head's loads too (3 tasks on 2 threads; 0.27 -> 0.22 ms at 256).
+RUNTIME_REVISION = 30
 
 
 def file_hash(path: Path) -> str:

@@ -184,12 +184,13 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, mo
             assert torch.equal(step_hidden[0], hidden[node]) and torch.equal(step_logits[0], logits[node]), node
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (6, 1), (5, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (6, 1), (5, 1), (3, 1)])
 def test_head_groups_tree_rows_equal_one_row_steps_and_stay_close(heads, kv_heads, monkeypatch):
-    """Random head_dim-64 Llamas with 2, 1, 6 and 5 query heads per kv head: the attention gives a task up to 3
-    heads of one kv head (3, 2 or 1 by the group's size) when a call has rows enough, one head otherwise, so a
-    12-node tree and its one-row steps take different task shapes. Each tree row equals its one-row steps bit for
-    bit, and the tree's hidden states are as close to the float32 model's as the bf16 PyTorch path's are."""
+    """Random head_dim-64 Llamas with 2, 1, 6, 5 and 3 query heads per kv head: the attention gives a task up to 3
+    heads of one kv head (3, 2 or 1 by the group's size) when a call has a task per thread that way, one head
+    otherwise (3 heads over 1 kv head: a one-row step takes one head a task on 2 threads, the 12-node tree 3).
+    Each tree row equals its one-row steps bit for bit, and the tree's hidden states are as close to the float32
+    model's as the bf16 PyTorch path's are."""
     monkeypatch.setenv(kernels.AMX_SWITCH, "0")  # the tile path takes q . k from the tile unit, not these tasks
     torch.manual_seed(5)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64 * heads, intermediate_size=256, num_hidden_layers=2,
