@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import optuna
@@ -71,14 +72,16 @@ def _study(url: str, name: str, timeout: float = 120) -> optuna.Study:
 
 
 def _kill_while_running(proc: subprocess.Popen, study: optuna.Study, after_complete: int = 0,
-                        timeout: float = 240) -> int:
-    """SIGKILL ``proc`` while a trial it claimed (its ``worker`` attribute names the pid) is RUNNING; that
-    trial's number."""
+                        timeout: float = 240, max_age: float = 0.15) -> int:
+    """SIGKILL ``proc`` while a trial it claimed (its ``worker`` attribute names the pid) is RUNNING and started
+    less than ``max_age`` seconds ago (so it cannot finish between this look and the kill: a search trial here
+    runs >= 0.4 s, a replay unit seconds; a trial seen near its end once completed first); that trial's number."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         trials = study.get_trials(deepcopy=False)
+        now = datetime.now()
         mine = [t for t in trials if t.state == STATE.RUNNING and str(t.user_attrs.get("worker", "")).endswith(
-            f":{proc.pid}")]
+            f":{proc.pid}") and t.datetime_start is not None and (now - t.datetime_start).total_seconds() < max_age]
         if mine and sum(t.state == STATE.COMPLETE for t in trials) >= after_complete:
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
