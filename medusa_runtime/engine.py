@@ -484,7 +484,8 @@ class LeanEngine:
         need = self.lib.lean_forward_work_size(n, hsz, h, kv, d, inter, int(self.amx))
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=self.dtype)
-        # attention: two softmax rows, their weights and tree slots per thread; with the tile path every query's q . k
+        # attention: three heads' softmax rows, their weights and a row's tree slots per thread; with the tile path
+        # every query's q . k
         need_sc = self.lib.lean_scratch_size(threads, n, h, cache.capacity, int(self.amx))
         if self._scratch.numel() < need_sc:
             self._scratch = torch.empty(need_sc, dtype=torch.float32)

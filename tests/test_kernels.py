@@ -3,6 +3,7 @@ float32 matrix products, the float32 model, one-row steps (bit for bit) and plai
 
 from __future__ import annotations
 
+import copy
 import ctypes
 
 import pytest
@@ -154,6 +155,16 @@ def test_c_forward_is_as_close_to_float32_as_the_torch_path(default_model, defau
     assert same >= 10  # greedy choices agree with float32's (bf16 may flip a near-tie)
 
 
+def _path_steps(engine: LeanEngine, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, node: int):
+    """(logits, hidden) of the last of the one-row steps along ``node``'s path (its ancestors and itself, in
+    order, as the tree ``mask`` has them) after ``prompt``, on a cache of its own."""
+    seq = engine.new_cache(len(prompt) + len(tokens))
+    engine.forward(prompt, 0, seq, last_only=True)
+    for i, a in enumerate(a for a in range(len(tokens)) if mask[node, a]):
+        step = engine.forward(tokens[a: a + 1], len(prompt) + i, seq)
+    return step
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("nodes", [16, 40])
 def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, monkeypatch):
@@ -174,13 +185,8 @@ def test_tree_rows_equal_one_row_steps_bit_for_bit(default_bf16, path, nodes, mo
         engine.forward(prompt, 0, cache, last_only=True)
         logits, hidden = engine.forward(tokens, 40, cache, tree=buffers.attn_mask,
                                         positions=40 + buffers.position_offsets)
-        mask = buffers.attn_mask
         for node in range(buffers.num_nodes):
-            path = [a for a in range(buffers.num_nodes) if mask[node, a]]  # its ancestors and itself, in order
-            seq = engine.new_cache(40 + buffers.num_nodes)
-            engine.forward(prompt, 0, seq, last_only=True)
-            for i, a in enumerate(path):
-                step_logits, step_hidden = engine.forward(tokens[a: a + 1], 40 + i, seq)
+            step_logits, step_hidden = _path_steps(engine, prompt, tokens, buffers.attn_mask, node)
             assert torch.equal(step_hidden[0], hidden[node]) and torch.equal(step_logits[0], logits[node]), node
 
 
@@ -199,9 +205,7 @@ def test_head_groups_tree_rows_equal_one_row_steps_and_stay_close(heads, kv_head
                       pad_token_id=None)
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     ref = LeanEngine(LoadedModel(model, None, "llama-d64", torch.float32, torch.device("cpu")))
-    bf16 = LoadedModel(LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False), None, "llama-d64",
-                       torch.bfloat16, torch.device("cpu"))
-    bf16.model.load_state_dict(model.state_dict())
+    bf16 = LoadedModel(copy.deepcopy(model).to(torch.bfloat16), None, "llama-d64", torch.bfloat16, torch.device("cpu"))
     tree = make_tree(load_tree("mc_sim_7b_63").paths[:11])
     buffers = build_tree_buffers(tree, 4, 10)
     engines = [LeanEngine(bf16, max_nodes=buffers.num_nodes, use_kernels=k) for k in (True, False)]
@@ -217,10 +221,7 @@ def test_head_groups_tree_rows_equal_one_row_steps_and_stay_close(heads, kv_head
             engine.forward(prompt, 0, cache, last_only=True)
             hidden.append(engine.forward(tokens, 37, cache, tree=mask, positions=positions)[1].float())
         for node in range(buffers.num_nodes):
-            seq = engines[0].new_cache(37 + buffers.num_nodes)
-            engines[0].forward(prompt, 0, seq, last_only=True)
-            for i, a in enumerate(a for a in range(buffers.num_nodes) if mask[node, a]):
-                step_hidden = engines[0].forward(tokens[a: a + 1], 37 + i, seq)[1]
+            step_hidden = _path_steps(engines[0], prompt, tokens, mask, node)[1]
             assert torch.equal(step_hidden[0].float(), hidden[0][node]), node
     err_c, err_t = _rel(hidden[0], hidden[2]), _rel(hidden[1], hidden[2])
     assert err_c <= 1.25 * err_t + 1e-3, (err_c, err_t)
