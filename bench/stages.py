@@ -47,7 +47,9 @@ from treesearch.tree import write_json_atomic
 # 0.250 / 0.297 / 0.348 ms, one row 0.234 / 0.235; same bits).
 # 29: one-row calls prefetch the weights too, except on Zen 4 (one-row forwards on Zen 5 1-7 % faster).
 # 30: a one-row step's attention shares a kv head's loads too (3 tasks on 2 threads; 0.27 -> 0.22 ms at 256).
-RUNTIME_REVISION = 30
+# 31: the weights' software prefetch 8 KB ahead into L1 instead of 16 KB into L2, except on Zen 4 (whole forwards
+# at context 256 on Zen 5, builds alternated: 4 rows 1-10 % faster, one row level or up to 4 % faster).
+RUNTIME_REVISION = 31
 
 
 def file_hash(path: Path) -> str:
