@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from . import kernels
+from .kernels import hugepages
 from .model import LoadedModel
 
 ENGINES = ("auto", "lean", "lean-torch", "hf")
@@ -206,26 +207,50 @@ def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_amx(lib, weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [out, in] repacked into the tile layout of the C library's AMX path (zero padded)."""
+def packed_size(lib, shape, amx: bool) -> int:
+    """bf16 elements of a weight of ``shape`` [out, in] packed for the C library's path (see :func:`pack_for`)."""
+    return (lib.lean_amx_packed_size if amx else lib.lean_rows4_packed_size)(*shape)
+
+
+def pack_amx(lib, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 weight [out, in] repacked into the tile layout of the C library's AMX path (zero padded), into
+    ``out`` (bf16, :func:`packed_size` elements) when given."""
     weight = weight.detach().contiguous()
-    packed = torch.empty(lib.lean_amx_packed_size(*weight.shape), dtype=torch.bfloat16)
+    packed = _packed_out(out, lib.lean_amx_packed_size(*weight.shape))
     lib.lean_pack_amx(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
     return packed
 
 
-def pack_rows4(lib, weight: torch.Tensor) -> torch.Tensor:
+def pack_rows4(lib, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A bf16 weight [out, in] repacked into the C library's AVX-512 layout: blocks of 4 output rows, their
-    values per 32 inputs side by side (zero padded), so that a block streams as one contiguous run."""
+    values per 32 inputs side by side (zero padded), so that a block streams as one contiguous run; into ``out``
+    when given, as :func:`pack_amx`."""
     weight = weight.detach().contiguous()
-    packed = torch.empty(lib.lean_rows4_packed_size(*weight.shape), dtype=torch.bfloat16)
+    packed = _packed_out(out, lib.lean_rows4_packed_size(*weight.shape))
     lib.lean_pack_rows4(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
     return packed
 
 
-def pack_for(lib, weight: torch.Tensor, amx: bool) -> torch.Tensor:
+def _packed_out(out: torch.Tensor | None, size: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(size, dtype=torch.bfloat16)
+    if out.dtype != torch.bfloat16 or out.dim() != 1 or out.numel() != size or not out.is_contiguous():
+        raise EngineError(f"a packed weight needs {size} contiguous bf16 elements, got {out.dtype} {list(out.shape)}")
+    return out
+
+
+def pack_for(lib, weight: torch.Tensor, amx: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """The weight in the layout of the C library's path that runs it (AMX tiles or AVX-512 blocks)."""
-    return pack_amx(lib, weight) if amx else pack_rows4(lib, weight)
+    return pack_amx(lib, weight, out) if amx else pack_rows4(lib, weight, out)
+
+
+def pack_all(lib, weights: list[torch.Tensor], amx: bool) -> list[torch.Tensor]:
+    """The weights packed as :func:`pack_for`, side by side in one buffer the system may back with 2 MiB pages
+    (kernels.hugepages: a step streams them all, so TLB misses and prefetch stops at 4 KiB page boundaries
+    would cost every step)."""
+    sizes = [packed_size(lib, w.shape, amx) for w in weights]
+    outs = hugepages.carve(hugepages.huge_buffer(hugepages.carved_bytes(sizes, torch.bfloat16)), sizes, torch.bfloat16)
+    return [pack_for(lib, w, amx, out) for w, out in zip(weights, outs)]
 
 
 class _KernelLinear:
@@ -235,9 +260,10 @@ class _KernelLinear:
 
     __slots__ = ("weight", "lib", "amx", "packed", "kind", "_xv")
 
-    def __init__(self, weight: torch.Tensor, lib, amx: bool = False, out_kind: int = kernels.OUT_BF16):
+    def __init__(self, weight: torch.Tensor, lib, amx: bool = False, out_kind: int = kernels.OUT_BF16,
+                 packed: torch.Tensor | None = None):
         self.weight, self.lib, self.amx = weight.detach().contiguous(), lib, amx
-        self.packed = pack_for(lib, self.weight, amx)
+        self.packed = pack_for(lib, self.weight, amx) if packed is None else packed  # packed: pack_for's of weight
         self.kind, self._xv = out_kind, torch.empty(0, dtype=torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -327,9 +353,9 @@ def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool):
     if hit is not None and hit[0] == stamp:
         return hit[1]
     with torch.no_grad():
-        packed = (tuple(tuple(pack_for(lib, lin.weight, amx) for lin in (w.qkv, w.o, w.gate_up, w.down))
-                        for w in layers),
-                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32))
+        flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head], amx)
+        packed = (tuple(tuple(flat[4 * i:4 * i + 4]) for i in range(len(layers))),
+                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32, packed=flat[-1]))
     _PACKED.setdefault(model, {})[amx] = (stamp, packed)
     return packed
 
@@ -607,7 +633,8 @@ def c_forward_status(loaded: LoadedModel) -> str:
     why = _c_forward_blocker(loaded.device, loaded.dtype)
     if why:
         return f"no ({why})"
-    return "yes (AMX-BF16 tiles)" if kernels.amx_path() else "yes (AVX-512 BF16)"
+    unit = "AMX-BF16 tiles" if kernels.amx_path() else "AVX-512 BF16"
+    return f"yes ({unit}, packed weights in {hugepages.describe()})"
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:

@@ -28,8 +28,9 @@ import ctypes
 import torch
 
 from . import kernels
-from .engine import pack_for
+from .engine import pack_all, pack_for
 from .heads import Int8Projection, MedusaHeads
+from .kernels import hugepages
 
 MAX_BLOCKS = kernels.HEAD_MAX_BLOCKS
 
@@ -73,7 +74,8 @@ class NativeHeadLevels:
         if heads.config.projection_int8:  # int8 rows in the dot-product layout, their scales and sums
             i8 = Int8Projection(projection)
             q = i8.q.to(torch.int8).contiguous()
-            self.projection = torch.empty(self.lib.lean_i8_packed_size(*q.shape), dtype=torch.int8)
+            size = self.lib.lean_i8_packed_size(*q.shape)  # read at every tree level: in 2 MiB pages (see pack_all)
+            self.projection = hugepages.carve(hugepages.huge_buffer(size), [size], torch.int8)[0]
             self.lib.lean_pack_i8(q.data_ptr(), q.shape[0], q.shape[1], self.projection.data_ptr())
             scale, sums = i8.scale.float().contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
             self._keep: list[torch.Tensor] = [self.projection, scale, sums]  # every tensor the structs point into
@@ -84,9 +86,12 @@ class NativeHeadLevels:
             self.proj = kernels.LeanProj(self.projection.data_ptr(), None, None)
         self.heads = []
         self._conditioning = []  # per head: its packed U and P (None for head 0), for the draft vocabulary's tables
+        layers = heads.config.num_layers
+        packed_blocks = pack_all(self.lib, [heads.blocks[j][level].linear.weight.detach().to(dtype).contiguous()
+                                            for j in range(depth) for level in range(layers)], self.amx)
         for j in range(depth):
-            blocks = [heads.blocks[j][level].linear for level in range(heads.config.num_layers)]
-            ws = [prep(b.weight) for b in blocks]
+            blocks = [heads.blocks[j][level].linear for level in range(layers)]
+            ws = packed_blocks[j * layers:(j + 1) * layers]
             bs = [b.bias.detach().to(dtype).contiguous() for b in blocks]
             root = prep(heads.root_weight[j])
             parent = prep(heads.parent_weight[j - 1]) if heads.path_conditioned and j > 0 else None

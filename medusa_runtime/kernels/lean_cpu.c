@@ -103,7 +103,7 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
  * context 256, builds alternated, 50-80 rounds, six runs: 4 rows 7.49 / 7.85 / 7.70 / 6.55 / 6.98 / 5.46 ms ->
  * 6.57-6.70 / 7.58 / 7.57 / 6.02 / 6.89 / 5.19, one row 6.19 / 7.33 / 7.95 -> 5.94 / 7.06 / 7.74 and level
  * elsewhere; two distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better;
- * docs/reports/2026-12-04-prefetch-l1.md). From 2 rows on, where the dot products take longer than the
+ * docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the
  * weights' transfer, a software prefetch pays on both (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against
  * 12.02-12.05 / 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9;
  * docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
