@@ -1,5 +1,5 @@
 """The C forward on packed weights in 2 MiB pages against 4 KiB pages, alternated in one process
-(docs/reports/2026-12-03-huge-pages.md).
+(docs/reports/2026-12-03-prefetch-l1.md).
 
     python docs/reports/2026-12-03-huge-pages-ab.py CONTEXT ROUNDS      (NS=1,2,4 picks the row counts)
 

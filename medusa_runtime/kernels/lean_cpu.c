@@ -99,11 +99,10 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
  * 2026-12-02 in whole decode steps: 9.43 against 8.61 ms), and 8, 16 and 32 KB into L2 alike, into L1 worse.
  * On a 2-core Zen 5 EPYC VM (2026-12-03, one-row forwards, builds alternated, 60-80 rounds, five runs) the
  * prefetch for one row too cut 1-7 % (context 256: 8.74 / 7.85 / 7.45 / 8.07 -> 8.58 / 7.71 / 7.23 / 7.72 ms;
- * context 112: 7.64 -> 7.06), and 8 KB ahead into L1 beat 16 KB into L2 (2026-12-03 evening, whole forwards at
- * context 256, builds alternated, 50-80 rounds, six runs: 4 rows 7.49 / 7.85 / 7.70 / 6.55 / 6.98 / 5.46 ms ->
- * 6.57-6.70 / 7.58 / 7.57 / 6.02 / 6.89 / 5.19, one row 6.19 / 7.33 / 7.95 -> 5.94 / 7.06 / 7.74 and level
- * elsewhere; two distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better;
- * docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the
+ * context 112: 7.64 -> 7.06), and 8 KB ahead into L1 beat 16 KB into L2 (2026-12-03 night, whole forwards at
+ * context 256, builds alternated, 50-60 rounds, five runs: 4 rows 8.15 / 7.16 / 6.55 / 6.98 / 5.46 ms -> 7.85 /
+ * 6.57 / 6.02 / 6.89 / 5.19, one row 7.33 / 6.17 / 5.83 / 6.61 / 4.70 -> 7.21 / 5.80 / 5.32 / 6.57 / 4.70; two
+ * distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better; docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the
  * weights' transfer, a software prefetch pays on both (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against
  * 12.02-12.05 / 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9;
  * docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
