@@ -48,9 +48,9 @@ from treesearch.tree import write_json_atomic
 # 29: one-row calls prefetch the weights too, except on Zen 4 (one-row forwards on Zen 5 1-7 % faster).
 # 30: a one-row step's attention shares a kv head's loads too (3 tasks on 2 threads; 0.27 -> 0.22 ms at 256).
 # 31: the weights' software prefetch 8 KB ahead into L1 instead of 16 KB into L2, except on Zen 4 (whole forwards
-# at context 256 on Zen 5, builds alternated: 4 rows 1-10 % faster, one row level or up to 4 % faster).
+# at context 256 on Zen 5, builds alternated: 4 rows 1-8 % faster, one row 0-9 % faster).
 # 32: the packed weights (forward and heads) in one buffer advised for 2 MiB pages; the floor's copy probe in the
-# same memory (whole forwards 2-4 % faster, alternated in one process; copies 38 -> 52 GB/s).
+# same memory (whole forwards 1-4 % faster, alternated in one process; copies 38 -> 52 GB/s).
 RUNTIME_REVISION = 32
 
 
