@@ -75,7 +75,7 @@ class NativeHeadLevels:
             i8 = Int8Projection(projection)
             q = i8.q.to(torch.int8).contiguous()
             size = self.lib.lean_i8_packed_size(*q.shape)  # read at every tree level: in 2 MiB pages (see pack_all)
-            self.projection = hugepages.carve(hugepages.huge_buffer(size), [size], torch.int8)[0]
+            self.projection = hugepages.huge_buffer(size).view(torch.int8)
             self.lib.lean_pack_i8(q.data_ptr(), q.shape[0], q.shape[1], self.projection.data_ptr())
             scale, sums = i8.scale.float().contiguous(), q.sum(-1, dtype=torch.int32).contiguous()
             self._keep: list[torch.Tensor] = [self.projection, scale, sums]  # every tensor the structs point into

@@ -58,20 +58,26 @@ def huge_buffer(nbytes: int) -> torch.Tensor:
     return whole[skip:skip + nbytes]
 
 
+def _spans(sizes: list[int], dtype: torch.dtype, align: int) -> list[tuple[int, int]]:
+    """(byte offset, bytes) of each of ``sizes`` elements of ``dtype`` laid out one after another, each offset a
+    multiple of ``align``; and last, (the total the layout needs, 0)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    spans, at = [], 0
+    for n in sizes:
+        spans.append((at, n * width))
+        at += -(-n * width // align) * align
+    return spans + [(at, 0)]
+
+
 def carve(buffer: torch.Tensor, sizes: list[int], dtype: torch.dtype, align: int = 4096) -> list[torch.Tensor]:
     """Consecutive 1-D tensors of ``sizes`` elements of ``dtype`` in ``buffer`` (uint8), each starting ``align``
     bytes after a boundary of the buffer (views: they share its memory)."""
-    width = torch.empty(0, dtype=dtype).element_size()
-    out, at = [], 0
-    for n in sizes:
-        if at + n * width > buffer.numel():
-            raise ValueError(f"{sum(sizes)} elements of {dtype} do not fit in {buffer.numel()} bytes")
-        out.append(buffer[at:at + n * width].view(dtype))
-        at += -(-n * width // align) * align
-    return out
+    spans = _spans(sizes, dtype, align)[:-1]
+    if spans and spans[-1][0] + spans[-1][1] > buffer.numel():
+        raise ValueError(f"{sum(sizes)} elements of {dtype} do not fit in {buffer.numel()} bytes")
+    return [buffer[at:at + nbytes].view(dtype) for at, nbytes in spans]
 
 
 def carved_bytes(sizes: list[int], dtype: torch.dtype, align: int = 4096) -> int:
     """The bytes :func:`carve` needs for ``sizes`` elements of ``dtype``."""
-    width = torch.empty(0, dtype=dtype).element_size()
-    return sum(-(-n * width // align) * align for n in sizes)
+    return _spans(sizes, dtype, align)[-1][0]

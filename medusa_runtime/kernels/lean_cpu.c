@@ -102,9 +102,10 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
  * context 112: 7.64 -> 7.06), and 8 KB ahead into L1 beat 16 KB into L2 (2026-12-03 night, whole forwards at
  * context 256, builds alternated, 50-60 rounds, five runs: 4 rows 8.15 / 7.16 / 6.55 / 6.98 / 5.46 ms -> 7.85 /
  * 6.57 / 6.02 / 6.89 / 5.19, one row 7.33 / 6.17 / 5.83 / 6.61 / 4.70 -> 7.21 / 5.80 / 5.32 / 6.57 / 4.70; two
- * distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better; docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the
- * weights' transfer, a software prefetch pays on both (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against
- * 12.02-12.05 / 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9;
+ * distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better;
+ * docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the weights'
+ * transfer, a software prefetch pays on both (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 /
+ * 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9;
  * docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
 #ifndef ROWS4_PREFETCH
 #define ROWS4_PREFETCH 8192
