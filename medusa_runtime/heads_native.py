@@ -125,18 +125,20 @@ class NativeHeadLevels:
             self._keep += [t for t in tables if t is not None]
             self._heads[j].root_table = tables[0].data_ptr()
             self._heads[j].parent_table = None if tables[1] is None else tables[1].data_ptr()
-        self._draft_row = torch.full((embed.shape[0],), -1, dtype=torch.int32)
+        self._draft_row = torch.full((embed.shape[0],), -1, dtype=torch.int32)  # token -> its row (C reads the root's)
         self._draft_row[draft_ids] = torch.arange(draft_ids.numel(), dtype=torch.int32)
-        self._draft_row = self._draft_row.tolist()  # root -> row, read once a step
 
     def _tree_plan(self, plan: list, embed: torch.Tensor, draft_ids: torch.Tensor | None):
-        """The C structs of a tree's levels, and the tensors they point into (kept alive here)."""
+        """The C struct of a tree's calls (kernels.LeanTreeCall: levels, weights, scratch), the tensors it points
+        into kept alive here; returns (the struct, its address, node count, embedding rows)."""
         if embed is None or embed.dtype != torch.bfloat16:
             raise HeadsNativeError("native heads: a whole tree needs the model's bf16 input embeddings")
         self._draft_row = None
         if draft_ids is not None:
             self._tables(embed, draft_ids.to(torch.int64))
-        keep = [embed.contiguous()] + ([] if draft_ids is None else [draft_ids.to(torch.int64).contiguous()])
+        embed = embed.contiguous()
+        draft = None if draft_ids is None else draft_ids.to(torch.int64).contiguous()
+        keep = [embed] + ([] if draft is None else [draft])
         levels = []
         for j, lv in enumerate(plan):
             arrays = [t.to(torch.int64).contiguous() for t in (lv.parents, lv.children, lv.child_parent, lv.child_rank)]
@@ -144,41 +146,50 @@ class NativeHeadLevels:
             parents = 0 if j == 0 else arrays[0].numel()  # level 1's only parent is the root: no gather
             levels.append(kernels.LeanLevel(parents, arrays[0].data_ptr(), arrays[1].numel(),
                                             *(a.data_ptr() for a in arrays[1:])))
-        self._keep += keep
         widest = max(1, *(lv.parents for lv in levels))
         work = torch.empty(self.lib.lean_heads_tree_work_size(self.hidden_size, self.vocab, widest, self.topk),
                            dtype=torch.bfloat16)
         nodes = 1 + sum(lv.children for lv in levels)
-        self._rows = torch.empty(nodes + widest, dtype=torch.int32)  # each node's draft row, a level's parents' rows
-        return ((kernels.LeanLevel * len(levels))(*levels), len(levels), keep[0],
-                None if draft_ids is None else keep[1], work, nodes)
+        rows = torch.empty(nodes + widest, dtype=torch.int32)  # each node's draft row, a level's parents' rows
+        self._levels = (kernels.LeanLevel * len(levels))(*levels)
+        self._chain = (ctypes.c_float * len(levels))()  # each level's top-1 probability, written by the call
+        self._keep += keep + [work, rows] + ([] if self._draft_row is None else [self._draft_row])
+        call = kernels.LeanTreeCall(self._heads, self._levels, len(levels), self.blocks, self.hidden_size, self.vocab,
+                                    ctypes.pointer(self.proj), embed.data_ptr(), embed.shape[0],
+                                    None if draft is None else draft.data_ptr(),
+                                    None if self._draft_row is None else self._draft_row.data_ptr(), rows.data_ptr(),
+                                    self.topk, ctypes.addressof(self._chain), work.data_ptr(), int(self.amx),
+                                    torch.get_num_threads())
+        self._threads = call.nthreads
+        return call, ctypes.addressof(call), nodes, embed.shape[0]
 
     def tree(self, hidden: torch.Tensor, root: int, gate: float = 0.0, out: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, list[float]]:
         """hidden [H] and the root token -> the tree's tokens [N] in node order and the top-1 chain's per-level
         probabilities. With ``gate`` > 0 the levels stop after the first whose chain product is below it (the
         tokens of deeper levels are then left unset: the decoder's gated cut does not verify them). ``out``: an
-        int64 [N] tensor to write the tokens into (a decode loop's own, so that a step allocates nothing)."""
-        levels, depth, embed, draft, work, n = self._tree
-        if not 0 <= root < embed.shape[0]:  # the C code indexes the embeddings with it unchecked
-            raise HeadsNativeError(f"native heads: root token {root} is outside the vocabulary ({embed.shape[0]})")
+        int64 [N] tensor to write the tokens into (a decode loop's own, so that a step allocates nothing).
+
+        A decoder calls this right after a verify forward, when every Python and tensor operation runs on cold
+        caches (~5-20 us each): the call passes five values and checks what it must with few operations."""
+        call, address, n, vocab = self._tree
+        if not 0 <= root < vocab:  # the C code indexes the embeddings with it
+            raise HeadsNativeError(f"native heads: root token {root} is outside the vocabulary ({vocab})")
         if out is None:
             nodes = torch.empty(n, dtype=torch.long)
-        elif out.dtype != torch.long or tuple(out.shape) != (n,) or not out.is_contiguous():
+        elif out.dtype != torch.long or out.shape != (n,) or not out.is_contiguous():
             raise HeadsNativeError(f"native heads: out must be a contiguous int64 [{n}], got {out.dtype} {list(out.shape)}")
         else:
             nodes = out
-        chain = (ctypes.c_float * depth)()
-        hidden = hidden.contiguous()
-        done = self.lib.lean_heads_tree(self._heads, levels, depth, self.blocks, self.hidden_size, self.vocab,
-                                        ctypes.byref(self.proj), embed.data_ptr(),
-                                        None if draft is None else draft.data_ptr(), hidden.data_ptr(), root,
-                                        -1 if self._draft_row is None else self._draft_row[root],
-                                        self._rows.data_ptr(), self.topk, gate, nodes.data_ptr(), chain, work.data_ptr(), int(self.amx),
-                                        torch.get_num_threads())
+        if hidden.dtype != torch.bfloat16 or hidden.shape != (self.hidden_size,) or not hidden.is_contiguous():
+            hidden = hidden.to(torch.bfloat16).contiguous().view(self.hidden_size)
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            call.nthreads = self._threads = threads
+        done = self.lib.lean_heads_tree(address, hidden.data_ptr(), root, gate, nodes.data_ptr())
         if done < 0:
             raise HeadsNativeError(f"native heads: the C library refused the tree (code {done})")
-        return nodes, chain[:done]
+        return nodes, self._chain[:done]
 
     def level(self, j: int, hidden: torch.Tensor, root_e: torch.Tensor, parents_e: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:

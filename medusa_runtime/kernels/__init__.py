@@ -75,6 +75,16 @@ class LeanLevel(ctypes.Structure):
                 ("child_nodes", ctypes.c_void_p), ("child_parent", ctypes.c_void_p), ("child_rank", ctypes.c_void_p)]
 
 
+class LeanTreeCall(ctypes.Structure):
+    """What stays the same between a decoder's ``lean_heads_tree`` calls, as ``LeanTreeCall`` in lean_cpu.c."""
+
+    _fields_ = [("heads", ctypes.POINTER(LeanHead)), ("levels", ctypes.POINTER(LeanLevel)),
+                *[(name, ctypes.c_int) for name in ("depth", "blocks", "hsz", "vocab")],
+                ("proj", ctypes.POINTER(LeanProj)), ("embed", ctypes.c_void_p), ("embed_rows", ctypes.c_int64),
+                *[(name, ctypes.c_void_p) for name in ("draft_ids", "draft_row", "rows")], ("k", ctypes.c_int),
+                ("chain", ctypes.c_void_p), ("work", ctypes.c_void_p), ("amx", ctypes.c_int), ("nthreads", ctypes.c_int)]
+
+
 _state: dict[str, object] = {}
 
 
@@ -166,10 +176,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_heads_level.restype = i
     lib.lean_heads_work_size.argtypes = [i, i, i]
     lib.lean_heads_work_size.restype = z
-    lib.lean_heads_tree.argtypes = [ctypes.POINTER(LeanHead), ctypes.POINTER(LeanLevel), i, i, i, i,
-                                    ctypes.POINTER(LeanProj), p, p, p,
-                                    ctypes.c_int64, i, p, i, f, p, p, p, i, i]
+    lib.lean_heads_tree.argtypes = [p, p, ctypes.c_int64, f, p]  # the LeanTreeCall's address, hidden, root, gate, nodes
     lib.lean_heads_tree.restype = i
+    lib.lean_topk_rows.argtypes = [p, i, i, i, p, p]
+    lib.lean_topk_rows.restype = i
     lib.lean_heads_tree_work_size.argtypes = [i, i, i, i]
     lib.lean_heads_tree_work_size.restype = z
     lib.lean_argmax_rows.argtypes = [p, i, i, i, p]

@@ -1263,12 +1263,32 @@ static void quantize_rows(const bf16 *x, int n, int in, uint8_t *xq, float *sx) 
     int in4 = pad_to(in, 4);
     for (int r = 0; r < n; ++r) {
         const bf16 *xr = x + (size_t)r * in;
+        uint8_t *qr = xq + (size_t)r * in4;
         float m = 0.f;
-        for (int k = 0; k < in; ++k) m = fmaxf(m, fabsf(bf2f(xr[k])));
+        int k = 0;
+#if LEAN_AVX512BF16
+        /* 16 at a time, the same operations: |x|'s maximum, an IEEE division, rounding to nearest even */
+        __m512 vm = _mm512_setzero_ps();
+        for (; k + 16 <= in; k += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(load16_bf16(xr + k)));
+        m = _mm512_reduce_max_ps(vm);
+#endif
+        for (; k < in; ++k) m = fmaxf(m, fabsf(bf2f(xr[k])));
         float scale = m / 127.0f;
         sx[r] = scale;
-        for (int k = 0; k < in4; ++k)
-            xq[(size_t)r * in4 + k] = (uint8_t)(128 + (k < in && scale > 0.f ? (int)nearbyintf(bf2f(xr[k]) / scale) : 0));
+        k = 0;
+#if LEAN_AVX512BF16
+        if (scale > 0.f) {
+            __m512 vs = _mm512_set1_ps(scale);
+            for (; k + 16 <= in; k += 16) {
+                __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16_bf16(xr + k), vs),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm_storeu_si128((__m128i *)(qr + k),
+                                 _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128))));
+            }
+        }
+#endif
+        for (; k < in4; ++k)
+            qr[k] = (uint8_t)(128 + (k < in && scale > 0.f ? (int)nearbyintf(bf2f(xr[k]) / scale) : 0));
     }
 }
 
@@ -1359,14 +1379,35 @@ typedef struct {
     const bf16 *root_table, *parent_table;
 } LeanHead;
 
-/* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none) */
+#if LEAN_AVX512BF16
+static inline __m512 load16_bf16_masked(__mmask16 m, const bf16 *p) {  /* lanes outside m: 0 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+/* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none). Shared
+ * out in pieces of 64 columns, 16 at a time with the forward's exp16 (a chain's levels have one row, which one
+ * thread took 4-5 us for with expf per value). */
 static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int rows, int h, int x_shared) {
+    const int pieces = (h + 63) / 64;
 #pragma omp for schedule(static)
-    for (int i = 0; i < rows; ++i) {
+    for (int t = 0; t < rows * pieces; ++t) {
+        const int i = t / pieces, k0 = (t % pieces) * 64, k1 = k0 + 64 < h ? k0 + 64 : h;
         const bf16 *xi = x_shared ? x : x + (size_t)i * h;  /* a shared input row (the step's hidden state) */
         bf16 *out = x_shared ? x + (size_t)(i + 1) * h : x + (size_t)i * h;
         const bf16 *zi = x_shared ? z : z + (size_t)i * h, *ei = extra ? extra + (size_t)i * h : NULL;
-        for (int k = 0; k < h; ++k) {
+#if LEAN_AVX512BF16
+        for (int k = k0; k < k1; k += 16) {
+            const __mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);
+            __m512 zz = load16_bf16_masked(m, zi + k);
+            if (ei) zz = round16(_mm512_add_ps(zz, load16_bf16_masked(m, ei + k)));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), zz));
+            __m512 sv = round16(_mm512_div_ps(zz, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_mask_storeu_epi16(out + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
+        }
+        continue;
+#endif
+        for (int k = k0; k < k1; ++k) {
             float zz = bf2f(zi[k]);
             if (ei) zz = bf2f(f2bf(zz + bf2f(ei[k])));
             float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
@@ -1377,23 +1418,32 @@ static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int ro
 
 /* The k best of v [len] (largest first; equal values: the lower index first) and the largest softmax
  * probability 1 / sum exp(v - max), both of the bf16 logits as float32. */
+static inline void topk_offer(float x, int i, int k, float *best, int32_t *idx, int *n) {
+    if (*n == k && !(x > best[k - 1])) return;  /* ties keep the earlier index */
+    int p = *n < k ? (*n)++ : k - 1;
+    while (p > 0 && x > best[p - 1]) {
+        best[p] = best[p - 1];
+        idx[p] = idx[p - 1];
+        --p;
+    }
+    best[p] = x;
+    idx[p] = i;
+}
+
 static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
     float best[64];
-    int n = 0;
-    for (int i = 0; i < len; ++i) {
-        float x = bf2f(v[i]);
-        if (n == k && !(x > best[k - 1])) continue;  /* ties keep the earlier index */
-        int p = n < k ? n++ : k - 1;
-        while (p > 0 && x > best[p - 1]) {
-            best[p] = best[p - 1];
-            idx[p] = idx[p - 1];
-            --p;
-        }
-        best[p] = x;
-        idx[p] = i;
+    int n = 0, i = 0;
+#if LEAN_AVX512BF16
+    /* 16 values at a time: once k are held, a run none of whose values beats the k-th best is passed over whole
+     * (the same comparison as topk_offer's, so the same result); ~5 us a row of 4,096 values before, ~1 after */
+    for (; i + 16 <= len; i += 16) {
+        if (n == k && !_mm512_cmp_ps_mask(load16_bf16(v + i), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ)) continue;
+        for (int j = i; j < i + 16; ++j) topk_offer(bf2f(v[j]), j, k, best, idx, &n);
     }
+#endif
+    for (; i < len; ++i) topk_offer(bf2f(v[i]), i, k, best, idx, &n);
     float mx = best[0], sum = 0.f;
-    int i = 0;
+    i = 0;
 #if LEAN_AVX512BF16
     __m512 acc = _mm512_setzero_ps(), vm = _mm512_set1_ps(mx);
     for (; i + 16 <= len; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(load16_bf16(v + i), vm)));
@@ -1404,6 +1454,13 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
 }
 
 size_t lean_heads_work_size(int hsz, int vocab, int parents);
+
+/* topk_row over `rows` rows of v [rows, len] (tests): idx [rows, k], top1 [rows]. Returns -3 for k out of 1..64. */
+int lean_topk_rows(const bf16 *v, int rows, int len, int k, int32_t *idx, float *top1) {
+    if (k < 1 || k > 64 || k > len) return -3;
+    for (int r = 0; r < rows; ++r) topk_row(v + (size_t)r * len, len, k, idx + (size_t)r * k, top1 + r);
+    return 0;
+}
 
 
 /* A linear layer of the heads: right after a verify forward their weights come from DRAM, and a one-row pass
@@ -1452,10 +1509,11 @@ static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int v
             head_linear(amx, head->parent_w, parent_e, parents, hsz, hsz, ep, NULL, OUT_BF16, xa);
         }
 #pragma omp for schedule(static)
-        for (int i = 0; i < parents * hsz; ++i) ep[i] = f2bf(bf2f(er[i % hsz]) + bf2f(ep[i]));
+        for (int p = 0; p < parents; ++p)
+            for (int i = 0; i < hsz; ++i) ep[(size_t)p * hsz + i] = f2bf(bf2f(er[i]) + bf2f(ep[(size_t)p * hsz + i]));
     } else {
 #pragma omp for schedule(static)
-        for (int i = 0; i < rows * hsz; ++i) ep[i] = er[i % hsz];
+        for (int p = 0; p < rows; ++p) memcpy(ep + (size_t)p * hsz, er, (size_t)hsz * sizeof(bf16));
     }
     /* block 0 on the step's hidden state (one row, the same for every parent), then with each e_p */
 #pragma omp single
@@ -1518,16 +1576,41 @@ typedef struct {
  * nodes [N] int64 (nodes[0] = root). chain[d] = the top-1 probability of level d+1's first parent (the top-1
  * chain a confidence gate reads). With gate > 0 the levels stop after the first whose chain product (float32,
  * as treesearch.replay.gated_depth) is below the gate: the decoder cuts the tree there, so deeper levels are
- * never verified. work: lean_heads_tree_work_size(hsz, vocab, max parents, k) bf16. root_row: the root's row of
- * the draft vocabulary (-1: not in it), for the heads' tables; rows: int32 scratch of N + max parents (each node's
- * row, then a level's parents' rows). Returns the number of levels computed, -2 without the tile unit, -3 for k or
- * the block count out of range. */
-int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, int blocks, int hsz, int vocab,
-                    const LeanProj *proj, const bf16 *embed, const int64_t *draft_ids, const bf16 *hidden, int64_t root,
-                    int root_row, int32_t *rows, int k, float gate, int64_t *nodes, float *chain, bf16 *work, int amx,
-                    int nthreads) {
+ * never verified. What stays the same from step to step is in a LeanTreeCall, built once, so that a step's call
+ * passes five values (right after a verify forward every Python and ctypes operation runs on cold caches: twenty
+ * arguments converted cost ~70 us there). Returns the number of levels computed, -2 without the tile unit, -3 for
+ * k or the block count out of range, -4 for a root outside the embeddings. */
+typedef struct {
+    const LeanHead *heads;
+    const LeanLevel *levels;
+    int depth, blocks, hsz, vocab;  /* vocab: the projection's rows S */
+    const LeanProj *proj;
+    const bf16 *embed;        /* [V, H] the model's input embeddings */
+    int64_t embed_rows;       /* V */
+    const int64_t *draft_ids; /* [S] each projection row's token, NULL: the row is the token */
+    const int32_t *draft_row; /* [V] each token's row of the draft vocabulary (-1: none), for the heads' tables;
+                               * NULL: none */
+    int32_t *rows;            /* scratch, N + max parents: each node's row, then a level's parents' rows */
+    int k;
+    float *chain;             /* [depth] out */
+    bf16 *work;               /* lean_heads_tree_work_size(hsz, vocab, max parents, k) bf16 */
+    int amx, nthreads;
+} LeanTreeCall;
+
+int lean_heads_tree(const LeanTreeCall *c, const bf16 *hidden, int64_t root, float gate, int64_t *nodes) {
+    const LeanHead *heads = c->heads;
+    const LeanLevel *levels = c->levels;
+    const int depth = c->depth, blocks = c->blocks, hsz = c->hsz, vocab = c->vocab, k = c->k, amx = c->amx;
+    const LeanProj *proj = c->proj;
+    const bf16 *embed = c->embed;
+    const int64_t *draft_ids = c->draft_ids;
+    int32_t *rows = c->rows;
+    float *chain = c->chain;
+    bf16 *work = c->work;
     if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS) return -3;
     if (amx && !lean_amx_available()) return -2;
+    if (root < 0 || root >= c->embed_rows) return -4; /* it indexes the embeddings */
+    const int root_row = c->draft_row ? c->draft_row[root] : -1;
     int max_rows = 1;
     for (int d = 0; d < depth; ++d) max_rows = levels[d].parents > max_rows ? levels[d].parents : max_rows;
     bf16 *pe = work, *level_work = pe + (size_t)max_rows * hsz; /* pe [P, H]: the parents' embeddings */
@@ -1540,7 +1623,7 @@ int lean_heads_tree(const LeanHead *heads, const LeanLevel *levels, int depth, i
     int32_t *prow = rows + node_count; /* a level's parents' rows */
     nodes[0] = root;
     rows[0] = root_row;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(c->nthreads)
     {
 #if LEAN_AMX_BUILD
         if (amx) amx_configure();
