@@ -14,9 +14,12 @@ What a tree step reads is what it costs (right after a verify forward every byte
 ``tree`` reads the root's and the parents' terms (bf16(e U^T), bf16(e P^T)) from tables over the draft
 vocabulary built here once by the same linear layer (bit for bit the rows it would compute; roots outside
 the draft vocabulary are computed), and heads whose config asks for it score the draft projection in
-int8 (``heads.Int8Projection``): half its bytes, and small enough to stay in L2 between levels. The
-shipped chain:4 tree right after a verify forward on the project's Xeon: 1.25 ms before, 0.66 ms with both
-(docs/reports/2026-12-02-heads-bytes.md).
+int8 (``heads.Int8Projection``): half its bytes, which stay in L2 between levels where a core's L2 holds
+its half (2 MB a core; from L3 with 1 MB). The shipped chain:4 tree right after a verify forward on the
+project's Xeon: 1.25 ms before, 0.66 ms with both (docs/reports/2026-12-02-heads-bytes.md). A step's call
+passes five values to a struct built once (``kernels.LeanTreeCall``): right after a verify forward each
+Python and ctypes operation runs on cold caches, and the twenty-argument call it replaced spent 0.05-0.10 ms
+before reaching C (docs/reports/2026-12-03-heads-call.md).
 Used by the decoder where the C forward runs (bf16 on the CPU) and the heads are root-conditioned
 shared-format heads; everywhere else the PyTorch path stays.
 """

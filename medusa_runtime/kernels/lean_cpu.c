@@ -1231,8 +1231,9 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
  *
  * The heads' projection onto their draft vocabulary (4,096 rows of 576 for the shipped heads, 4.7 MB in bf16) is
  * read once per tree level, and from DRAM after every verify forward: most of the heads' time. In int8 (per output
- * row a scale sw = max|w| / 127, q = round(w / sw)) it is half the bytes and stays in the two cores' L2 between
- * the levels of a step. Activations are quantised per row alike (sx = max|x| / 127, x8 = round(x / sx), ties to
+ * row a scale sw = max|w| / 127, q = round(w / sw)) it is half the bytes, which stay in the two cores' L2 between
+ * the levels of a step where a core's L2 holds its 1.2 MB half (2 MB a core; with 1 MB, the levels after the first
+ * read it from L3). Activations are quantised per row alike (sx = max|x| / 127, x8 = round(x / sx), ties to
  * even), the products summed exactly in int32, and
  *     logit[r, o] = bf16( float(sum_k x8[r, k] q[o, k]) * (sx[r] * sw[o]) )
  * which PyTorch computes bit for bit the same (medusa_runtime.heads.Int8Projection: the integer sums are exact in
