@@ -51,8 +51,8 @@ from treesearch.tree import write_json_atomic
 # at context 256 on Zen 5, builds alternated: 4 rows 1-8 % faster, one row 0-9 % faster).
 # 32: the packed weights (forward and heads) in one buffer advised for 2 MiB pages; the floor's copy probe in the
 # same memory (whole forwards 1-4 % faster, alternated in one process; copies 38 -> 52 GB/s).
-# 33: the heads' tree call passes five values to a struct built once (its Python ran ~0.10 ms on the cold caches
-# after a verify forward, ~0.03 now); the heads' SiLU, top-k and row quantisation 16 values at a time.
+# 33: the heads' tree call passes five values to a struct built once (its Python side ran 0.05-0.10 ms on the cold
+# caches after a verify forward, 0.02-0.04 now); the heads' SiLU, top-k and row quantisation 16 values at a time.
 RUNTIME_REVISION = 33
 
 
