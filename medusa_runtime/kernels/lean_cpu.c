@@ -1388,7 +1388,7 @@ static inline __m512 load16_bf16_masked(__mmask16 m, const bf16 *p) {  /* lanes 
 
 /* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none). Shared
  * out in pieces of 64 columns, 16 at a time with the forward's exp16 (a chain's levels have one row, which one
- * thread took 4-5 us for with expf per value). */
+ * thread took 4-6 us a block for with expf per value). */
 static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int rows, int h, int x_shared) {
     const int pieces = (h + 63) / 64;
 #pragma omp for schedule(static)
@@ -1436,7 +1436,8 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
     int n = 0, i = 0;
 #if LEAN_AVX512BF16
     /* 16 values at a time: once k are held, a run none of whose values beats the k-th best is passed over whole
-     * (the same comparison as topk_offer's, so the same result); ~5 us a row of 4,096 values before, ~1 after */
+     * (the same comparison as topk_offer's, so the same result); with the softmax's sum, a chain:4 tree's four
+     * rows of 4,096 took 0.013-0.017 ms before, 0.008-0.010 after (docs/reports/2026-12-03-heads-call.md) */
     for (; i + 16 <= len; i += 16) {
         if (n == k && !_mm512_cmp_ps_mask(load16_bf16(v + i), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ)) continue;
         for (int j = i; j < i + 16; ++j) topk_offer(bf2f(v[j]), j, k, best, idx, &n);
@@ -1578,8 +1579,8 @@ typedef struct {
  * chain a confidence gate reads). With gate > 0 the levels stop after the first whose chain product (float32,
  * as treesearch.replay.gated_depth) is below the gate: the decoder cuts the tree there, so deeper levels are
  * never verified. What stays the same from step to step is in a LeanTreeCall, built once, so that a step's call
- * passes five values (right after a verify forward every Python and ctypes operation runs on cold caches: twenty
- * arguments converted cost ~70 us there). Returns the number of levels computed, -2 without the tile unit, -3 for
+ * passes five values (right after a verify forward every Python and ctypes operation runs on cold caches: the
+ * wrapper of the twenty-argument call this replaced took 0.05-0.07 ms there before reaching C). Returns the number of levels computed, -2 without the tile unit, -3 for
  * k or the block count out of range, -4 for a root outside the embeddings. */
 typedef struct {
     const LeanHead *heads;
