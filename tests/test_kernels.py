@@ -556,6 +556,37 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
             native.tree(hidden[0], default_bf16.vocab_size)
 
 
+def test_native_tree_follows_the_thread_count_and_refuses_bad_inputs(default_bf16):
+    """The tree call's struct is built once with the thread count of then: a later torch.set_num_threads is
+    followed (the same tokens and chain with 1 thread as with 2: no output depends on how the work is shared out),
+    a float32 hidden state is taken as its bf16 rounding, and a wrongly shaped ``out`` is refused in one line."""
+    from medusa_runtime.decode import path_plan
+    from medusa_runtime.heads_native import HeadsNativeError, NativeHeadLevels
+
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
+    tree = load_tree("mc_sim_7b_63")
+    engine = LeanEngine(default_bf16, use_kernels=True)
+    embed = default_bf16.model.get_input_embeddings().weight
+    native = NativeHeadLevels(heads, engine, heads.projection(engine.lm_head_weight(), tree.depth), tree.depth, 10,
+                              path_plan(tree), embed, heads.draft_vocab)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        _, hidden = engine.forward(torch.arange(100, 120), 0, engine.new_cache(24), last_only=True)
+        try:
+            torch.set_num_threads(2)
+            two, chain_two = native.tree(hidden[0], 4321)
+            torch.set_num_threads(1)
+            one, chain_one = native.tree(hidden[0], 4321)
+            assert native._tree[0].nthreads == 1
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two) and chain_one == chain_two
+        widened, chain_widened = native.tree(hidden[0].float(), 4321)
+        assert torch.equal(widened, two) and chain_widened == chain_two
+        with pytest.raises(HeadsNativeError, match="out must be a contiguous int64"):
+            native.tree(hidden[0], 4321, out=torch.empty(len(tree.paths), dtype=torch.long))
+
+
 def test_decode_step_on_a_cache_another_engine_made(default_bf16):
     """A profile verifies every tree size on one cache that a plain decoder made: an engine whose own RoPE tables
     were never grown to that cache still steps on it, as its forward does."""
