@@ -185,6 +185,10 @@ static inline __m512 widen16(__m256i h) {  /* 16 bf16 in a register -> 16 float3
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+static inline __m512 load16_bf16_masked(__mmask16 m, const bf16 *p) {  /* lanes outside m: 0 */
+    return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+
 /* 16 float32 -> 16 bf16, round to nearest even (what f2bf does for every finite value this forward meets) */
 static inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
@@ -1380,12 +1384,6 @@ typedef struct {
     const bf16 *root_table, *parent_table;
 } LeanHead;
 
-#if LEAN_AVX512BF16
-static inline __m512 load16_bf16_masked(__mmask16 m, const bf16 *p) {  /* lanes outside m: 0 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-#endif
-
 /* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none). Shared
  * out in pieces of 64 columns, 16 at a time with the forward's exp16 (a chain's levels have one row, which one
  * thread took 4-6 us a block for with expf per value). */
@@ -1406,14 +1404,14 @@ static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int ro
             __m512 sv = round16(_mm512_div_ps(zz, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             _mm256_mask_storeu_epi16(out + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
         }
-        continue;
-#endif
+#else
         for (int k = k0; k < k1; ++k) {
             float zz = bf2f(zi[k]);
             if (ei) zz = bf2f(f2bf(zz + bf2f(ei[k])));
             float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
             out[k] = f2bf(bf2f(xi[k]) + sv);
         }
+#endif
     }
 }
 
