@@ -53,7 +53,9 @@ from treesearch.tree import write_json_atomic
 # same memory (whole forwards 1-4 % faster, alternated in one process; copies 38 -> 52 GB/s).
 # 33: the heads' tree call passes five values to a struct built once (its Python side ran 0.05-0.10 ms on the cold
 # caches after a verify forward, 0.02-0.04 now); the heads' SiLU, top-k and row quantisation 16 values at a time.
-RUNTIME_REVISION = 33
+# 34: the profile runs plain decoding and 2- and 4-node trees in decode loops at every context, not only the middle
+# one, and prices each context's verify row from its own loops (the runtime unchanged; its profiles measured anew).
+RUNTIME_REVISION = 34
 
 
 def file_hash(path: Path) -> str:

@@ -44,9 +44,12 @@ class ProfileConfig:
     warmup: int = 2  # untimed repeats first
     prefill: tuple[int, ...] = ()  # prompt lengths whose prefill is timed (empty: the contexts)
     loop_nodes: tuple[int, ...] = (2, 4, 8, 16, 32, 64)  # tree sizes also run in real decode loops (heads, bookkeeping)
+    # sizes whose decode loops also run at every other context (with plain decoding): their verify there priced
+    # from loops too, not from the tight forwards' ratio between contexts alone
+    context_loop_nodes: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "contexts", "prefill", "loop_nodes"):
+        for name in ("nodes", "contexts", "prefill", "loop_nodes", "context_loop_nodes"):
             values = getattr(self, name)
             if any(v < 1 for v in values) or len(set(values)) != len(values):
                 raise ValueError(f"profile {name} must be distinct and >= 1, got {list(values)}")
@@ -137,6 +140,11 @@ class LoopTimes:
 
 
 
+def _loop_times(samples: list[list[float]]) -> LoopTimes:
+    """One decoder's LoopTimes from its [step, heads, verify, rest, prefill] of each round."""
+    return LoopTimes(*(_central([v[k] for v in samples]) for k in range(5)), tuple(v[2] for v in samples))
+
+
 class Profiler:
     """The profile's timed pieces, built once: the tight verify forwards (every size on a real KV cache of
     every context, cropped back after each), real decode loops (plain decoding, shapes by size, chains 1..K,
@@ -182,6 +190,17 @@ class Profiler:
         self.decoders, self.num_loops = loops + sampled, len(loops)
         self.mid = sorted(cfg.contexts)[len(cfg.contexts) // 2]
         self.loop_prompt = torch.randint(0, loaded.vocab_size, (self.mid,), generator=gen).to(dev)
+        # plain decoding and the context loop sizes again at every other context: (context, size, decoder)
+        # (a decoder runs several generates at once safely: a step's state lives in its own cache)
+        by_size = {1: loops[0], **{n: loops[1 + i] for i, n in enumerate(self.loop_sizes)}}
+        for n in cfg.context_loop_nodes:
+            if n not in by_size:
+                tree = trees.get(n) or _shape_tree(n, heads.num_heads)
+                by_size[n] = MedusaDecoder(loaded, heads, tree, config=_loop_cfg(tree.max_rank + 1))
+        sizes = sorted({1, *cfg.context_loop_nodes})
+        self.context_runs = [(c, n, by_size[n]) for c in sorted(cfg.contexts) if c != self.mid for n in sizes]
+        self.context_prompts = {c: torch.randint(0, loaded.vocab_size, (c,), generator=gen).to(dev)
+                                for c in {c for c, _, _ in self.context_runs}}
         self.prefill_tokens = tuple(sorted(cfg.prefill or cfg.contexts))
         self.prefill_dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=1, stop_on_eos=False))
         self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
@@ -192,29 +211,34 @@ class Profiler:
     def round(self) -> dict[str, list]:
         """One round of every piece: {"tight": ms [contexts x nodes], "loops": [step, heads, verify, rest,
         prefill] ms per decoder (a generate's own split, per step), "prefill": ms per prompt length,
-        "floor": [a plain generate's ms per step, the copy bandwidth right before and right after it (GB/s)]}."""
+        "floor": [a plain generate's ms per step, the copy bandwidth right before and right after it (GB/s)],
+        "context_loops": the same five per ``context_runs`` entry (plain and sizes at the other contexts)}."""
         r = self.rounds_taken
         self.rounds_taken += 1
         tight = [0.0] * len(self.steps)
         for i in next(_rounds(len(self.steps), 1, seed=r)):
             tight[i] = _time_ms(self.steps[i], self.sync)
         loops: list[list[float]] = [[] for _ in self.decoders]
+        context_loops: list[list[float]] = [[] for _ in self.context_runs]
 
-        def loop_times(i: int, res) -> None:
+        def loop_times(key: tuple[str, int], res) -> None:
             st = res.stats
             steps, loop = max(1, st.steps), st.step_ms
             heads, verify = 1000 * st.time_heads / steps, 1000 * st.time_verify / steps
-            loops[i] = [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
+            (loops if key[0] == "mid" else context_loops)[key[1]] = \
+                [loop, heads, verify, loop - heads - verify, 1000 * st.time_prefill]
 
         # the loops stepped in turn, as the replay steps its configurations: every size meets the same
         # moments of the machine, so their ratios in a round carry little of its drift
-        lockstep({i: dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)},
-                 f"profile/{r}", loop_times)
+        runs = {("mid", i): dec.generate_steps(self.loop_prompt) for i, dec in enumerate(self.decoders)}
+        runs.update({("context", j): dec.generate_steps(self.context_prompts[c])
+                     for j, (c, _, dec) in enumerate(self.context_runs)})
+        lockstep(runs, f"profile/{r}", loop_times)
         floor = list(floor_pair(self.floor_probe, self.decoders[0], self.loop_prompt))  # the plain loop, alone
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
-        return {"tight": tight, "loops": loops, "prefill": prefill, "floor": floor}
+        return {"tight": tight, "loops": loops, "prefill": prefill, "floor": floor, "context_loops": context_loops}
 
     def profile(self, rounds: list[dict], meta: dict | None = None) -> LatencyProfile:
         """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta) and of
@@ -222,11 +246,18 @@ class Profiler:
         cfg, heads, loaded = self.cfg, self.heads, self.loaded
         tight = np.asarray([r["tight"] for r in rounds], dtype=float).T.reshape(
             len(cfg.contexts), len(cfg.nodes), len(rounds))  # [contexts, nodes, rounds] ms
-        times = [LoopTimes(*(_central([r["loops"][i][k] for r in rounds]) for k in range(5)),
-                           tuple(r["loops"][i][2] for r in rounds)) for i in range(len(self.decoders))]
+        times = [_loop_times([r["loops"][i] for r in rounds]) for i in range(len(self.decoders))]
         times, sampled_times = times[:self.num_loops], times[self.num_loops:]
         loop_sizes, loop_trees = self.loop_sizes, self.loop_trees
-        verify = _in_loop_verify(tight, cfg, self.mid, [1] + [t.num_nodes for t in loop_trees], times)
+        # the other contexts' loops: {context: (sizes, LoopTimes)}; none where a round lacks them (rounds of a
+        # replay resumed from a runtime before them): those contexts then scale from the middle one
+        elsewhere: dict[int, tuple[list[int], list[LoopTimes]]] = {}
+        if all(len(r.get("context_loops") or ()) == len(self.context_runs) for r in rounds):
+            for j, (c, n, _) in enumerate(self.context_runs):
+                sizes, loops = elsewhere.setdefault(c, ([], []))
+                sizes.append(n)
+                loops.append(_loop_times([r["context_loops"][j] for r in rounds]))
+        verify = _in_loop_verify(tight, cfg, self.mid, [1] + [t.num_nodes for t in loop_trees], times, elsewhere)
         plain_rest = times[0].rest
         # the plain step: its forward (the 1-node point of the verify table) plus the rest of a real plain step
         plain = [row[cfg.nodes.index(1)] + plain_rest if 1 in cfg.nodes else times[0].step for row in verify]
@@ -247,7 +278,9 @@ class Profiler:
                 "machine": describe_machine(loaded), "device": str(loaded.device), "repeats": len(rounds),
                 "note": "ms, interquartile means of rounds, each piece once per round in shuffled order; verify: "
                         "every (context, size) forward, mask building included, scaled per size to the verify "
-                        "time of real decode loops (ratios of means over the rounds); plain = the 1-node forward "
+                        "time of real decode loops (ratios of means over the rounds) at the same context (loops "
+                        "of plain decoding and of the context loop sizes at every context, of every loop size at "
+                        "the middle one); plain = the 1-node forward "
                         "+ the rest of a real plain decode step; heads and bookkeeping: real decode loops (shapes "
                         "by size, chains 1..K, mc_sim_7b_63) at the middle context, one generate per decoder per "
                         "round (heads_ms, bookkeeping_ms: the size nearest 16; heads_fit: least squares over "
@@ -297,37 +330,53 @@ def _wide_trees(heads: MedusaHeads) -> list:
 
 
 def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, loop_nodes: list[int],
-                    loops: list[LoopTimes]) -> list[tuple[float, ...]]:
+                    loops: list[LoopTimes], elsewhere: dict[int, tuple[list[int], list[LoopTimes]]] | None = None
+                    ) -> list[tuple[float, ...]]:
     """The verify table [contexts][nodes] as a decode pays it, from ratios of means over the rounds.
 
     Inside a real loop (after the heads and the bookkeeping of the step, with whatever they left in the
     caches) a verify costs otherwise, relative to a one-row verify, than the same forward repeated in a
     tight loop; so the level and the ratio of each looped size to one row come from the loops (``loops[0]``
-    is plain decoding), the ratio of a size to the nearest looped size and of a context to the loops'
-    context from the tight rounds (``tight`` [contexts, nodes, rounds]). Rows are kept as measured, not made
-    non-decreasing in nodes: on the development CPU the C forward verified 5 rows faster than 3 or 4, in the
-    profile's forwards and loops and in replays alike (chain:4's verify 9.6 ms against chain:2's 10.5 in the
-    same replay), and pooling 4 and 5 priced chain:4 10 % high (docs/reports/2026-12-01-verify-probes.md);
-    the kernel's weight prefetch, from 5 rows then, starts at 3 rows since (2026-12-02-lockstep.md), and
-    whatever dips remain are priced as measured."""
+    is plain decoding), the ratio of a size to the nearest looped size from the tight rounds (``tight``
+    [contexts, nodes, rounds]). ``elsewhere``: {context: (sizes, their loops)}, plain decoding (size 1) among
+    them, loops run at contexts other than ``loop_context``; such a context is priced from its own loops the
+    same way. A context without loops scales from ``loop_context`` by the tight forwards' ratio between the
+    two contexts, size by size: a noisier estimate (the tight one-row forward, measured once per round, read
+    0.4 % dearer at context 464 than at 112 in a bench's profile where its attention alone adds ~5 %).
+    Rows are kept as measured, not made non-decreasing in nodes: on the development CPU the C forward
+    verified 5 rows faster than 3 or 4, in the profile's forwards and loops and in replays alike (chain:4's
+    verify 9.6 ms against chain:2's 10.5 in the same replay), and pooling 4 and 5 priced chain:4 10 % high
+    (docs/reports/2026-12-01-verify-probes.md); the kernel's weight prefetch, from 5 rows then, starts at 3
+    rows since (2026-12-02-lockstep.md), and whatever dips remain are priced as measured."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
-    plain = np.asarray(loops[0].verify_rounds)
-    level = _central(list(plain))  # one row inside a loop, at the loops' context
-    looped: dict[int, list[float]] = {}
-    for n, loop in zip(loop_nodes[1:], loops[1:]):  # a size may run in more than one loop (a shape and a chain)
-        if n in cfg.nodes:
+    looped = {at: (loop_nodes, loops)}
+    for c, (sizes, times) in (elsewhere or {}).items():
+        if c in cfg.contexts and 1 in sizes:
+            looped[cfg.contexts.index(c)] = (sizes, times)
+    rows = {c: _looped_row(tight[c], cfg.nodes, *looped[c]) for c in looped}
+    return [tuple(float(x) for x in (rows[c] if c in rows else [
+        rows[at][j] * _ratio_of_means(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]))
+        for c in range(len(cfg.contexts))]
+
+
+def _looped_row(tight: np.ndarray, nodes: tuple[int, ...], loop_nodes: list[int], loops: list[LoopTimes]
+                ) -> list[float]:
+    """One context's verify row: the plain loop's level (the loop of size 1 in ``loop_nodes``) times each
+    looped size's ratio of means to it, and a size not looped priced through the nearest looped size and
+    the tight forwards' ratio between the two (``tight`` [nodes, rounds] at this context)."""
+    plain = np.asarray(loops[loop_nodes.index(1)].verify_rounds)
+    level = _central(list(plain))  # one row inside a loop
+    looped: dict[int, list[float]] = {1: [1.0]}
+    for n, loop in zip(loop_nodes, loops):  # a size may run in more than one loop (a shape and a chain)
+        if n in nodes and n != 1:
             looped.setdefault(n, []).append(_ratio_of_means(loop.verify_rounds, plain))
-    looped[1] = [1.0]
     sizes = sorted(looped)
     row = []
-    for n in cfg.nodes:
+    for j, n in enumerate(nodes):
         near = min(sizes, key=lambda m: abs(m - n))
-        to_near = (_ratio_of_means(tight[at, cfg.nodes.index(n)], tight[at, cfg.nodes.index(near)])
-                   if near in cfg.nodes else 1.0)
+        to_near = _ratio_of_means(tight[j], tight[nodes.index(near)]) if near in nodes else 1.0
         row.append(level * statistics.median(looped[near]) * to_near)
-    table = [[row[j] * _ratio_of_means(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]
-             for c in range(len(cfg.contexts))]
-    return [tuple(float(x) for x in r) for r in table]
+    return row
 
 
 def _non_decreasing(values: np.ndarray) -> np.ndarray:

@@ -160,3 +160,42 @@ def test_in_loop_verify_prices_sizes_by_ratios_of_means_unbiased_under_independe
     truth = 72.0 * np.exp(0.08 ** 2 / 2) / (8.0 * np.exp(0.19 ** 2 / 2))
     assert abs(np.mean(ours) / truth - 1) < 0.005
     assert np.mean(per_round) / truth - 1 > 0.015
+
+
+def test_in_loop_verify_prices_every_looped_context_from_its_own_loops():
+    """A context with its own loops (plain decoding and sizes) is priced from them, as the middle one is: its
+    plain loop's level, a looped size's ratio of means to it, an unlooped size through the nearest looped
+    one and the tight ratio between the two at that context; a context without loops still scales from the
+    middle one by the tight ratio between contexts. Closed forms on random rounds; with the per-context loops
+    dropped, the looped context falls back to the scaling (a different number here, where the tight
+    forwards' context ratio was drawn unlike the loops')."""
+    import numpy as np
+
+    from medusa_runtime.profile import LoopTimes, _central, _in_loop_verify
+
+    cfg = ProfileConfig(nodes=(1, 2, 4, 8), contexts=(50, 100, 400), loop_nodes=(2, 4, 8))
+    rng = np.random.default_rng(1)
+    rounds = 30
+
+    def loop(ms: float) -> LoopTimes:
+        v = ms * rng.lognormal(0.0, 0.1, rounds)
+        return LoopTimes(0, 0, _central(list(v)), 0, 0, tuple(v))
+
+    mid = [loop(6.0), loop(6.1), loop(6.5), loop(7.5)]  # sizes 1, 2, 4, 8 at context 100
+    far = [loop(6.6), loop(6.8), loop(7.4)]  # sizes 1, 2, 4 at context 400
+    tight = rng.uniform(5.0, 9.0, (3, 4, rounds))  # [contexts, nodes, rounds]
+    table = _in_loop_verify(tight, cfg, 100, [1, 2, 4, 8], mid, {400: ([1, 2, 4], far)})
+    means = {k: np.mean(v.verify_rounds) for k, v in zip((1, 2, 4), far)}
+    level = _central(list(far[0].verify_rounds))
+    assert table[2][0] == pytest.approx(level)
+    assert table[2][1] == pytest.approx(level * means[2] / means[1])
+    assert table[2][2] == pytest.approx(level * means[4] / means[1])
+    assert table[2][3] == pytest.approx(level * means[4] / means[1] * tight[2, 3].mean() / tight[2, 2].mean())
+    mid_level = _central(list(mid[0].verify_rounds))
+    assert table[1][3] == pytest.approx(mid_level * np.mean(mid[3].verify_rounds) / np.mean(mid[0].verify_rounds))
+    for j in range(4):  # context 50 has no loops: the middle row times the tight ratio between the contexts
+        assert table[0][j] == pytest.approx(table[1][j] * tight[0, j].mean() / tight[1, j].mean())
+    scaled = _in_loop_verify(tight, cfg, 100, [1, 2, 4, 8], mid)
+    assert scaled[1] == pytest.approx(table[1])
+    assert scaled[2][0] == pytest.approx(table[1][0] * tight[2, 0].mean() / tight[1, 0].mean())
+    assert scaled[2][0] != pytest.approx(table[2][0])

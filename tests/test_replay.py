@@ -367,6 +367,10 @@ def test_profile_rounds_run_between_questions_and_resume_with_the_replay(tmp_pat
     assert len(load_records(out)) == 3 * 3 * 2
     assert all(len(r["tight"]) == 2 * 3 and min(r["tight"]) > 0 and len(r["loops"]) == len(profiler.decoders)
                for r in rounds)
+    # plain decoding and the context loop sizes again at the other context (8; the middle one is 16)
+    assert [(c, n) for c, n, _ in profiler.context_runs] == [(8, 1), (8, 2), (8, 4)]
+    assert all(len(r["context_loops"]) == 3 and all(x[0] > 0 and x[2] > 0 for x in r["context_loops"])
+               for r in rounds)
     prof = during.write_profile(tmp_path / "latency-during.json")
     assert prof.nodes == (1, 2, 4) and prof.contexts == (8, 16) and prof.meta["repeats"] == 3
     assert "during the replay" in prof.meta["taken"] and (tmp_path / "latency-during.json").is_file()
