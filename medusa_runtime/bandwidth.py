@@ -1,7 +1,8 @@
 """The memory-bandwidth floor of a decode step: every byte it must read, streamed once at the measured copy
-bandwidth. Those bytes are the weights (each tensor once) and the KV cache up to the step's context (every
-layer's keys and values of every earlier position); the weights alone are the floor a step could reach with
-no context, reported beside it.
+bandwidth. Those bytes are the weights (each tensor once; a greedy step of the C forward reads the int8 screen
+of the logits projection instead of the projection) and the KV cache up to the step's context (every layer's
+keys and values of every earlier position); the weights alone are the floor a step could reach with no
+context, reported beside it.
 
 The copy bandwidth of a shared VM moves by half between seconds, so the floor is only comparable with a step
 timed at the same moment: a floor pair is a plain generate alone between two copy probes (``floor_pair``), and
@@ -29,6 +30,17 @@ def weight_bytes(loaded: LoadedModel) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def step_weight_bytes(loaded: LoadedModel, engine=None) -> int:
+    """The weights' bytes a greedy decode step on ``engine`` streams: ``weight_bytes``, less the logits
+    projection's and plus its int8 screen's where the engine takes a greedy step's argmax through one
+    (``LeanEngine.logit_screen``: about half the projection's bytes)."""
+    screen = getattr(engine, "logit_screen", None)
+    if screen is None:
+        return weight_bytes(loaded)
+    head = loaded.model.get_output_embeddings().weight
+    return weight_bytes(loaded) - head.numel() * head.element_size() + screen.nbytes
 
 
 def kv_bytes_per_position(loaded: LoadedModel) -> int:
@@ -112,7 +124,7 @@ def floor_pairs(loaded: LoadedModel, rounds: int = 12, prompt_tokens: int = 128,
     decoder.generate(prompt)
     pairs = [floor_pair(probe, decoder, prompt) for _ in range(rounds)]
     kv = generate_kv_bytes(loaded, prompt_tokens, new_tokens)
-    return {**pairs_summary(weight_bytes(loaded), pairs, kv), "context": prompt_tokens}
+    return {**pairs_summary(step_weight_bytes(loaded, decoder.engine), pairs, kv), "context": prompt_tokens}
 
 
 def floor_summary(weights: int, plain_ms: list[float], bandwidth_gbs: list[float], kv: int = 0) -> dict[str, object]:

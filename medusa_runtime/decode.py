@@ -231,11 +231,14 @@ class MedusaDecoder:
     def verify_step(self, tokens: torch.Tensor, cur_len: int, cache, buffers: TreeBuffers) -> DecodeStep:
         """``verify`` as the decode loop takes it: logits, hidden, each row's argmax (None where the engine does
         not give it) and hidden's rows. Where the C forward runs, one call that also embeds, projects the logits
-        and takes the argmax (``LeanEngine.decode_step``: the same values, into buffers the cache keeps)."""
-        if self._fused:
+        and takes the argmax (``LeanEngine.decode_step``: the same values, into buffers the cache keeps; under a
+        greedy rule its argmax alone, through the int8 screen of the logits, and no logits)."""
+        if self._fused:  # greedy acceptance reads the argmax alone (the step's logits are then None)
+            greedy = self.accept_cfg.is_greedy
             if tokens.shape[0] == 1:
-                return self.engine.decode_step(tokens, cur_len, cache)
-            return self.engine.decode_step(tokens, cur_len, cache, buffers.attn_mask, buffers.position_offsets)
+                return self.engine.decode_step(tokens, cur_len, cache, argmax_only=greedy)
+            return self.engine.decode_step(tokens, cur_len, cache, buffers.attn_mask, buffers.position_offsets,
+                                           argmax_only=greedy)
         logits, hidden = self.verify(tokens, cur_len, cache, buffers)
         return DecodeStep(logits, hidden, None, hidden)
 

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from . import kernels
 from .kernels import hugepages
+from .logit_screen import screen_for
 from .model import LoadedModel
 
 ENGINES = ("auto", "lean", "lean-torch", "hf")
@@ -139,7 +140,7 @@ class HFEngine:
 class DecodeStep(NamedTuple):
     """What ``LeanEngine.decode_step`` returns: views of the cache's step buffers, valid until its next step."""
 
-    logits: torch.Tensor  # [n, V] float32, unrounded
+    logits: torch.Tensor | None  # [n, V] float32, unrounded (None: a step that took the argmax alone)
     hidden: torch.Tensor  # [n, H]
     pred: list[int]  # each row's argmax (argmax_rows' rule)
     rows: tuple[torch.Tensor, ...] | torch.Tensor  # hidden's rows [H] as views (picking one is no tensor op)
@@ -162,13 +163,14 @@ class _StepBuffers:
         self.pred_np = self.pred.numpy()
         # held: the struct points into them: the engine (its layer table, packed weights, embeddings), its RoPE
         # tables of now (it may build longer ones for a later cache), the cache's keys and values
-        self.keep = (engine, engine._cos, engine._sin, cache.keys, cache.values)
+        self.keep = (engine, engine._cos, engine._sin, cache.keys, cache.values, engine.logit_screen)
         self.model = kernels.LeanModel(
             ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
             inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
             engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
             engine._cos.shape[0], cache.capacity, threads, amx, cache.keys.data_ptr(), cache.values.data_ptr(),
-            self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr())
+            self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr(),
+            *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 4))
         self.ref = ctypes.byref(self.model)
         self.out = (self.hidden.data_ptr(), self.logits.data_ptr(), self.pred.data_ptr())
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -400,6 +402,7 @@ class LeanEngine:
         self._cos = self._sin = torch.empty(0)
         self.lib = self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
+        self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
             packed, self._logits_kernel = _kernel_weights(model, self.layers, self.lm_head, self.lib, self.amx)
             self._packed = packed  # held here too: the table below points into them, and the model may go first
@@ -409,6 +412,9 @@ class LeanEngine:
                 for w, (qkv, o, gate_up, down) in zip(self.layers, mats)])
             self.intermediate = self.layers[0].down.weight.shape[1]
             self._work = self._scratch = self._xv = torch.empty(0)
+            # greedy steps' argmax through an int8 copy of the lm_head (logit_screen; not on the tile path,
+            # whose logits round otherwise than the screen's exact candidates)
+            self.logit_screen = None if self.amx else screen_for(model, self.lm_head)
 
     def _kernel_library(self, wanted: bool | None):
         if wanted is None:  # where it pays
@@ -538,12 +544,14 @@ class LeanEngine:
         return self.lib is not None
 
     def decode_step(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
-                    offsets: torch.Tensor | None = None) -> DecodeStep:
+                    offsets: torch.Tensor | None = None, argmax_only: bool = False) -> DecodeStep:
         """A decode step in one call of the C library: ids [n] (int64) at cache slots start.., RoPE positions
         start + offsets (int64 [n]; None: the slots), ``tree`` the [n, n] bool ancestor mask (None: causal rows)
         -> logits, hidden, each row's argmax: the values ``forward`` gives for the same rows, with the embedding,
         the logits and the argmax in the same call (no tensor op between the forward's pieces). The outputs are
-        views of buffers the cache keeps, overwritten by its next step."""
+        views of buffers the cache keeps, overwritten by its next step. ``argmax_only``: the step's logits are None
+        and ``pred`` the same argmax, taken through the int8 screen of the lm_head (``logit_screen``) where the
+        engine has one."""
         if self.lib is None:
             raise EngineError("decode_step needs the C forward (bf16 on a CPU with the kernels)")
         n = ids.shape[0]
@@ -560,11 +568,11 @@ class LeanEngine:
             buf = cache.native = _StepBuffers(self, cache, max(n, self.max_nodes, buf.rows if buf else 0), threads)
         hidden, logits, pred = buf.out
         rc = self.lib.lean_decode(buf.ref, ids.data_ptr(), n, None if offsets is None else offsets.data_ptr(), start,
-                                  None if tree is None else tree.data_ptr(), hidden, logits, pred)
+                                  None if tree is None else tree.data_ptr(), hidden, logits, pred, int(argmax_only))
         if rc:
             raise EngineError(_DECODE_ERRORS.get(rc, f"the C decode step failed (code {rc})"))
         logits_n, hidden_n, rows = buf.view(n)
-        return DecodeStep(logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
+        return DecodeStep(None if argmax_only else logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
 
     def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
         n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
@@ -633,8 +641,10 @@ def c_forward_status(loaded: LoadedModel) -> str:
     why = _c_forward_blocker(loaded.device, loaded.dtype)
     if why:
         return f"no ({why})"
-    unit = "AMX-BF16 tiles" if kernels.amx_path() else "AVX-512 BF16"
-    return f"yes ({unit}, packed weights in {hugepages.describe()})"
+    if kernels.amx_path():
+        return f"yes (AMX-BF16 tiles, packed weights in {hugepages.describe()})"
+    return (f"yes (AVX-512 BF16, packed weights in {hugepages.describe()}; greedy steps take their argmax through "
+            "an int8 screen of the logits projection)")
 
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:

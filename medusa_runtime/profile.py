@@ -26,7 +26,7 @@ from treesearch.tree import chain, load_tree
 from treesearch.typical import SEARCH_TEMPERATURE
 
 from .acceptance import AcceptConfig
-from .bandwidth import FloorProbe, floor_pair, generate_kv_bytes, pairs_summary, weight_bytes
+from .bandwidth import FloorProbe, floor_pair, generate_kv_bytes, pairs_summary, step_weight_bytes
 from .decode import DecodeConfig, MedusaDecoder
 from .engine import c_forward_status
 from .heads import MedusaHeads
@@ -292,7 +292,8 @@ class Profiler:
                         "the greedy step of the same size, both in real decode loops of the same rounds",
                 **(meta or {})}
         # each round's plain step against that round's floor
-        floor = pairs_summary(weight_bytes(loaded), [r["floor"] for r in rounds if r.get("floor")],
+        floor = pairs_summary(step_weight_bytes(loaded, self.decoders[0].engine),
+                              [r["floor"] for r in rounds if r.get("floor")],
                               generate_kv_bytes(loaded, self.mid, FLOOR_TOKENS))
         if floor:
             meta["bandwidth_floor"] = {**floor, "context": self.mid, "note": (

@@ -50,7 +50,8 @@ class LeanModel(ctypes.Structure):
                 ("eps", ctypes.c_float),
                 *[(name, ctypes.c_void_p) for name in ("norm_w", "embed", "lm_head", "cos_t", "sin_t")],
                 *[(name, ctypes.c_int) for name in ("rope_len", "cap", "nthreads", "amx")],
-                *[(name, ctypes.c_void_p) for name in ("kcache", "vcache", "work", "xv", "scratch")]]
+                *[(name, ctypes.c_void_p) for name in ("kcache", "vcache", "work", "xv", "scratch")],
+                *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_maxw")]]
 
 
 class LeanHead(ctypes.Structure):
@@ -157,7 +158,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
-    lib.lean_decode.argtypes = [ctypes.POINTER(LeanModel), p, i, p, i, p, p, p, p]
+    lib.lean_decode.argtypes = [ctypes.POINTER(LeanModel), p, i, p, i, p, p, p, p, i]
     lib.lean_decode.restype = i
     lib.lean_decode_work_size.argtypes = [i, i, i, i, i, i, i]
     lib.lean_decode_work_size.restype = z

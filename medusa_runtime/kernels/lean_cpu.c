@@ -295,6 +295,13 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 #define ROWS4_PREFETCH_FROM 1
 #endif
 
+/* row c of packed block wb (lean_pack_rows4) . x, a float32 sum in input order (the path without AVX-512 BF16) */
+static inline float dot_packed_scalar(const bf16 *wb, int in, const bf16 *x, int c) {
+    float acc = 0.f;
+    for (int k = 0; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(x[k]);
+    return acc;
+}
+
 /* y = x W^T for x [n, in] and W packed by lean_pack_rows4. Output kinds: bf16 (rounded), bf16 plus a
  * residual (y = bf16(r + bf16(x W^T)), y may alias r), float32 (unrounded, for logits), or bf16 with a bias
  * (y = bf16(x W^T + b), r = b [out]: a linear layer with bias, summed in float32 and rounded once).
@@ -336,12 +343,7 @@ static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in
 #else
             (void)prefetch;
             for (int rr = 0; rr < R; ++rr)  /* float32 sums in input order */
-                for (int c = 0; c < cnt; ++c) {
-                    const bf16 *xr = x + (size_t)(i + rr) * in;
-                    float acc = 0.f;
-                    for (int k = 0; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(xr[k]);
-                    d[rr][c] = acc;
-                }
+                for (int c = 0; c < cnt; ++c) d[rr][c] = dot_packed_scalar(wb, in, x + (size_t)(i + rr) * in, c);
 #endif
 #if LEAN_AVX512BF16
             if (cnt == 4) { /* a whole block: the four outputs of each row at once, the same bits as store_out */
@@ -1182,22 +1184,264 @@ typedef struct {
     bf16 *kcache, *vcache;                 /* [layers, kv heads, cap, D] each */
     bf16 *work, *xv;                       /* lean_decode_work_size(n) bf16; the tile path's copies (amx) */
     float *scratch;                        /* lean_scratch_size(nthreads, n, nh, cap, amx) float32 */
+    /* the greedy steps' int8 screen of lm_head (see screen_argmax_in_team; NULL: none): q [ceil(vocab/64)][hsz][64],
+     * per vocabulary row its scale, residual norm (rounded up) and max |w| */
+    const int8_t *screen_q;
+    const float *screen_scale, *screen_err, *screen_maxw;
 } LeanModel;
 
-/* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work */
-size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
+/* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work, then the screen's
+ * float32 rows (at an offset of a multiple of 8) */
+static size_t decode_screen_at(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
     size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
-    return rows * (size_t)hsz + lean_forward_work_size(n, hsz, nh, nkv, d, inter, amx);
+    return (rows * (size_t)hsz + lean_forward_work_size(n, hsz, nh, nkv, d, inter, amx) + 7) / 8 * 8;
+}
+
+size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
+    return decode_screen_at(n, hsz, nh, nkv, d, inter, amx) + 2 * (size_t)n * hsz;
+}
+
+/* ------------------------------------------------------------------ greedy logits: an int8 screen, exact candidates
+ *
+ * A greedy step needs each row's argmax of the logits, not the logits: the lm_head (49,152 x 576 for the default
+ * model, 57 MB in bf16, a fifth of a step's bytes) is read for it in an int8 copy instead, half the bytes, and only
+ * the rows that can still be the argmax are computed in bf16, exactly as the full projection computes them. Per
+ * vocabulary row v a scale s_v = max|w_v| / 127, q_v = round(w_v / s_v) (int8, [ceil(V/64)][in][64]: per input the
+ * 64 rows of a block side by side), and e_v >= ||w_v - s_v q_v||_2 (the residual's norm, rounded up, from
+ * float64). For an activation row x (bf16, finite):
+ *     a_v = s_v sum_k x_k q_vk   (float32: products exact, each sum rounded once)
+ *     x . w_v = a_v' + x . (w_v - s_v q_v)   where a_v' is a_v unrounded, so by Cauchy-Schwarz and the float32
+ *     sums' error (m terms: <= m 2^-24 sum |terms|, taken twice over for both sums, |terms| <= |x|_1 max|w_v|)
+ *     |exact_v - a_v| <= b_v = (||x||_2 e_v + 2 in 2^-23 |x|_1 max|w_v|)(1 + 2^-10) + 2^-20 |a_v| + 1e-30 (1 + max|w_v|)
+ * exact_v being the float32 the bf16 projection gives (the last term covers its flushed denormals). With
+ * L = max_v (a_v - b_v), a row v with a_v + b_v < L has exact_v < L <= exact_u for the u that sets L: neither the
+ * argmax nor tied with it. The remaining candidates (a few: 3 median, 34 at most over 635 positions of the
+ * default model's own answers) are computed as the full projection does (dot4xr_bf16 on the packed bf16 block,
+ * the same bits whatever the rows beside it) and the first of the largest taken: the argmax lean_argmax_rows
+ * would take of the full logits, bit for bit the same choice. Rows with a non-finite value, a non-finite bound
+ * or candidate, more rows than SCREEN_MAX_ROWS or threads than SCREEN_MAX_THREADS take the full projection. */
+
+#define SCREEN_MAX_ROWS 8
+#define SCREEN_MAX_THREADS 64
+#define SCREEN_BLOCK 64 /* vocabulary rows per int8 block */
+#ifndef SCREEN_PREFETCH
+#define SCREEN_PREFETCH 8192 /* bytes ahead the int8 screen prefetches into L1, as the bf16 weights (ROWS4_PREFETCH) */
+#endif
+
+#if LEAN_AVX512BF16
+/* a[r][v] = s_v sum_k xs[r][k] q_vk for the 64 rows v of block qb (from v0), R rows of float32 xs (a constant per
+ * call): each input's 64 weights widened to float32 once for the R rows; one row keeps two sets of accumulators
+ * over alternate inputs (8 chains of fused multiply-adds), more rows one set each */
+static inline __attribute__((always_inline)) void screen_block_rows(const int8_t *qb, const float *scale,
+                                                                   const float *xs, const int R, int in, int vocab,
+                                                                   int v0, float *a) {
+    const int sets = R == 1 ? 2 : 1;
+    __m512 acc[SCREEN_MAX_ROWS][2][4];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < sets; ++t)
+            for (int c = 0; c < 4; ++c) acc[r][t][c] = _mm512_setzero_ps();
+    for (int k = 0; k < in; ++k) {
+        const int8_t *qk = qb + (size_t)k * SCREEN_BLOCK;
+        const int t = sets == 2 ? k & 1 : 0;
+        _mm_prefetch((const char *)qk + SCREEN_PREFETCH, _MM_HINT_T0); /* a 64-byte line per input */
+        __m512 w[4];
+        for (int c = 0; c < 4; ++c)
+            w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qk + 16 * c))));
+        for (int r = 0; r < R; ++r) {
+            __m512 xk = _mm512_set1_ps(xs[(size_t)r * in + k]);
+            for (int c = 0; c < 4; ++c) acc[r][t][c] = _mm512_fmadd_ps(xk, w[c], acc[r][t][c]);
+        }
+    }
+    for (int c = 0; c < 4; ++c) {
+        int v = v0 + 16 * c;
+        if (v >= vocab) break;
+        __mmask16 m = (__mmask16)(vocab - v >= 16 ? 0xffffu : (1u << (vocab - v)) - 1);
+        __m512 sv = _mm512_maskz_loadu_ps(m, scale + v);
+        for (int r = 0; r < R; ++r) {
+            __m512 sum = sets == 2 ? _mm512_add_ps(acc[r][0][c], acc[r][1][c]) : acc[r][0][c];
+            _mm512_mask_storeu_ps(a + (size_t)r * vocab + v, m, _mm512_mul_ps(sum, sv));
+        }
+    }
+}
+#endif
+
+/* a[r][v] = s_v sum_k xs[r][k] q_vk for the rows v of blocks [b0, b1), R <= SCREEN_MAX_ROWS rows of float32 xs */
+static void screen_blocks(const int8_t *q, const float *scale, const float *xs, int R, int in, int vocab, int b0,
+                          int b1, float *a) {
+    for (int b = b0; b < b1; ++b) {
+        const int8_t *qb = q + (size_t)b * in * SCREEN_BLOCK;
+        int v0 = b * SCREEN_BLOCK;
+#if LEAN_AVX512BF16
+        switch (R) { /* a constant R per call: the accumulators stay in registers */
+            case 1: screen_block_rows(qb, scale, xs, 1, in, vocab, v0, a); break;
+            case 2: screen_block_rows(qb, scale, xs, 2, in, vocab, v0, a); break;
+            case 3: screen_block_rows(qb, scale, xs, 3, in, vocab, v0, a); break;
+            case 4: screen_block_rows(qb, scale, xs, 4, in, vocab, v0, a); break;
+            case 5: screen_block_rows(qb, scale, xs, 5, in, vocab, v0, a); break;
+            case 6: screen_block_rows(qb, scale, xs, 6, in, vocab, v0, a); break;
+            case 7: screen_block_rows(qb, scale, xs, 7, in, vocab, v0, a); break;
+            default: screen_block_rows(qb, scale, xs, 8, in, vocab, v0, a); break;
+        }
+#else
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < SCREEN_BLOCK && v0 + c < vocab; ++c) {
+                float s = 0.f;
+                for (int k = 0; k < in; ++k) s += xs[(size_t)r * in + k] * (float)qb[(size_t)k * SCREEN_BLOCK + c];
+                a[(size_t)r * vocab + v0 + c] = s * scale[v0 + c];
+            }
+#endif
+    }
+}
+
+/* the exact float32 logits of the 4 vocabulary rows of packed block wb (lean_pack_rows4) for one bf16 row x, as
+ * linear_rows computes them */
+static void exact_block(const bf16 *wb, int in, const bf16 *x, float out[4]) {
+#if LEAN_AVX512BF16
+    float d[4][4];
+    dot4xr_bf16(wb, in, x, 1, 0, d);
+    for (int c = 0; c < 4; ++c) out[c] = d[0][c];
+#else
+    for (int c = 0; c < 4; ++c) out[c] = dot_packed_scalar(wb, in, x, c);
+#endif
+}
+
+/* b_v of the screen (see above) from a_v, e_v, max|w_v|, ||x||_2 and 2 in 2^-23 |x|_1 (both rounded up) */
+static inline float screen_bound(float av, float e, float mw, float xn2, float g) {
+    return (xn2 * e + g * mw) * (1.0f + 0x1p-10f) + 0x1p-20f * fabsf(av) + 1e-30f * (1.0f + mw);
+}
+
+#if LEAN_AVX512BF16
+static inline __m512 screen_bound16(__m512 av, __m512 e, __m512 mw, __m512 xn2, __m512 g) {
+    __m512 r = _mm512_mul_ps(_mm512_fmadd_ps(xn2, e, _mm512_mul_ps(g, mw)), _mm512_set1_ps(1.0f + 0x1p-10f));
+    r = _mm512_fmadd_ps(_mm512_set1_ps(0x1p-20f), _mm512_abs_ps(av), r);
+    return _mm512_fmadd_ps(_mm512_set1_ps(1e-30f), _mm512_add_ps(mw, _mm512_set1_ps(1.0f)), r);
+}
+#endif
+
+typedef struct {
+    float lmax, best; /* a thread's max of a - b over its rows v; its largest exact candidate */
+    int at, bad;      /* that candidate's index (-1: none); a non-finite value seen */
+} ScreenPart;
+
+/* Inside the caller's parallel region, every thread: each row's argmax of hidden [n, hsz] lm_head^T through the
+ * screen, into pred. Returns 1 when done, 0 (every thread alike) when the full projection must run instead.
+ * a: [n, vocab] floats (the logits buffer, left holding the a_v); xs: n hsz floats; xnorm: 2 n floats and part:
+ * [SCREEN_MAX_THREADS][SCREEN_MAX_ROWS], shared by the team. The vocabulary's blocks of 64 are split in equal
+ * runs between the threads; each pass reads its own run. */
+static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, float *a, float *xs, float *xnorm,
+                                 ScreenPart (*part)[SCREEN_MAX_ROWS], int64_t *pred) {
+    int nt = omp_get_num_threads(), t = omp_get_thread_num(), in = m->hsz, V = m->vocab;
+    if (!m->screen_q || m->amx || n > SCREEN_MAX_ROWS || nt > SCREEN_MAX_THREADS) return 0;
+    int blocks = pad_to(V, SCREEN_BLOCK) / SCREEN_BLOCK;
+    int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
+    int v0 = b0 * SCREEN_BLOCK, v1 = b1 * SCREEN_BLOCK < V ? b1 * SCREEN_BLOCK : V;
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; ++r) { /* the rows in float32, ||x||_2 and the sums' term, rounded up */
+        double l1 = 0.0, l2 = 0.0;
+        int finite = 1;
+        for (int k = 0; k < in; ++k) {
+            float v = bf2f(hidden[(size_t)r * in + k]);
+            xs[(size_t)r * in + k] = v;
+            finite &= isfinite(v) != 0;
+            l1 += fabs((double)v);
+            l2 += (double)v * v;
+        }
+        xnorm[2 * r] = finite ? (float)(sqrt(l2) * (1.0 + 1e-6)) : NAN;
+        xnorm[2 * r + 1] = finite ? (float)(2.0 * in * 0x1p-23 * l1 * (1.0 + 1e-6)) : NAN;
+    }
+    for (int r = 0; r < n; ++r)
+        if (isnan(xnorm[2 * r]) || isinf(xnorm[2 * r]) || isinf(xnorm[2 * r + 1])) return 0;
+    screen_blocks(m->screen_q, m->screen_scale, xs, n, in, V, b0, b1, a);
+    for (int r = 0; r < n; ++r) { /* L's part: max (a - b) over this thread's run */
+        const float *ar = a + (size_t)r * V;
+        float xn2 = xnorm[2 * r], g = xnorm[2 * r + 1], lmax = -INFINITY;
+        int bad = 0, v = v0;
+#if LEAN_AVX512BF16
+        __m512 vl = _mm512_set1_ps(-INFINITY), vx = _mm512_set1_ps(xn2), vg = _mm512_set1_ps(g);
+        __mmask16 odd = 0;
+        for (; v + 16 <= v1; v += 16) {
+            __m512 av = _mm512_loadu_ps(ar + v);
+            __m512 lo = _mm512_sub_ps(av, screen_bound16(av, _mm512_loadu_ps(m->screen_err + v),
+                                                         _mm512_loadu_ps(m->screen_maxw + v), vx, vg));
+            odd |= _mm512_cmp_ps_mask(_mm512_mul_ps(lo, _mm512_setzero_ps()), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            vl = _mm512_max_ps(vl, lo);
+        }
+        lmax = _mm512_reduce_max_ps(vl);
+        bad = odd != 0;
+#endif
+        for (; v < v1; ++v) {
+            float lo = ar[v] - screen_bound(ar[v], m->screen_err[v], m->screen_maxw[v], xn2, g);
+            bad |= !isfinite(lo);
+            lmax = fmaxf(lmax, lo);
+        }
+        part[t][r].lmax = lmax;
+        part[t][r].bad = bad;
+    }
+#pragma omp barrier
+    float L[SCREEN_MAX_ROWS];
+    for (int r = 0; r < n; ++r) {
+        L[r] = -INFINITY;
+        for (int u = 0; u < nt; ++u) {
+            if (part[u][r].bad) return 0;
+            L[r] = fmaxf(L[r], part[u][r].lmax);
+        }
+    }
+#pragma omp barrier /* every thread has read lmax and bad before any writes its candidates' part */
+    for (int r = 0; r < n; ++r) { /* the candidates of this thread's run, exactly */
+        const float *ar = a + (size_t)r * V;
+        const bf16 *xr = hidden + (size_t)r * in;
+        float xn2 = xnorm[2 * r], g = xnorm[2 * r + 1], best = -INFINITY, ex[4];
+        int at = -1, bad = 0, done_block = -1, kb_n = pad_to(in, 32) / 32;
+        for (int v = v0; v < v1; ++v) {
+#if LEAN_AVX512BF16
+            if ((v - v0) % 16 == 0 && v + 16 <= v1) { /* skip runs of 16 without a candidate */
+                __m512 av = _mm512_loadu_ps(ar + v);
+                __m512 hi = _mm512_add_ps(av, screen_bound16(av, _mm512_loadu_ps(m->screen_err + v),
+                                                             _mm512_loadu_ps(m->screen_maxw + v),
+                                                             _mm512_set1_ps(xn2), _mm512_set1_ps(g)));
+                if (!_mm512_cmp_ps_mask(hi, _mm512_set1_ps(L[r]), _CMP_GE_OQ)) {
+                    v += 15;
+                    continue;
+                }
+            }
+#endif
+            if (ar[v] + screen_bound(ar[v], m->screen_err[v], m->screen_maxw[v], xn2, g) < L[r]) continue;
+            if (v / 4 != done_block) {
+                done_block = v / 4;
+                exact_block(m->lm_head + (size_t)done_block * kb_n * 128, in, xr, ex);
+            }
+            float e = ex[v % 4];
+            bad |= !isfinite(e);
+            if (e > best || at < 0) best = e, at = v;
+        }
+        part[t][r].best = best;
+        part[t][r].at = at;
+        part[t][r].bad = bad;
+    }
+#pragma omp barrier
+    int ok = 1;
+    for (int r = 0; r < n; ++r) { /* the first of the largest: runs in vocabulary order, a later one wins if larger */
+        float best = -INFINITY;
+        int at = -1;
+        for (int u = 0; u < nt; ++u) {
+            ok &= !part[u][r].bad;
+            if (part[u][r].at >= 0 && (at < 0 || part[u][r].best > best)) best = part[u][r].best, at = part[u][r].at;
+        }
+        ok &= at >= 0;
+        if (t == 0) pred[r] = at;
+    }
+    return ok;
 }
 
 /* ids [n] at cache slots start..start+n-1, RoPE positions start + offsets[i] (offsets NULL: start + i), tree
  * [n, n] ancestor bytes or NULL (causal rows) -> hidden [n, H] bf16, logits [n, V] float32 (unrounded), and
  * pred [n] (NULL: none), each row's argmax as lean_argmax_rows takes it. Every value is the one lean_forward
- * and the logits' lean_linear give for the same rows.
+ * and the logits' lean_linear give for the same rows. argmax_only (with pred): only pred is wanted, which the
+ * model's screen gives where it has one (logits then holds its int8 estimates, not the logits).
  * Returns 0; -1 head_dim over 256, -2 no tile unit, -3 a token outside the vocabulary, -4 a position outside
  * the RoPE table or a slot outside the cache. */
 int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *offsets, int start, const uint8_t *tree,
-                bf16 *hidden, float *logits, int64_t *pred) {
+                bf16 *hidden, float *logits, int64_t *pred, int argmax_only) {
     if (m->d > 256) return -1;
     if (m->amx && !lean_amx_available()) return -2;
     if (start < 0 || start + n > m->cap) return -4;
@@ -1210,6 +1454,9 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
     size_t rows = m->amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
     bf16 *x = m->work, *work = x + rows * m->hsz;
     for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
+    float *xs = (float *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
+    float xnorm[2 * SCREEN_MAX_ROWS];
+    ScreenPart part[SCREEN_MAX_THREADS][SCREEN_MAX_ROWS];
 #pragma omp parallel num_threads(m->nthreads)
     {
 #if LEAN_AMX_BUILD
@@ -1218,12 +1465,15 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
         layers_in_team(m->layers, m->num_layers, m->hsz, m->nh, m->nkv, m->d, m->inter, m->eps, m->norm_w, x, n, pos,
                        start, m->kcache, m->vcache, m->cap, tree, m->cos_t, m->sin_t, work, m->scratch, hidden,
                        m->nthreads, m->amx, m->xv);
-        /* the logits: hidden is read from its n rows (the tile path copies them into xv first) */
-        linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
+        /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
+         * copies them into xv first) */
+        int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xs, xnorm, part, pred);
+        if (!screened)
+            linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
 #if LEAN_AMX_BUILD
         if (m->amx) amx_release();
 #endif
-        if (pred) {
+        if (pred && !screened) {
 #pragma omp for schedule(static)
             for (int i = 0; i < n; ++i) lean_argmax_rows(logits + (size_t)i * m->vocab, 1, m->vocab, 0, pred + i);
         }
