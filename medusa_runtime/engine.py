@@ -170,7 +170,7 @@ class _StepBuffers:
             engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
             engine._cos.shape[0], cache.capacity, threads, amx, cache.keys.data_ptr(), cache.values.data_ptr(),
             self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr(),
-            *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 4))
+            *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 5))
         self.ref = ctypes.byref(self.model)
         self.out = (self.hidden.data_ptr(), self.logits.data_ptr(), self.pred.data_ptr())
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}

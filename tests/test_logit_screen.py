@@ -79,22 +79,25 @@ def test_screened_argmax_is_the_full_projections_on_the_default_model(default_bf
 
 def test_the_bound_holds_in_float64_and_the_residual_norms_are_rounded_up(default_bf16, answer, monkeypatch):
     """What the screen rests on, recomputed in float64 from the screen's tensors: every vocabulary row's
-    residual norm is at least ||w - s q||_2, and every estimate is within ||x||_2 e_v + 2 in 2^-23 |x|_1 max|w_v|
-    (the bound before lean_cpu.c's slack) of the exact float32 logit. The estimates' error is far below it (the
-    bound is what lets the screen be exact, not what it costs), and few rows reach the best lower bound."""
+    residual norm is at least ||w - s q||_2 and c_v at least s_v |q_v|_1, and every estimate is within
+    ||x||_2 e_v + 0.51 t c_v + 2 in 2^-23 |x|_1 max|w_v| (t = max|x| / 16383: the bound before lean_cpu.c's slack)
+    of the exact float32 logit. The estimates' error is far below it (the bound is what lets the screen be exact,
+    not what it costs), and few rows reach the best lower bound."""
     monkeypatch.setenv(kernels.AMX_SWITCH, "0")
     engine = LeanEngine(default_bf16, max_nodes=16, use_kernels=True)
     screen, weight = engine.logit_screen, engine.lm_head.double()
     vocab, hidden = weight.shape
-    q = screen.q.view(-1, hidden, BLOCK).transpose(1, 2).reshape(-1, hidden)[:vocab].double()
+    q = screen.rows(vocab, hidden).double()
     residual = (weight - screen.scale.double()[:, None] * q).norm(dim=1)
     assert bool((screen.err.double() >= residual).all()) and bool((screen.maxw.double() == weight.abs().amax(1)).all())
+    assert bool((screen.csum.double() >= screen.scale.double() * q.abs().sum(1)).all())
     assert int(q.abs().max()) == 127
     prompt, tokens = answer
     worst, candidates = 0.0, []
     for full, screened, estimates in _steps(engine, prompt, tokens, 4):
         x = screened[1].double()  # [rows, hidden]: the same bits as the full step's
-        bound = (x.norm(dim=1)[:, None] * screen.err.double()[None, :]
+        t = x.abs().amax(1, keepdim=True).float().div(16383).double()  # as lean_cpu.c rounds it
+        bound = (x.norm(dim=1)[:, None] * screen.err.double()[None, :] + 0.51 * t * screen.csum.double()[None, :]
                  + 2 * hidden * 2.0 ** -23 * x.abs().sum(1)[:, None] * screen.maxw.double()[None, :])
         error = (full[0].double() - estimates.double()).abs()
         assert bool((error <= bound).all())
@@ -143,13 +146,13 @@ def test_exact_ties_and_one_ulp_near_ties_keep_the_first_of_the_largest(monkeypa
 
 def test_build_screen_quantises_within_its_scale_and_pads_blocks_with_zeros():
     """The int8 rows against a direct float64 rounding, all-zero rows (scale 0, q 0), the padding of the last
-    block, and residual norms rounded up to float32."""
+    block, residual norms and |q| sums rounded up to float32 (an odd width pads its last pair with a zero)."""
     torch.manual_seed(0)
     weight = (torch.randn(130, 40) * torch.logspace(-3, 2, 130)[:, None]).to(torch.bfloat16)
     weight[7] = 0
     screen = build_screen(weight)
-    q = screen.q.view(-1, 40, BLOCK).transpose(1, 2).reshape(-1, 40)
-    assert q.shape[0] == 192 and not q[130:].any()
+    q = screen.rows(192, 40)
+    assert q.shape[0] == 192 and not q[130:].any() and screen.q.numel() == 192 * 40
     w = weight.double()
     expected = torch.round(w / screen.scale.double().clamp_min(1e-300)[:, None])
     expected[7] = 0
@@ -158,16 +161,24 @@ def test_build_screen_quantises_within_its_scale_and_pads_blocks_with_zeros():
     residual = (w - screen.scale.double()[:, None] * q[:130].double()).norm(dim=1)
     assert bool((screen.err.double() >= residual).all())
     assert bool((screen.err.double() <= residual * (1 + 1e-6) + 1e-30).all())
+    l1 = screen.scale.double() * q[:130].double().abs().sum(1)
+    assert bool((screen.csum.double() >= l1).all()) and bool((screen.csum.double() <= l1 * (1 + 1e-6)).all())
+    odd = build_screen(weight[:, :39])
+    w39 = w[:, :39]
+    expected = torch.round(w39 / odd.scale.double().clamp_min(1e-300)[:, None])
+    expected[7] = 0
+    assert torch.equal(odd.rows(130, 39).double(), expected)
+    assert not odd.q.view(-1, 20, BLOCK, 2)[:, 19, :, 1].any()  # the 40th input of every row: zero
 
 
 def test_a_greedy_steps_floor_counts_the_screen_instead_of_the_logits_projection(default_bf16, monkeypatch):
     """The bandwidth floor's bytes: the model's weights less the (tied) logits projection's 49,152 x 576 bf16, plus
-    the screen's int8 rows (zero padded to blocks of 64) and three float32 values per vocabulary row; an engine
+    the screen's int8 rows (zero padded to blocks of 64) and four float32 values per vocabulary row; an engine
     without the screen (the tile path) counts the weights as they are."""
     monkeypatch.setenv(kernels.AMX_SWITCH, "0")
     engine = LeanEngine(default_bf16, use_kernels=True)
     vocab, hidden = default_bf16.vocab_size, default_bf16.hidden_size
-    screened = weight_bytes(default_bf16) - vocab * hidden * 2 + -(-vocab // BLOCK) * BLOCK * hidden + 3 * 4 * vocab
+    screened = weight_bytes(default_bf16) - vocab * hidden * 2 + -(-vocab // BLOCK) * BLOCK * hidden + 4 * 4 * vocab
     assert step_weight_bytes(default_bf16, engine) == screened
     engine.logit_screen = None
     assert step_weight_bytes(default_bf16, engine) == weight_bytes(default_bf16)

@@ -51,7 +51,7 @@ class LeanModel(ctypes.Structure):
                 *[(name, ctypes.c_void_p) for name in ("norm_w", "embed", "lm_head", "cos_t", "sin_t")],
                 *[(name, ctypes.c_int) for name in ("rope_len", "cap", "nthreads", "amx")],
                 *[(name, ctypes.c_void_p) for name in ("kcache", "vcache", "work", "xv", "scratch")],
-                *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_maxw")]]
+                *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_csum", "screen_maxw")]]
 
 
 class LeanHead(ctypes.Structure):

@@ -1184,14 +1184,14 @@ typedef struct {
     bf16 *kcache, *vcache;                 /* [layers, kv heads, cap, D] each */
     bf16 *work, *xv;                       /* lean_decode_work_size(n) bf16; the tile path's copies (amx) */
     float *scratch;                        /* lean_scratch_size(nthreads, n, nh, cap, amx) float32 */
-    /* the greedy steps' int8 screen of lm_head (see screen_argmax_in_team; NULL: none): q [ceil(vocab/64)][hsz][64],
-     * per vocabulary row its scale, residual norm (rounded up) and max |w| */
+    /* the greedy steps' int8 screen of lm_head (see screen_argmax_in_team; NULL: none): q
+     * [ceil(vocab/64)][ceil(hsz/2)][64][2], per vocabulary row s_v, e_v, c_v and max |w_v| */
     const int8_t *screen_q;
-    const float *screen_scale, *screen_err, *screen_maxw;
+    const float *screen_scale, *screen_err, *screen_csum, *screen_maxw;
 } LeanModel;
 
 /* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work, then the screen's
- * float32 rows (at an offset of a multiple of 8) */
+ * rows in int16 pairs (at an offset of a multiple of 8) */
 static size_t decode_screen_at(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
     size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
     return (rows * (size_t)hsz + lean_forward_work_size(n, hsz, nh, nkv, d, inter, amx) + 7) / 8 * 8;
@@ -1206,20 +1206,24 @@ size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, 
  * A greedy step needs each row's argmax of the logits, not the logits: the lm_head (49,152 x 576 for the default
  * model, 57 MB in bf16, a fifth of a step's bytes) is read for it in an int8 copy instead, half the bytes, and only
  * the rows that can still be the argmax are computed in bf16, exactly as the full projection computes them. Per
- * vocabulary row v a scale s_v = max|w_v| / 127, q_v = round(w_v / s_v) (int8, [ceil(V/64)][in][64]: per input the
- * 64 rows of a block side by side), and e_v >= ||w_v - s_v q_v||_2 (the residual's norm, rounded up, from
- * float64). For an activation row x (bf16, finite):
- *     a_v = s_v sum_k x_k q_vk   (float32: products exact, each sum rounded once)
- *     x . w_v = a_v' + x . (w_v - s_v q_v)   where a_v' is a_v unrounded, so by Cauchy-Schwarz and the float32
- *     sums' error (m terms: <= m 2^-24 sum |terms|, taken twice over for both sums, |terms| <= |x|_1 max|w_v|)
- *     |exact_v - a_v| <= b_v = (||x||_2 e_v + 2 in 2^-23 |x|_1 max|w_v|)(1 + 2^-10) + 2^-20 |a_v| + 1e-30 (1 + max|w_v|)
- * exact_v being the float32 the bf16 projection gives (the last term covers its flushed denormals). With
- * L = max_v (a_v - b_v), a row v with a_v + b_v < L has exact_v < L <= exact_u for the u that sets L: neither the
- * argmax nor tied with it. The remaining candidates (a few: 3 median, 34 at most over 635 positions of the
- * default model's own answers) are computed as the full projection does (dot4xr_bf16 on the packed bf16 block,
- * the same bits whatever the rows beside it) and the first of the largest taken: the argmax lean_argmax_rows
- * would take of the full logits, bit for bit the same choice. Rows with a non-finite value, a non-finite bound
- * or candidate, more rows than SCREEN_MAX_ROWS or threads than SCREEN_MAX_THREADS take the full projection. */
+ * vocabulary row v a scale s_v = max|w_v| / 127, q_v = round(w_v / s_v) (int8, [ceil(V/64)][ceil(in/2)][64][2]:
+ * per pair of inputs the 64 rows of a block side by side), e_v >= ||w_v - s_v q_v||_2 (the residual's norm) and
+ * c_v >= s_v |q_v|_1, both rounded up from float64. An activation row x (bf16, finite) is taken in int16,
+ * t = max|x| / 16383, x16 = round(x / t) (so |x - t x16| <= 0.51 t), and
+ *     a_v = t s_v sum_k x16_k q_vk   (the sum exact in int32: |sum| <= 576 16384 127 < 2^31; then two roundings)
+ *     x . w_v = t s_v sum_k x16_k q_vk + s_v sum_k (x_k - t x16_k) q_vk + x . (w_v - s_v q_v)
+ * so, with Cauchy-Schwarz on the last term and the float32 error of the bf16 projection's own sum (m terms:
+ * <= m 2^-24 sum |terms|, taken twice over, |terms| <= |x|_1 max|w_v|),
+ *     |exact_v - a_v| <= b_v = (||x||_2 e_v + 0.51 t c_v + 2 in 2^-23 |x|_1 max|w_v|)(1 + 2^-10) + 2^-20 |a_v|
+ *                             + 1e-30 (1 + max|w_v|)
+ * exact_v being the float32 the bf16 projection gives (the last term covers its flushed denormals, the one
+ * before a_v's roundings). With L = max_v (a_v - b_v), a row v with a_v + b_v < L has exact_v < L <= exact_u for
+ * the u that sets L: neither the argmax nor tied with it. The remaining candidates (a few: 3 median, 34 at most
+ * over 635 positions of the default model's own answers) are computed as the full projection does (dot4xr_bf16
+ * on the packed bf16 block, the same bits whatever the rows beside it) and the first of the largest taken: the
+ * argmax lean_argmax_rows would take of the full logits, bit for bit the same choice. Rows with a non-finite
+ * value, a non-finite bound or candidate, more rows than SCREEN_MAX_ROWS or threads than SCREEN_MAX_THREADS take
+ * the full projection. */
 
 #define SCREEN_MAX_ROWS 8
 #define SCREEN_MAX_THREADS 64
@@ -1227,29 +1231,32 @@ size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, 
 #ifndef SCREEN_PREFETCH
 #define SCREEN_PREFETCH 8192 /* bytes ahead the int8 screen prefetches into L1, as the bf16 weights (ROWS4_PREFETCH) */
 #endif
+#define SCREEN_X_MAX 16383 /* |x16| (see above) */
 
-#if LEAN_AVX512BF16
-/* a[r][v] = s_v sum_k xs[r][k] q_vk for the 64 rows v of block qb (from v0), R rows of float32 xs (a constant per
- * call): each input's 64 weights widened to float32 once for the R rows; one row keeps two sets of accumulators
- * over alternate inputs (8 chains of fused multiply-adds), more rows one set each */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define SCREEN_VNNI 1
+/* a[r][v] = t_r s_v sum_k x16[r][k] q_vk for the 64 rows v of block qb (from v0), R rows (a constant per call) of
+ * x16 in pairs (xp: in2 int32 per row, two int16 each): each pair of inputs' 64 x 2 weights widened to int16 once
+ * for the R rows, one dot-product step of pairs per 16 rows; one row keeps two sets of accumulators over alternate
+ * pairs (8 chains), more rows one set each; integer sums, exact in any order */
 static inline __attribute__((always_inline)) void screen_block_rows(const int8_t *qb, const float *scale,
-                                                                   const float *xs, const int R, int in, int vocab,
-                                                                   int v0, float *a) {
+                                                                   const int32_t *xp, const float *t, const int R,
+                                                                   int in2, int vocab, int v0, float *a) {
     const int sets = R == 1 ? 2 : 1;
-    __m512 acc[SCREEN_MAX_ROWS][2][4];
+    __m512i acc[SCREEN_MAX_ROWS][2][4];
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < sets; ++t)
-            for (int c = 0; c < 4; ++c) acc[r][t][c] = _mm512_setzero_ps();
-    for (int k = 0; k < in; ++k) {
-        const int8_t *qk = qb + (size_t)k * SCREEN_BLOCK;
-        const int t = sets == 2 ? k & 1 : 0;
-        _mm_prefetch((const char *)qk + SCREEN_PREFETCH, _MM_HINT_T0); /* a 64-byte line per input */
-        __m512 w[4];
-        for (int c = 0; c < 4; ++c)
-            w[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qk + 16 * c))));
+        for (int u = 0; u < sets; ++u)
+            for (int c = 0; c < 4; ++c) acc[r][u][c] = _mm512_setzero_si512();
+    for (int kp = 0; kp < in2; ++kp) {
+        const int8_t *qk = qb + (size_t)kp * 2 * SCREEN_BLOCK;
+        const int u = sets == 2 ? kp & 1 : 0;
+        _mm_prefetch((const char *)qk + SCREEN_PREFETCH, _MM_HINT_T0); /* two 64-byte lines per pair of inputs */
+        _mm_prefetch((const char *)qk + SCREEN_PREFETCH + 64, _MM_HINT_T0);
+        __m512i w[4];
+        for (int c = 0; c < 4; ++c) w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qk + 32 * c)));
         for (int r = 0; r < R; ++r) {
-            __m512 xk = _mm512_set1_ps(xs[(size_t)r * in + k]);
-            for (int c = 0; c < 4; ++c) acc[r][t][c] = _mm512_fmadd_ps(xk, w[c], acc[r][t][c]);
+            __m512i xb = _mm512_set1_epi32(xp[(size_t)r * in2 + kp]);
+            for (int c = 0; c < 4; ++c) acc[r][u][c] = _mm512_dpwssd_epi32(acc[r][u][c], xb, w[c]);
         }
     }
     for (int c = 0; c < 4; ++c) {
@@ -1258,36 +1265,43 @@ static inline __attribute__((always_inline)) void screen_block_rows(const int8_t
         __mmask16 m = (__mmask16)(vocab - v >= 16 ? 0xffffu : (1u << (vocab - v)) - 1);
         __m512 sv = _mm512_maskz_loadu_ps(m, scale + v);
         for (int r = 0; r < R; ++r) {
-            __m512 sum = sets == 2 ? _mm512_add_ps(acc[r][0][c], acc[r][1][c]) : acc[r][0][c];
-            _mm512_mask_storeu_ps(a + (size_t)r * vocab + v, m, _mm512_mul_ps(sum, sv));
+            __m512i sum = sets == 2 ? _mm512_add_epi32(acc[r][0][c], acc[r][1][c]) : acc[r][0][c];
+            _mm512_mask_storeu_ps(a + (size_t)r * vocab + v, m,
+                                  _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sv, _mm512_set1_ps(t[r]))));
         }
     }
 }
+#else
+#define SCREEN_VNNI 0
 #endif
 
-/* a[r][v] = s_v sum_k xs[r][k] q_vk for the rows v of blocks [b0, b1), R <= SCREEN_MAX_ROWS rows of float32 xs */
-static void screen_blocks(const int8_t *q, const float *scale, const float *xs, int R, int in, int vocab, int b0,
-                          int b1, float *a) {
+/* a[r][v] = t_r s_v sum_k x16[r][k] q_vk for the rows v of blocks [b0, b1), R <= SCREEN_MAX_ROWS rows */
+static void screen_blocks(const int8_t *q, const float *scale, const int32_t *xp, const float *t, int R, int in2,
+                          int vocab, int b0, int b1, float *a) {
     for (int b = b0; b < b1; ++b) {
-        const int8_t *qb = q + (size_t)b * in * SCREEN_BLOCK;
+        const int8_t *qb = q + (size_t)b * in2 * 2 * SCREEN_BLOCK;
         int v0 = b * SCREEN_BLOCK;
-#if LEAN_AVX512BF16
+#if SCREEN_VNNI
         switch (R) { /* a constant R per call: the accumulators stay in registers */
-            case 1: screen_block_rows(qb, scale, xs, 1, in, vocab, v0, a); break;
-            case 2: screen_block_rows(qb, scale, xs, 2, in, vocab, v0, a); break;
-            case 3: screen_block_rows(qb, scale, xs, 3, in, vocab, v0, a); break;
-            case 4: screen_block_rows(qb, scale, xs, 4, in, vocab, v0, a); break;
-            case 5: screen_block_rows(qb, scale, xs, 5, in, vocab, v0, a); break;
-            case 6: screen_block_rows(qb, scale, xs, 6, in, vocab, v0, a); break;
-            case 7: screen_block_rows(qb, scale, xs, 7, in, vocab, v0, a); break;
-            default: screen_block_rows(qb, scale, xs, 8, in, vocab, v0, a); break;
+            case 1: screen_block_rows(qb, scale, xp, t, 1, in2, vocab, v0, a); break;
+            case 2: screen_block_rows(qb, scale, xp, t, 2, in2, vocab, v0, a); break;
+            case 3: screen_block_rows(qb, scale, xp, t, 3, in2, vocab, v0, a); break;
+            case 4: screen_block_rows(qb, scale, xp, t, 4, in2, vocab, v0, a); break;
+            case 5: screen_block_rows(qb, scale, xp, t, 5, in2, vocab, v0, a); break;
+            case 6: screen_block_rows(qb, scale, xp, t, 6, in2, vocab, v0, a); break;
+            case 7: screen_block_rows(qb, scale, xp, t, 7, in2, vocab, v0, a); break;
+            default: screen_block_rows(qb, scale, xp, t, 8, in2, vocab, v0, a); break;
         }
 #else
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < SCREEN_BLOCK && v0 + c < vocab; ++c) {
-                float s = 0.f;
-                for (int k = 0; k < in; ++k) s += xs[(size_t)r * in + k] * (float)qb[(size_t)k * SCREEN_BLOCK + c];
-                a[(size_t)r * vocab + v0 + c] = s * scale[v0 + c];
+                int32_t sum = 0;
+                for (int kp = 0; kp < in2; ++kp) {
+                    int32_t pair = xp[(size_t)r * in2 + kp];
+                    sum += (int32_t)(int16_t)(pair & 0xffff) * qb[((size_t)kp * SCREEN_BLOCK + c) * 2]
+                         + (int32_t)(int16_t)((uint32_t)pair >> 16) * qb[((size_t)kp * SCREEN_BLOCK + c) * 2 + 1];
+                }
+                a[(size_t)r * vocab + v0 + c] = (float)sum * (scale[v0 + c] * t[r]);
             }
 #endif
     }
@@ -1305,14 +1319,16 @@ static void exact_block(const bf16 *wb, int in, const bf16 *x, float out[4]) {
 #endif
 }
 
-/* b_v of the screen (see above) from a_v, e_v, max|w_v|, ||x||_2 and 2 in 2^-23 |x|_1 (both rounded up) */
-static inline float screen_bound(float av, float e, float mw, float xn2, float g) {
-    return (xn2 * e + g * mw) * (1.0f + 0x1p-10f) + 0x1p-20f * fabsf(av) + 1e-30f * (1.0f + mw);
+/* b_v of the screen (see above) from a_v, e_v, c_v, max|w_v| and the row's ||x||_2, 0.51 t and 2 in 2^-23 |x|_1
+ * (rounded up) */
+static inline float screen_bound(float av, float e, float cv, float mw, float xn2, float hx, float g) {
+    return (xn2 * e + hx * cv + g * mw) * (1.0f + 0x1p-10f) + 0x1p-20f * fabsf(av) + 1e-30f * (1.0f + mw);
 }
 
 #if LEAN_AVX512BF16
-static inline __m512 screen_bound16(__m512 av, __m512 e, __m512 mw, __m512 xn2, __m512 g) {
-    __m512 r = _mm512_mul_ps(_mm512_fmadd_ps(xn2, e, _mm512_mul_ps(g, mw)), _mm512_set1_ps(1.0f + 0x1p-10f));
+static inline __m512 screen_bound16(__m512 av, __m512 e, __m512 cv, __m512 mw, __m512 xn2, __m512 hx, __m512 g) {
+    __m512 r = _mm512_mul_ps(_mm512_fmadd_ps(xn2, e, _mm512_fmadd_ps(hx, cv, _mm512_mul_ps(g, mw))),
+                             _mm512_set1_ps(1.0f + 0x1p-10f));
     r = _mm512_fmadd_ps(_mm512_set1_ps(0x1p-20f), _mm512_abs_ps(av), r);
     return _mm512_fmadd_ps(_mm512_set1_ps(1e-30f), _mm512_add_ps(mw, _mm512_set1_ps(1.0f)), r);
 }
@@ -1323,46 +1339,70 @@ typedef struct {
     int at, bad;      /* that candidate's index (-1: none); a non-finite value seen */
 } ScreenPart;
 
+typedef struct {
+    float xn2, hx, g, t; /* a row's ||x||_2, 0.51 t and 2 in 2^-23 |x|_1 (rounded up), and t (see above) */
+    int ok;              /* every value finite */
+} ScreenRow;
+
 /* Inside the caller's parallel region, every thread: each row's argmax of hidden [n, hsz] lm_head^T through the
  * screen, into pred. Returns 1 when done, 0 (every thread alike) when the full projection must run instead.
- * a: [n, vocab] floats (the logits buffer, left holding the a_v); xs: n hsz floats; xnorm: 2 n floats and part:
- * [SCREEN_MAX_THREADS][SCREEN_MAX_ROWS], shared by the team. The vocabulary's blocks of 64 are split in equal
- * runs between the threads; each pass reads its own run. */
-static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, float *a, float *xs, float *xnorm,
-                                 ScreenPart (*part)[SCREEN_MAX_ROWS], int64_t *pred) {
-    int nt = omp_get_num_threads(), t = omp_get_thread_num(), in = m->hsz, V = m->vocab;
+ * a: [n, vocab] floats (the logits buffer, left holding the a_v); xp: n ceil(hsz/2) int32 (x16 in pairs); rows and
+ * part ([SCREEN_MAX_THREADS][SCREEN_MAX_ROWS]) shared by the team. The vocabulary's blocks of 64 are split in
+ * equal runs between the threads; each pass reads its own run. */
+static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, float *a, int32_t *xp,
+                                 ScreenRow *rows, ScreenPart (*part)[SCREEN_MAX_ROWS], int64_t *pred) {
+    int nt = omp_get_num_threads(), t = omp_get_thread_num(), in = m->hsz, in2 = (m->hsz + 1) / 2, V = m->vocab;
     if (!m->screen_q || m->amx || n > SCREEN_MAX_ROWS || nt > SCREEN_MAX_THREADS) return 0;
     int blocks = pad_to(V, SCREEN_BLOCK) / SCREEN_BLOCK;
     int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
     int v0 = b0 * SCREEN_BLOCK, v1 = b1 * SCREEN_BLOCK < V ? b1 * SCREEN_BLOCK : V;
 #pragma omp for schedule(static)
-    for (int r = 0; r < n; ++r) { /* the rows in float32, ||x||_2 and the sums' term, rounded up */
+    for (int r = 0; r < n; ++r) { /* each row in int16 pairs, its norms */
+        const bf16 *xr = hidden + (size_t)r * in;
         double l1 = 0.0, l2 = 0.0;
+        float mx = 0.f;
         int finite = 1;
         for (int k = 0; k < in; ++k) {
-            float v = bf2f(hidden[(size_t)r * in + k]);
-            xs[(size_t)r * in + k] = v;
+            float v = bf2f(xr[k]);
             finite &= isfinite(v) != 0;
+            mx = fmaxf(mx, fabsf(v));
             l1 += fabs((double)v);
             l2 += (double)v * v;
         }
-        xnorm[2 * r] = finite ? (float)(sqrt(l2) * (1.0 + 1e-6)) : NAN;
-        xnorm[2 * r + 1] = finite ? (float)(2.0 * in * 0x1p-23 * l1 * (1.0 + 1e-6)) : NAN;
+        float scale = mx / (float)SCREEN_X_MAX;
+        for (int kp = 0; kp < in2; ++kp) {
+            int32_t lo = 0, hi = 0;
+            if (finite && scale > 0.f) {
+                lo = (int32_t)nearbyintf(bf2f(xr[2 * kp]) / scale);
+                hi = 2 * kp + 1 < in ? (int32_t)nearbyintf(bf2f(xr[2 * kp + 1]) / scale) : 0;
+            }
+            xp[(size_t)r * in2 + kp] = (int32_t)(((uint32_t)hi << 16) | ((uint32_t)lo & 0xffffu));
+        }
+        rows[r].xn2 = (float)(sqrt(l2) * (1.0 + 1e-6));
+        rows[r].hx = (float)(0.51 * (double)scale * (1.0 + 1e-6));
+        rows[r].g = (float)(2.0 * in * 0x1p-23 * l1 * (1.0 + 1e-6));
+        rows[r].t = scale;
+        rows[r].ok = finite && isfinite(rows[r].xn2) && isfinite(rows[r].g);
     }
-    for (int r = 0; r < n; ++r)
-        if (isnan(xnorm[2 * r]) || isinf(xnorm[2 * r]) || isinf(xnorm[2 * r + 1])) return 0;
-    screen_blocks(m->screen_q, m->screen_scale, xs, n, in, V, b0, b1, a);
+    float tr[SCREEN_MAX_ROWS] = {0};
+    for (int r = 0; r < n; ++r) {
+        if (!rows[r].ok) return 0;
+        tr[r] = rows[r].t;
+    }
+    screen_blocks(m->screen_q, m->screen_scale, xp, tr, n, in2, V, b0, b1, a);
     for (int r = 0; r < n; ++r) { /* L's part: max (a - b) over this thread's run */
         const float *ar = a + (size_t)r * V;
-        float xn2 = xnorm[2 * r], g = xnorm[2 * r + 1], lmax = -INFINITY;
+        float xn2 = rows[r].xn2, hx = rows[r].hx, g = rows[r].g, lmax = -INFINITY;
         int bad = 0, v = v0;
 #if LEAN_AVX512BF16
-        __m512 vl = _mm512_set1_ps(-INFINITY), vx = _mm512_set1_ps(xn2), vg = _mm512_set1_ps(g);
+        __m512 vl = _mm512_set1_ps(-INFINITY), vx = _mm512_set1_ps(xn2), vh = _mm512_set1_ps(hx),
+               vg = _mm512_set1_ps(g);
         __mmask16 odd = 0;
         for (; v + 16 <= v1; v += 16) {
             __m512 av = _mm512_loadu_ps(ar + v);
             __m512 lo = _mm512_sub_ps(av, screen_bound16(av, _mm512_loadu_ps(m->screen_err + v),
-                                                         _mm512_loadu_ps(m->screen_maxw + v), vx, vg));
+                                                         _mm512_loadu_ps(m->screen_csum + v),
+                                                         _mm512_loadu_ps(m->screen_maxw + v), vx, vh, vg));
             odd |= _mm512_cmp_ps_mask(_mm512_mul_ps(lo, _mm512_setzero_ps()), _mm512_setzero_ps(), _CMP_NEQ_UQ);
             vl = _mm512_max_ps(vl, lo);
         }
@@ -1370,7 +1410,7 @@ static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, 
         bad = odd != 0;
 #endif
         for (; v < v1; ++v) {
-            float lo = ar[v] - screen_bound(ar[v], m->screen_err[v], m->screen_maxw[v], xn2, g);
+            float lo = ar[v] - screen_bound(ar[v], m->screen_err[v], m->screen_csum[v], m->screen_maxw[v], xn2, hx, g);
             bad |= !isfinite(lo);
             lmax = fmaxf(lmax, lo);
         }
@@ -1390,22 +1430,24 @@ static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, 
     for (int r = 0; r < n; ++r) { /* the candidates of this thread's run, exactly */
         const float *ar = a + (size_t)r * V;
         const bf16 *xr = hidden + (size_t)r * in;
-        float xn2 = xnorm[2 * r], g = xnorm[2 * r + 1], best = -INFINITY, ex[4];
+        float xn2 = rows[r].xn2, hx = rows[r].hx, g = rows[r].g, best = -INFINITY, ex[4];
         int at = -1, bad = 0, done_block = -1, kb_n = pad_to(in, 32) / 32;
         for (int v = v0; v < v1; ++v) {
 #if LEAN_AVX512BF16
             if ((v - v0) % 16 == 0 && v + 16 <= v1) { /* skip runs of 16 without a candidate */
                 __m512 av = _mm512_loadu_ps(ar + v);
                 __m512 hi = _mm512_add_ps(av, screen_bound16(av, _mm512_loadu_ps(m->screen_err + v),
-                                                             _mm512_loadu_ps(m->screen_maxw + v),
-                                                             _mm512_set1_ps(xn2), _mm512_set1_ps(g)));
+                                                             _mm512_loadu_ps(m->screen_csum + v),
+                                                             _mm512_loadu_ps(m->screen_maxw + v), _mm512_set1_ps(xn2),
+                                                             _mm512_set1_ps(hx), _mm512_set1_ps(g)));
                 if (!_mm512_cmp_ps_mask(hi, _mm512_set1_ps(L[r]), _CMP_GE_OQ)) {
                     v += 15;
                     continue;
                 }
             }
 #endif
-            if (ar[v] + screen_bound(ar[v], m->screen_err[v], m->screen_maxw[v], xn2, g) < L[r]) continue;
+            if (ar[v] + screen_bound(ar[v], m->screen_err[v], m->screen_csum[v], m->screen_maxw[v], xn2, hx, g) < L[r])
+                continue;
             if (v / 4 != done_block) {
                 done_block = v / 4;
                 exact_block(m->lm_head + (size_t)done_block * kb_n * 128, in, xr, ex);
@@ -1454,8 +1496,8 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
     size_t rows = m->amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
     bf16 *x = m->work, *work = x + rows * m->hsz;
     for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
-    float *xs = (float *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
-    float xnorm[2 * SCREEN_MAX_ROWS];
+    int32_t *xp = (int32_t *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
+    ScreenRow rows_info[SCREEN_MAX_ROWS];
     ScreenPart part[SCREEN_MAX_THREADS][SCREEN_MAX_ROWS];
 #pragma omp parallel num_threads(m->nthreads)
     {
@@ -1467,7 +1509,7 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
                        m->nthreads, m->amx, m->xv);
         /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
          * copies them into xv first) */
-        int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xs, xnorm, part, pred);
+        int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);
         if (!screened)
             linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
 #if LEAN_AMX_BUILD
