@@ -5,8 +5,8 @@ lm_head (half the bytes of the bf16 one: for the default model 28 of the 57 MB t
 reads), takes the activations in int16, bounds each estimate's distance to the exact float32 logit rigorously
 (Cauchy-Schwarz on the weights' quantisation residual, the activations' rounding, the float32 rounding of the
 exact sums), and computes exactly, as the full projection does, only the rows whose bound still reaches the best
-lower bound: the argmax is the full projection's, bit for bit, ties included. On 635 positions of the default
-model's own answers that left 3 rows to compute exactly at the median and 34 at most
+lower bound: the argmax is the full projection's, bit for bit, ties included. On 512 positions of the default
+model's greedy answers to 8 MT-Bench questions that left 3 rows to compute exactly at the median and 57 at most
 (docs/reports/2026-12-03-logit-screen.md).
 
 This module builds the screen's tensors from the bf16 weight, once per model.

@@ -1218,8 +1218,9 @@ size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, 
  *                             + 1e-30 (1 + max|w_v|)
  * exact_v being the float32 the bf16 projection gives (the last term covers its flushed denormals, the one
  * before a_v's roundings). With L = max_v (a_v - b_v), a row v with a_v + b_v < L has exact_v < L <= exact_u for
- * the u that sets L: neither the argmax nor tied with it. The remaining candidates (a few: 3 median, 34 at most
- * over 635 positions of the default model's own answers) are computed as the full projection does (dot4xr_bf16
+ * the u that sets L: neither the argmax nor tied with it. The remaining candidates (a few: 3 median, 57 at most
+ * over 512 positions of the default model's greedy answers to 8 MT-Bench questions, where the estimates' error
+ * reached 0.21 of its bound) are computed as the full projection does (dot4xr_bf16
  * on the packed bf16 block, the same bits whatever the rows beside it) and the first of the largest taken: the
  * argmax lean_argmax_rows would take of the full logits, bit for bit the same choice. Rows with a non-finite
  * value, a non-finite bound or candidate, more rows than SCREEN_MAX_ROWS or threads than SCREEN_MAX_THREADS take
