@@ -57,7 +57,8 @@ from treesearch.tree import write_json_atomic
 # one, and prices each context's verify row from its own loops (the runtime unchanged; its profiles measured anew).
 # 35: greedy decode steps take their argmax through an int8 screen of the logits projection (its bytes 57 -> 29 MB
 # a step; decode loops of plain decoding and chains 1-4 alternated: every step 7-9 % shorter, the same tokens).
-RUNTIME_REVISION = 35
+# 36: the screen for calls of up to 5 rows (was 8: from 6 rows on it cost more than the full projection).
+RUNTIME_REVISION = 36
 
 
 def file_hash(path: Path) -> str:

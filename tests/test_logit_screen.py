@@ -17,7 +17,7 @@ from medusa_runtime.engine import LeanEngine
 from medusa_runtime.logit_screen import BLOCK, build_screen
 from medusa_runtime.model import LoadedModel
 
-SCREEN_MAX_ROWS = 8  # lean_cpu.c: calls of more rows take the full projection
+SCREEN_MAX_ROWS = 5  # lean_cpu.c: calls of more rows take the full projection
 
 
 def _steps(engine: LeanEngine, prompt: torch.Tensor, tokens: torch.Tensor, rows: int):
@@ -60,7 +60,7 @@ def _reference_argmax(logits: torch.Tensor) -> list[int]:
     return np.argmax(logits.numpy(), axis=1).tolist()  # NumPy: the first of tied maxima
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, SCREEN_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 4, SCREEN_MAX_ROWS, SCREEN_MAX_ROWS + 1, 9])
 def test_screened_argmax_is_the_full_projections_on_the_default_model(default_bf16, answer, rows, monkeypatch):
     """Steps along a real prompt and the model's own greedy continuation (peaked distributions) and along random
     tokens (flat ones, many candidates): the screened step's argmax equals NumPy's argmax of the full step's
@@ -72,9 +72,11 @@ def test_screened_argmax_is_the_full_projections_on_the_default_model(default_bf
     prompt, own = answer
     for tokens in (torch.randint(0, default_bf16.vocab_size, (24,), generator=torch.Generator().manual_seed(rows)),
                    own):
-        for full, screened, _ in _steps(engine, prompt, tokens, rows):
+        for full, screened, left in _steps(engine, prompt, tokens, rows):
             assert screened[0] is None and torch.equal(screened[1], full[1])
             assert screened[2] == full[2] == _reference_argmax(full[0])
+            # the screen ran (its int8 estimates left in the buffer), or the full projection did (its logits)
+            assert torch.equal(left, full[0]) == (rows > SCREEN_MAX_ROWS)
 
 
 def test_the_bound_holds_in_float64_and_the_residual_norms_are_rounded_up(default_bf16, answer, monkeypatch):

@@ -1226,7 +1226,12 @@ size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, 
  * value, a non-finite bound or candidate, more rows than SCREEN_MAX_ROWS or threads than SCREEN_MAX_THREADS take
  * the full projection. */
 
-#define SCREEN_MAX_ROWS 8
+/* rows a call takes through the screen at most. Its int8 pass streams half the bytes, but its int16 dot products
+ * cost ~0.17 ms a row on two Zen 5 cores where the full projection's rows up to 8 hide under its stream: up to 4
+ * rows the pass costs what one row does (0.8 ms against 1.5 for the full projection, a slow spell), 8 rows as two
+ * passes of 4 cost 1.5 (in one pass of 8 its sums ran out of vector registers: 2.2-2.7). Decode loops of 5- to
+ * 8-node trees on real text, alternated with the full projection: steps x0.952 / 0.997 / 1.062 / 1.103. */
+#define SCREEN_MAX_ROWS 5
 #define SCREEN_MAX_THREADS 64
 #define SCREEN_BLOCK 64 /* vocabulary rows per int8 block */
 #ifndef SCREEN_PREFETCH
@@ -1288,10 +1293,7 @@ static void screen_blocks(const int8_t *q, const float *scale, const int32_t *xp
             case 2: screen_block_rows(qb, scale, xp, t, 2, in2, vocab, v0, a); break;
             case 3: screen_block_rows(qb, scale, xp, t, 3, in2, vocab, v0, a); break;
             case 4: screen_block_rows(qb, scale, xp, t, 4, in2, vocab, v0, a); break;
-            case 5: screen_block_rows(qb, scale, xp, t, 5, in2, vocab, v0, a); break;
-            case 6: screen_block_rows(qb, scale, xp, t, 6, in2, vocab, v0, a); break;
-            case 7: screen_block_rows(qb, scale, xp, t, 7, in2, vocab, v0, a); break;
-            default: screen_block_rows(qb, scale, xp, t, 8, in2, vocab, v0, a); break;
+            default: screen_block_rows(qb, scale, xp, t, 5, in2, vocab, v0, a); break;
         }
 #else
         for (int r = 0; r < R; ++r)
