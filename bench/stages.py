@@ -58,7 +58,9 @@ from treesearch.tree import write_json_atomic
 # 35: greedy decode steps take their argmax through an int8 screen of the logits projection (its bytes 57 -> 29 MB
 # a step; decode loops of plain decoding and chains 1-4 alternated: every step 7-9 % shorter, the same tokens).
 # 36: the screen for calls of up to 5 rows (was 8: from 6 rows on it cost more than the full projection).
-RUNTIME_REVISION = 36
+# 37: the profile's tight ratios as the interquartile mean of the rounds' ratios (revision 36's bench profile, 9
+# rounds, priced 5 nodes at context 464 at 0.61 of one row on one stalled forward, and its search picked 10 nodes).
+RUNTIME_REVISION = 37
 
 
 def file_hash(path: Path) -> str:

@@ -356,15 +356,24 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
             looped[cfg.contexts.index(c)] = (sizes, times)
     rows = {c: _looped_row(tight[c], cfg.nodes, *looped[c]) for c in looped}
     return [tuple(float(x) for x in (rows[c] if c in rows else [
-        rows[at][j] * _ratio_of_means(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]))
+        rows[at][j] * _tight_ratio(tight[c, j], tight[at, j]) for j in range(len(cfg.nodes))]))
         for c in range(len(cfg.contexts))]
+
+
+def _tight_ratio(a: ArrayLike, b: ArrayLike) -> float:
+    """Two tight forwards' ratio: the interquartile mean of their ratio in each round. Pieces of a round run
+    within a second of each other, so a round's ratio carries little of the machine's drift; a piece stalled
+    once (a forward 5-10x its usual time) drops out, where it had moved a ratio of means over a handful of
+    rounds by half (a bench's profile of 9 rounds priced 5 nodes at context 464 at 0.61 of one row, and its
+    search picked 10-node trees on it)."""
+    return _central(list(np.asarray(a, dtype=float) / np.asarray(b, dtype=float)))
 
 
 def _looped_row(tight: np.ndarray, nodes: tuple[int, ...], loop_nodes: list[int], loops: list[LoopTimes]
                 ) -> list[float]:
     """One context's verify row: the plain loop's level (the loop of size 1 in ``loop_nodes``) times each
     looped size's ratio of means to it, and a size not looped priced through the nearest looped size and
-    the tight forwards' ratio between the two (``tight`` [nodes, rounds] at this context)."""
+    the tight forwards' ratio between the two (``_tight_ratio``; ``tight`` [nodes, rounds] at this context)."""
     plain = np.asarray(loops[loop_nodes.index(1)].verify_rounds)
     level = _central(list(plain))  # one row inside a loop
     looped: dict[int, list[float]] = {1: [1.0]}
@@ -375,7 +384,7 @@ def _looped_row(tight: np.ndarray, nodes: tuple[int, ...], loop_nodes: list[int]
     row = []
     for j, n in enumerate(nodes):
         near = min(sizes, key=lambda m: abs(m - n))
-        to_near = _ratio_of_means(tight[j], tight[nodes.index(near)]) if near in nodes else 1.0
+        to_near = _tight_ratio(tight[j], tight[nodes.index(near)]) if near in nodes else 1.0
         row.append(level * statistics.median(looped[near]) * to_near)
     return row
 

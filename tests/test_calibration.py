@@ -166,7 +166,8 @@ def test_in_loop_verify_prices_every_looped_context_from_its_own_loops():
     """A context with its own loops (plain decoding and sizes) is priced from them, as the middle one is: its
     plain loop's level, a looped size's ratio of means to it, an unlooped size through the nearest looped
     one and the tight ratio between the two at that context; a context without loops still scales from the
-    middle one by the tight ratio between contexts. Closed forms on random rounds; with the per-context loops
+    middle one by the tight ratio between contexts (tight ratios: the interquartile mean of the rounds' ratios, so
+    one stalled forward does not move them). Closed forms on random rounds; with the per-context loops
     dropped, the looped context falls back to the scaling (a different number here, where the tight
     forwards' context ratio was drawn unlike the loops')."""
     import numpy as np
@@ -190,12 +191,19 @@ def test_in_loop_verify_prices_every_looped_context_from_its_own_loops():
     assert table[2][0] == pytest.approx(level)
     assert table[2][1] == pytest.approx(level * means[2] / means[1])
     assert table[2][2] == pytest.approx(level * means[4] / means[1])
-    assert table[2][3] == pytest.approx(level * means[4] / means[1] * tight[2, 3].mean() / tight[2, 2].mean())
+    assert table[2][3] == pytest.approx(level * means[4] / means[1] * _central(list(tight[2, 3] / tight[2, 2])))
     mid_level = _central(list(mid[0].verify_rounds))
     assert table[1][3] == pytest.approx(mid_level * np.mean(mid[3].verify_rounds) / np.mean(mid[0].verify_rounds))
     for j in range(4):  # context 50 has no loops: the middle row times the tight ratio between the contexts
-        assert table[0][j] == pytest.approx(table[1][j] * tight[0, j].mean() / tight[1, j].mean())
+        assert table[0][j] == pytest.approx(table[1][j] * _central(list(tight[0, j] / tight[1, j])))
     scaled = _in_loop_verify(tight, cfg, 100, [1, 2, 4, 8], mid)
     assert scaled[1] == pytest.approx(table[1])
-    assert scaled[2][0] == pytest.approx(table[1][0] * tight[2, 0].mean() / tight[1, 0].mean())
+    assert scaled[2][0] == pytest.approx(table[1][0] * _central(list(tight[2, 0] / tight[1, 0])))
     assert scaled[2][0] != pytest.approx(table[2][0])
+    # a tight forward stalled once (10x its time) in one of the rounds leaves the prices where they were: the
+    # ratio of means over the rounds would have moved the 8-node price at 400 by a third
+    stalled = tight.copy()
+    stalled[2, 2, 0] *= 10
+    again = _in_loop_verify(stalled, cfg, 100, [1, 2, 4, 8], mid, {400: ([1, 2, 4], far)})
+    assert again[2][3] == pytest.approx(table[2][3], rel=0.05)
+    assert abs(tight[2, 3].mean() / stalled[2, 2].mean() / (tight[2, 3].mean() / tight[2, 2].mean()) - 1) > 0.2
