@@ -59,7 +59,7 @@ from treesearch.tree import write_json_atomic
 # a step; decode loops of plain decoding and chains 1-4 alternated: every step 7-9 % shorter, the same tokens).
 # 36: the screen for calls of up to 5 rows (was 8: from 6 rows on it cost more than the full projection).
 # 37: the profile's tight ratios as the interquartile mean of the rounds' ratios (revision 36's bench profile, 9
-# rounds of ratios of means, priced 5 nodes at context 464 at 0.61 of one row, and its search picked 10 nodes).
+# rounds of ratios of means, priced 5 nodes at context 464 at 0.61 of one row, and its search picked 9-10 nodes).
 RUNTIME_REVISION = 37
 
 

@@ -365,8 +365,8 @@ def _tight_ratio(a: ArrayLike, b: ArrayLike) -> float:
     within a second of each other, so a round's ratio carries little of the machine's drift, and a piece slowed in
     one round (a stall, a spell) drops out of the middle half, where a ratio of means over a handful of rounds
     follows it: a bench's profile of 9 rounds priced 5 nodes at context 464 at 0.61 of one row and 8 at 0.75
-    (more rows never cost less), and its search picked 10-node trees on it (tested: one forward 10x slower in one
-    round moves a ratio of means by a third, this by under 5 %)."""
+    (more rows never cost less), and its search picked trees of 9-10 nodes on it (tested: one forward 10x slower
+    in one round moves a ratio of means by a third, this by under 5 %)."""
     return _central(list(np.asarray(a, dtype=float) / np.asarray(b, dtype=float)))
 
 
