@@ -138,8 +138,6 @@ class LoopTimes:
     verify_rounds: tuple[float, ...] = ()  # the verify per step of each round (for ratios within rounds)
 
 
-
-
 def _loop_times(samples: list[list[float]]) -> LoopTimes:
     """One decoder's LoopTimes from its [step, heads, verify, rest, prefill] of each round."""
     return LoopTimes(*(_central([v[k] for v in samples]) for k in range(5)), tuple(v[2] for v in samples))
