@@ -184,3 +184,50 @@ def test_a_greedy_steps_floor_counts_the_screen_instead_of_the_logits_projection
     assert step_weight_bytes(default_bf16, engine) == screened
     engine.logit_screen = None
     assert step_weight_bytes(default_bf16, engine) == weight_bytes(default_bf16)
+
+
+def test_estimates_far_off_the_argmax_still_find_it_through_the_residual_term(monkeypatch):
+    """Two lm_head rows built from the step's own hidden state x: row 3 with every weight 0.45 of a quantisation
+    step above its int8 value along sign(x), row 7 0.45 below with one more step on most of x's mass, so that
+    row 3's exact logit is the larger by ~1 % while its int8 estimate is ~45 % below row 7's. Only the residual term
+    of the bound (||x||_2 e_v, Cauchy-Schwarz) keeps row 3 among the candidates: the screen must still answer 3."""
+    monkeypatch.setenv(kernels.AMX_SWITCH, "0")
+    loaded = _tied_llama(seed=2)
+    gen = torch.Generator().manual_seed(4)
+    prompt, token = torch.randint(0, 960, (11,), generator=gen), torch.randint(0, 960, (1,), generator=gen)
+
+    def step(argmax_only: bool):
+        engine = LeanEngine(loaded, use_kernels=True)
+        with torch.inference_mode():
+            cache = engine.new_cache(16)
+            engine.forward(prompt, 0, cache, last_only=True)
+            return engine.decode_step(token, len(prompt), cache, argmax_only=argmax_only)
+
+    x = step(False).hidden[0].float()
+    s = 2.0 ** -7  # the rows' scale: a weight of 127 s sets it
+    sign = torch.where(x >= 0, 1.0, -1.0)
+    j0 = int(x.abs().argmin())
+    order = [k for k in x.abs().argsort(descending=True).tolist() if k != j0]
+    mass, heavy = 0.0, []
+    for k in order:  # x's largest entries up to 0.88 of |x|_1
+        if mass + float(x[k].abs()) > 0.88 * float(x.abs().sum()):
+            break
+        mass += float(x[k].abs())
+        heavy.append(k)
+    row3 = 1.45 * s * sign
+    row7 = 0.55 * s * sign
+    row7[heavy] = 1.55 * s * sign[heavy]
+    for row in (row3, row7):
+        row[j0] = 127 * s
+    with torch.no_grad():
+        weight = torch.zeros(960, 128)
+        weight[3], weight[7] = row3, row7
+        loaded.model.lm_head.weight.copy_(weight.to(torch.bfloat16))
+    w = loaded.model.lm_head.weight.float()
+    exact = (w[[3, 7]] @ x).tolist()
+    q = torch.round(w[[3, 7]] / s)
+    estimate = (q @ x * s).tolist()
+    assert exact[0] > exact[1] and estimate[0] < 0.75 * estimate[1]  # the trap is set
+    full, screened = step(False), step(True)
+    assert full.pred == [3] == _reference_argmax(full.logits)
+    assert screened.pred == [3]
