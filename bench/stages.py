@@ -60,7 +60,9 @@ from treesearch.tree import write_json_atomic
 # 36: the screen for calls of up to 5 rows (was 8: from 6 rows on it cost more than the full projection).
 # 37: the profile's tight ratios as the interquartile mean of the rounds' ratios (revision 36's bench profile, 9
 # rounds of ratios of means, priced 5 nodes at context 464 at 0.61 of one row, and its search picked 9-10 nodes).
-RUNTIME_REVISION = 37
+# 38: the C forward's softmax sums as 16 lanes of seen positions instead of two scalar sums per pair of slots
+# (the hot attention 4-6 % faster at context 464; other low bits in every bf16 C-forward output).
+RUNTIME_REVISION = 38
 
 
 def file_hash(path: Path) -> str:

@@ -808,15 +808,40 @@ static inline void pair_dp(__m512 acc[4], const __m512bh w[4], uint32_t pp) {
     for (int c = 0; c < 4; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], w[c], b);
 }
 
+/* the float32 sum of the numerators p over a row's seen sequence (the prefix's slots [0, start), then its tree
+ * slots tidx[0..tcnt)), as 16 lanes of seen positions 16c + l summed over c (a run that reaches the tree slots
+ * gathered, zero beyond the sequence's end), then the lanes by one fixed pattern of adds: a function of the seen
+ * sequence alone, whatever slots it sits in (see attend_heads_d64). Against two scalar sums per pair of slots in
+ * the weighted sum's loop (revision 37), the hot attention at context 464 took 4.31-4.34 / 11.48-11.52 us a layer
+ * for 1 / 4 rows -> 4.07-4.08 / 10.85-10.87 (docs/reports/2026-12-03-attention-bench.c, three runs alternated); in
+ * the model 0.338 / 0.549 -> 0.317 / 0.538 ms the 30 layers (docs/reports/2026-12-03-verify-roofline.md). */
+static inline float seen_sum16(const float *p, int start, const int *tidx, int tcnt) {
+    __m512 acc = _mm512_setzero_ps();
+    int total = start + tcnt, c = 0;
+    for (; c + 16 <= start; c += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + c));
+    for (; c < total; c += 16) {
+        float g[16];
+        for (int l = 0; l < 16; ++l) {
+            int a = c + l;
+            g[l] = a >= total ? 0.f : a < start ? p[a] : p[tidx[a - start]];
+        }
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(g));
+    }
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
 /* Row i, heads hd0..hd0+H-1 (H <= 3, a constant per call; one kv head), d = 64: out = sum_j p_j v_j / sum_j p_j
  * over the slots the row sees, p_j the softmax numerators in float32 and, as weights of the sum, rounded to bf16
- * (as PyTorch's CPU flash attention rounds them for bf16 values); the sum of the weights stays float32. The seen
- * slots, in order (the cached prefix [0, start), seen by every row, then the row's own tree slots), go in pairs
- * (2m, 2m + 1), each pair one dot-product step (p_a v_a + p_b v_b in each output lane) into set m % 2 of a head's
- * accumulators (then set 0 + set 1); an odd last slot pairs with a zero weight. So a head adds the same terms in
- * the same order whatever slots they sit in and whichever heads or rows share its call: a tree row equals its
- * one-row step. The H heads share each pair's loads and interleaving. p: H * end floats; pb: H * end bf16;
- * tidx: n ints (scratch). */
+ * (as PyTorch's CPU flash attention rounds them for bf16 values); the sum of the weights stays float32
+ * (seen_sum16). The seen slots, in order (the cached prefix [0, start), seen by every row, then the row's own tree
+ * slots), go in pairs (2m, 2m + 1), each pair one dot-product step (p_a v_a + p_b v_b in each output lane) into
+ * set m % 2 of a head's accumulators (then set 0 + set 1); an odd last slot pairs with a zero weight. So a head
+ * adds the same terms in the same order whatever slots they sit in and whichever heads or rows share its call: a
+ * tree row equals its one-row step. The H heads share each pair's loads and interleaving. p: H * end floats; pb:
+ * H * end bf16; tidx: n ints (scratch). */
 static inline __attribute__((always_inline)) void attend_heads_d64(const bf16 *q, const bf16 *kh, const bf16 *vh,
                                                                   int i, int hd0, const int H, int nh, int n,
                                                                   int start, int end, const uint8_t *tree,
@@ -829,23 +854,17 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const bf16 *q
     for (int a = 0; a < n; ++a)
         if (tree ? tree[(size_t)i * n + a] : a <= i) tidx[tcnt++] = start + a;
     __m512 acc[3][2][4]; /* [head][set][dims block] */
-    float s[3][2];       /* [head][set]: the float32 numerators, in seen order */
     for (int h = 0; h < H; ++h)
-        for (int t = 0; t < 2; ++t) {
-            s[h][t] = 0.f;
+        for (int t = 0; t < 2; ++t)
             for (int c = 0; c < 4; ++c) acc[h][t][c] = _mm512_setzero_ps();
-        }
     int k = 0;
     for (; k + 4 <= start; k += 4) { /* prefix pairs (k, k + 1), set 0, and (k + 2, k + 3), set 1 */
         for (int t = 0; t < 2; ++t) {
             __m512bh w[4];
             pair_values(vh + (size_t)(k + 2 * t) * 64, vh + (size_t)(k + 2 * t + 1) * 64, w);
             for (int h = 0; h < H; ++h) {
-                const float *ph = p + (size_t)h * end + k + 2 * t;
                 uint32_t pp;
                 memcpy(&pp, pb + (size_t)h * end + k + 2 * t, 4);
-                s[h][t] += ph[0];
-                s[h][t] += ph[1];
                 pair_dp(acc[h][t], w, pp);
             }
         }
@@ -859,15 +878,12 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const bf16 *q
         pair_values(vh + (size_t)sa * 64, sb < 0 ? zeros : vh + (size_t)sb * 64, w);
         int t = (a / 2) % 2;
         for (int h = 0; h < H; ++h) {
-            const float *ph = p + (size_t)h * end;
             const bf16 *bh = pb + (size_t)h * end;
-            s[h][t] += ph[sa];
-            if (sb >= 0) s[h][t] += ph[sb];
             pair_dp(acc[h][t], w, (uint32_t)bh[sa] | (sb < 0 ? 0u : (uint32_t)bh[sb] << 16));
         }
     }
     for (int h = 0; h < H; ++h) {
-        __m512 sum = _mm512_set1_ps(s[h][0] + s[h][1]);
+        __m512 sum = _mm512_set1_ps(seen_sum16(p + (size_t)h * end, start, tidx, tcnt));
         __m512 c[4];
         for (int b = 0; b < 4; ++b) c[b] = _mm512_add_ps(acc[h][0][b], acc[h][1][b]);
         unpair_store(out + ((size_t)i * nh + hd0 + h) * 64, c[0], c[1], c[2], c[3], sum);
