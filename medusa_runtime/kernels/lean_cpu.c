@@ -912,8 +912,9 @@ size_t lean_scratch_size(int nthreads, int rows, int nh, int cap, int amx) {
 
 /* Row i (query at cache slot start + i) sees slots [0, start) and the tree slots start + a with
  * tree[i, a] (tree: [n, n] bytes; NULL = causal, slots [0, start + i]). Out [n, nh * D] bf16.
- * Scores, softmax and the weighted sum in float32, every key's terms added in slot order (so a row's
- * result depends only on the keys it sees, not on where the other rows' keys are). scratch holds
+ * Scores, softmax and the weighted sum in float32, every key's terms added in the order of the slots the row
+ * sees (the softmax sum in lanes of those positions, seen_sum16), so a row's result depends only on the keys it
+ * sees, not on where the other rows' keys are. scratch holds
  * ATT_SCRATCH (start + n) floats per thread. */
 static void attention_rows(const bf16 *q, const bf16 *kc, const bf16 *vc, int n, int nh, int nkv, int d, int cap,
                            int start, const uint8_t *tree, float scale, float *scratch, const float *scores,
