@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from . import kernels
 from .kernels import hugepages
-from .logit_screen import screen_for
+from .logit_screen import build_screen
 from .model import LoadedModel
 
 ENGINES = ("auto", "lean", "lean-torch", "hf")
@@ -348,8 +348,10 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same wei
 
 
 def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool):
-    """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection) in the layout of the C
-    library's path (AMX tiles or AVX-512 blocks of 4 rows), once per model and path."""
+    """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection, the greedy steps' int8 screen
+    of the lm_head or None) in the layout of the C library's path (AMX tiles or AVX-512 blocks of 4 rows), once
+    per model and path. The tile path has no screen: its logits round otherwise than the screen's exact
+    candidates."""
     stamp = sum(p._version for p in model.parameters())
     hit = _PACKED.get(model, {}).get(amx)
     if hit is not None and hit[0] == stamp:
@@ -357,7 +359,8 @@ def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool):
     with torch.no_grad():
         flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head], amx)
         packed = (tuple(tuple(flat[4 * i:4 * i + 4]) for i in range(len(layers))),
-                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32, packed=flat[-1]))
+                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32, packed=flat[-1]),
+                  None if amx else build_screen(lm_head))
     _PACKED.setdefault(model, {})[amx] = (stamp, packed)
     return packed
 
@@ -404,7 +407,8 @@ class LeanEngine:
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
         self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
-            packed, self._logits_kernel = _kernel_weights(model, self.layers, self.lm_head, self.lib, self.amx)
+            packed, self._logits_kernel, self.logit_screen = _kernel_weights(model, self.layers, self.lm_head,
+                                                                              self.lib, self.amx)
             self._packed = packed  # held here too: the table below points into them, and the model may go first
             mats = [tuple(t.data_ptr() for t in p) for p in packed]
             self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
@@ -412,9 +416,6 @@ class LeanEngine:
                 for w, (qkv, o, gate_up, down) in zip(self.layers, mats)])
             self.intermediate = self.layers[0].down.weight.shape[1]
             self._work = self._scratch = self._xv = torch.empty(0)
-            # greedy steps' argmax through an int8 copy of the lm_head (logit_screen; not on the tile path,
-            # whose logits round otherwise than the screen's exact candidates)
-            self.logit_screen = None if self.amx else screen_for(model, self.lm_head)
 
     def _kernel_library(self, wanted: bool | None):
         if wanted is None:  # where it pays

@@ -9,13 +9,13 @@ lower bound: the argmax is the full projection's, bit for bit, ties included. On
 model's greedy answers to 8 MT-Bench questions that left 3 rows to compute exactly at the median and 57 at most
 (docs/reports/2026-12-03-logit-screen.md).
 
-This module builds the screen's tensors from the bf16 weight, once per model.
+This module builds the screen's tensors from the bf16 weight (the engine does so once per model, with the
+other weights it packs for the C library: ``engine._kernel_weights``).
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -37,14 +37,18 @@ class LogitScreen:
     csum: torch.Tensor
     maxw: torch.Tensor
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order (q, scale, err, csum, maxw), as LeanModel's screen fields."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
     def pointers(self) -> tuple[int, ...]:
         """Addresses in the order of LeanModel's screen fields."""
-        return tuple(t.data_ptr() for t in (self.q, self.scale, self.err, self.csum, self.maxw))
+        return tuple(t.data_ptr() for t in self._tensors())
 
     @property
     def nbytes(self) -> int:
         """What a step reads of it (all of it)."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.err, self.csum, self.maxw))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def rows(self, vocab: int, hidden: int) -> torch.Tensor:
         """``q`` back as [vocab, hidden] int8 rows (tests)."""
@@ -82,15 +86,3 @@ def _round_up(x: torch.Tensor) -> torch.Tensor:
     """float64 -> the nearest float32 at or above each value."""
     f = x.to(torch.float32)
     return torch.where(f.to(torch.float64) < x, torch.nextafter(f, torch.tensor(float("inf"))), f)
-
-
-_SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per model: (parameters' versions, screen)
-
-
-def screen_for(model: torch.nn.Module, weight: torch.Tensor) -> LogitScreen:
-    """``build_screen(weight)`` once per model (again after its parameters changed in place)."""
-    stamp = sum(p._version for p in model.parameters())
-    hit = _SCREENS.get(model)
-    if hit is None or hit[0] != stamp:
-        hit = _SCREENS[model] = (stamp, build_screen(weight))
-    return hit[1]
