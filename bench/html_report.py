@@ -27,6 +27,10 @@ class Figure:
 
 
 FIGURES = (
+    Figure("tokens_per_s_by_engine", "Engines side by side",
+           "Tokens/s of each engine's plain decoding and its fastest speculative configuration on the same questions, "
+           "greedy, batch 1, the same chat template and new-token budget, interleaved question by question (the "
+           "engines' start-up excluded); whiskers: 95 % bootstrap interval over the questions. Red: this runtime."),
     Figure("speedup_by_category_vs_plain", "Speed-up per category over the runtime's plain decoding",
            "Tokens/s of each configuration over plain decoding in the same engine (the paper's baseline), per "
            "question category and overall; whiskers: 95 % paired bootstrap interval over the questions. Grey lines: "
@@ -119,6 +123,10 @@ def _verdict(report: dict) -> str:
     if "searched" in v:
         items.append(f"The search's pick runs at <b>{v['searched_vs_fastest']:.3f}x</b> the fastest"
                      + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
+    if v.get("fastest_engine"):
+        items.append(f"Fastest engine beside the runtime: <b>{_esc(v['fastest_engine'])}</b> "
+                     f"({v['fastest_engine_tokens_per_s']:.1f} tokens/s); the runtime's fastest, "
+                     f"{_esc(v['fastest_own'])}, runs at <b>{v['own_vs_fastest_engine']:.2f}x</b> it.")
     if v.get("fastest_heads_only"):
         items.append(f"Medusa alone (heads, no lookup chain): <b>{_esc(v['fastest_heads_only'])}</b>, "
                      f"{v['fastest_heads_only_speedup']:.3f}x plain.")
@@ -149,10 +157,29 @@ def _configs_table(report: dict) -> str:
     for col in ("speedup_vs_plain_ci", "tau_ci", "predicted_tau_ci"):
         if col in df:
             df[col] = df[col].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if isinstance(c, list) else "-")
-    cols = [c for c in ("config", "lookup", "tree_nodes", "accept", "tokens_per_s", "tau", "predicted_tau",
+    cols = [c for c in ("config", "engine", "lookup", "tree_nodes", "accept", "tokens_per_s", "tau", "predicted_tau",
                         "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_speedup_vs_plain", "searched",
                         "identical_to_plain") if c in df]
-    return "<h2>Configurations: measured and predicted</h2>" + _table(df[cols])
+    return "<h2>Configurations: measured and predicted</h2>" + _table(df[cols]) + _engines_table(df)
+
+
+def _engines_table(df: pd.DataFrame) -> str:
+    """The engines' own counters: drafts accepted per chain position (measured by the engine, predicted by the
+    suite), the share of drafted tokens accepted, and each engine's start-up."""
+    if "engine" not in df or not df["engine"].isin(["vllm", "llama.cpp"]).any():
+        return ""
+    rows = df[df["engine"].isin(["vllm", "llama.cpp"])].copy()
+
+    def vec(v):
+        return " / ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else "-"
+
+    for col in ("accepted_per_position", "predicted_accepted_per_position"):
+        rows[col] = rows[col].map(vec) if col in rows else "-"
+    cols = [c for c in ("config", "weights", "speculative", "draft_tokens", "tokens_per_s", "draft_acceptance",
+                        "accepted_per_position", "predicted_accepted_per_position", "startup_s") if c in rows]
+    return ("<h3>Engines: their own counters</h3><p>accepted per position: the engine's count of drafting steps "
+            "that accepted chain position 1, 2, ... over its drafting steps; predicted: the suite's calibration of the "
+            "same heads on the same questions. Start-up (s) is excluded from tokens/s.</p>" + _table(rows[cols]))
 
 
 def _ll_table(quality: dict | None) -> str:

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.engines import parse_engines
 from bench.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
 from bench.matrix import baseline_configurations, replay_configurations, sampled_configurations
 from bench.stages import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
@@ -80,6 +81,8 @@ class BenchOptions:
     judge: str | None = None  # FastChat single grading by this model (an OpenAI-compatible endpoint's, or local:M)
     guided_rating: bool = False  # a judgment without [[rating]] asked again, its reply constrained to 1-10
     max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
+    engines: tuple[str, ...] = ()  # serving engines replayed beside the runtime (bench.engines: vllm, llama.cpp)
+    vllm_python: str | None = None  # the interpreter of vLLM's environment (None: $MEDUSA_VLLM_PYTHON)
 
     def model_fields(self) -> dict[str, str]:
         """What every stage's job gets to load the same model the same way."""
@@ -245,20 +248,54 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     return files, heads_only
 
 
+def stage_engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache):
+    """The engines made ready (``bench.engines.stage``: llama.cpp built and its GGUFs, vLLM's environment and
+    the heads exported for it), and the heads vLLM runs calibrated on the replayed questions with vLLM's
+    vocabulary (``engines/acceptance-vllm-medusa.json``): what the report predicts vLLM's acceptance from.
+    Returns the plan (the peers' configurations) and the engine settings the replay starts them with."""
+    from bench.engines import EngineSettings
+    from bench.engines.stage import ACCEPTANCE, prepare
+
+    settings = EngineSettings(vllm_python=opts.vllm_python)
+    folder = out / "engines"
+    plan = prepare(opts.engines, opts.model, opts.heads, settings, folder, log=_log)
+    for note in plan.notes:
+        _log(f"[engines] {note}")
+    acc = folder / ACCEPTANCE
+    if plan.medusa_heads is not None:
+        job = CalibrateJob(heads=str(plan.medusa_heads), **opts.model_fields(), data=str(out / "calibration.jsonl"),
+                           max_new_tokens=prof.max_new_tokens, heldout=0.0, out=str(acc))
+        _cached(cache, "calibrate-engine-heads", job, [acc])
+    else:
+        acc.unlink(missing_ok=True)
+    return plan, asdict(settings)
+
+
+def engine_configurations(opts: BenchOptions, plan) -> list[dict]:
+    """The peers' configurations, and plain decoding of the original base where the main heads decode on an
+    adapted one (the engines run the original weights: their outputs are compared with that base's)."""
+    configs = list(plan.configurations)
+    if opts.model == "default" and opts.heads == "default" and not opts.retrain \
+            and not ({"medusa1", "unconditioned"} & set(opts.compare_heads)):
+        configs.append({"name": "plain, original base", "method": "plain", "heads": "unconditioned"})
+    return configs
+
+
 PROFILE_EVERY = 2  # the replay takes a profile round before every 2nd question (~10 s each on the default model)
 
 
 def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path, acc: Path,
-                 lat: Path, searches: tuple[list[Path], list[Path]], workload: dict) -> None:
+                 lat: Path, searches: tuple[list[Path], list[Path]], workload: dict,
+                 engines: tuple[list[dict], dict] = ([], {})) -> None:
     """Every configuration, interleaved question by question, and the latency profile again in rounds between
     the questions (``bench.replay_profile``: ``replay/latency-during.json``, what the report prices its
     predictions with). The configuration file names the searches' and the typical search's tree files and the
     compared heads: the stage's key holds their contents (``ReplayJob.reads``)."""
     picks, heads_only = searches
     configs = replay_configurations(acc, picks, workload, heads, opts.compare_heads, out / "tree-typical.json",
-                                    heads_only)
+                                    heads_only) + engines[0]
     config = {"model": opts.model, "heads": str(heads), "dtype": opts.dtype, "device": opts.device, "max_new_tokens": prof.max_new_tokens,
-              "turns": prof.turns, "repeats": 1, "configurations": configs}
+              "turns": prof.turns, "repeats": 1, "configurations": configs, **({"engines": engines[1]} if engines[0] else {})}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     replay_dir = out / "replay"
@@ -272,15 +309,16 @@ LOOKUPS_WITHOUT_HEADS = (2, 4, 6, 8)  # --heads none: the runtime's prompt-looku
 
 
 def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache,
-                               workload: dict) -> None:
+                               workload: dict, engines: tuple[list[dict], dict] = ([], {})) -> None:
     """``--heads none``: what a base model without heads can run, measured: the runtime's plain decoding
     alone and with prompt-lookup chains of 2-8 tokens, transformers' generate and prompt lookup on the
     peers' questions, plain sampling there too; nothing to calibrate or search, so nothing predicted."""
     configs = [*baseline_configurations(workload["peers"]),
                *({"name": f"plain +lookup{n}", "method": "plain", "lookup_tokens": n} for n in LOOKUPS_WITHOUT_HEADS),
-               *sampled_configurations(None, workload["peers"])]
+               *sampled_configurations(None, workload["peers"]), *engines[0]]
     config = {"model": opts.model, "heads": "none", "dtype": opts.dtype, "device": opts.device,
-              "max_new_tokens": prof.max_new_tokens, "turns": prof.turns, "repeats": 1, "configurations": configs}
+              "max_new_tokens": prof.max_new_tokens, "turns": prof.turns, "repeats": 1, "configurations": configs,
+              **({"engines": engines[1]} if engines[0] else {})}
     cfg_file = out / "replay_config.json"
     write_json_atomic(cfg_file, config)
     job = ReplayJob(config=str(cfg_file), heads="none", **opts.model_fields(), questions=str(out / "questions.jsonl"),
@@ -309,14 +347,16 @@ def run(opts: BenchOptions) -> None:
         for stale in ("acceptance.json", "latency.json"):  # a run with heads in this folder: not this one's
             (out / stale).unlink(missing_ok=True)
         workload = stage_workload(opts, prof, out, fits=False)
-        stage_replay_without_heads(opts, prof, out, cache, workload)
+        peers = _engines(opts, prof, out, cache)
+        stage_replay_without_heads(opts, prof, out, cache, workload, peers)
     else:
         heads = stage_heads(opts, out, cache)
         workload = stage_workload(opts, prof, out)
         acc = stage_calibrate(opts, prof, out, cache, heads, workload)
+        peers = _engines(opts, prof, out, cache)
         lat = stage_profile(opts, prof, out, cache, heads, acc)
         searches = stage_search(prof, out, cache, acc, lat, workload)
-        stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload)
+        stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload, peers)
     stage_quality(opts, out, cache)
     from bench.report import report
 
@@ -324,6 +364,16 @@ def run(opts: BenchOptions) -> None:
     print(f"\n[bench] finished in {(time.perf_counter() - t_start) / 60:.1f} min; plots and tables:")
     for p in written:
         print(f"  {p}")
+
+
+def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache) -> tuple[list[dict], dict]:
+    """(the peers' configurations, their settings) with --engines, else nothing; a run without engines removes
+    an earlier run's engine calibration, so that its predictions are not reported beside these records."""
+    if not opts.engines:
+        (out / "engines" / "acceptance-vllm-medusa.json").unlink(missing_ok=True)
+        return [], {}
+    plan, settings = stage_engines(opts, prof, out, cache)
+    return engine_configurations(opts, plan), settings
 
 
 def judge_fields(judge: str | None, guided: bool = False) -> dict:
@@ -436,19 +486,25 @@ def main(argv: list[str] | None = None) -> int:
                              "to 1-10 (an endpoint that takes vLLM's guided_choice, or a local judge); for small judges")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
+    parser.add_argument("--engines", default=None, metavar="LIST",
+                        help="serving engines replayed beside the runtime, comma-separated: vllm, llama.cpp (nox -s "
+                             "engines installs them; llama.cpp is built into the cache on first use)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="with --engines vllm: the Python of vLLM's environment (default: $MEDUSA_VLLM_PYTHON)")
     args = parser.parse_args(argv)
     try:
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
                             compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
-                            guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens)
+                            guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
+                            engines=parse_engines(args.engines), vllm_python=args.vllm_python)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),
               flush=True)
         _write_command(Path(opts.out), argv if argv is not None else sys.argv[1:], opts)
         run(opts)
-    except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model that does not load
+    except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model or engine that fails
         print(f"[bench] error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
     return 0

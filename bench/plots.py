@@ -178,3 +178,49 @@ def plot_typical_measured(front: list[dict], measured: list[dict], out_dir: str 
     ax.set_title("sampled configurations: measured speed and quality beside the predicted front")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out_dir, "typical_measured")
+
+
+ENGINE_ORDER = ("own", "llama.cpp", "vllm", "transformers")
+ENGINE_LABELS = {"own": "this runtime", "llama.cpp": "llama.cpp", "vllm": "vLLM", "transformers": "transformers"}
+
+
+def headline_rows(rows: list[dict]) -> list[dict]:
+    """Per engine, greedy: its plain configurations (no drafts; llama.cpp's on each GGUF) and its fastest
+    speculative one; in ENGINE_ORDER, fastest first within an engine. ``rows``: report.json's configurations."""
+    greedy = [r for r in rows if not (r.get("temperature") or 0) and r.get("tokens_per_s")]
+    out = []
+    for engine in ENGINE_ORDER:
+        mine = [r for r in greedy if r.get("engine", "own") == engine]
+        if engine == "own":
+            plain = [r for r in mine if r["config"] == "plain"]
+        elif engine == "transformers":
+            plain = [r for r in mine if r["config"] == "generate"]
+        else:
+            plain = [r for r in mine if not r.get("speculative")]
+        rest = [r for r in mine if r not in plain]
+        best = [max(rest, key=lambda r: r["tokens_per_s"])] if rest else []
+        out += sorted(plain + best, key=lambda r: -r["tokens_per_s"])
+    return out
+
+
+def plot_engines_headline(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """Tokens/s of every engine's plain and fastest speculative configuration (greedy, batch 1, the same
+    questions), 95 % intervals over questions; the runtime's bars in colour, the other engines' in grey."""
+    shown = headline_rows(rows)
+    if not shown:
+        return []
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.4))
+    y = np.arange(len(shown))[::-1]
+    for yi, r in zip(y, shown):
+        own = r.get("engine", "own") == "own"
+        lo, hi = r.get("tokens_per_s_ci") or (r["tokens_per_s"], r["tokens_per_s"])
+        ax.barh(yi, r["tokens_per_s"], color="tab:red" if own else "0.65", edgecolor="black" if own else "none",
+                xerr=[[r["tokens_per_s"] - lo], [hi - r["tokens_per_s"]]], capsize=3, error_kw={"lw": 0.8})
+        ax.text(hi, yi, f"  {r['tokens_per_s']:.0f}", va="center", fontsize=8)
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"{ENGINE_LABELS.get(r.get('engine', 'own'), r.get('engine'))}: {r['config']}" for r in shown],
+                       fontsize=8)
+    ax.set_xlabel("tokens/s (greedy, batch 1; 95 % interval over questions)")
+    ax.set_title("Engines side by side: plain and fastest speculative configuration (red: this runtime)")
+    ax.set_xlim(0, max((r.get("tokens_per_s_ci") or [0, r["tokens_per_s"]])[1] for r in shown) * 1.15)
+    return _save(fig, out_dir, "tokens_per_s_by_engine")

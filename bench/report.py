@@ -161,6 +161,10 @@ def report(out: Path) -> list[Path]:
                                                     "quality": quality_of(card, quality, judged),
                                                     "distribution_checks": (quality or {}).get("distribution_checks")},
                                     out / "report.json"))
+    if any(p.name == "report.json" for p in written):  # the headline: every engine's plain and fastest speculative configuration
+        from bench.plots import plot_engines_headline
+
+        written += plot_engines_headline(json.loads((out / "report.json").read_text())["configs"], plots)
     written += _typical_measured(out, df, quality, plots)
     shipped = _training_json()
     if shipped is not None and any(r.get("heads") not in (None, "none") for r in records):  # a run with heads
@@ -301,11 +305,29 @@ def scorecard_of(out: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, dict, dict]
             latency = mean_profile([latency, load_profile(out / "latency-after.json")])
             priced = "the mean of the latency profiles measured before and after the replay"
         predictions = predict_configs(configs, fold_stats(stats, folds), folds, latency)
-    card = scorecard(df, configs, predictions)
+    card = scorecard(df, configs, predictions, engine_predictions=engine_predictions(out, configs),
+                     startup=(_read(out / "replay" / "engines.json") or {}).get("startup_s"))
     questions = {k: workload[k] for k in ("questions", "total", "replayed", "folds", "calibration", "max_new_tokens",
                                           "turns", "peers")}
     questions["predictions_priced_with"] = priced
     return card, verdict(card), questions
+
+
+def engine_predictions(out: Path, configs) -> dict[str, list[float]]:
+    """Per vLLM + Medusa configuration, its accepted drafts per chain position predicted from the calibration of
+    the same heads, in vLLM's vocabulary, on the replayed questions (``engines/acceptance-vllm-medusa.json``):
+    the top-1 chain walked along the runtime's greedy rollouts (``treesearch.stats.chain_accepted_per_position``)."""
+    from bench.engines.stage import ACCEPTANCE
+    from treesearch.stats import chain_accepted_per_position, load_stats
+
+    path = out / "engines" / ACCEPTANCE
+    medusa = [c for c in configs if c.method == "vllm" and c.speculative == "medusa"]
+    if not medusa or not path.is_file():
+        return {}
+    stats = load_stats(path)
+    rollouts = stats.rollouts + stats.heldout
+    return {c.name: chain_accepted_per_position(rollouts, c.draft_tokens) for c in medusa
+            if c.draft_tokens <= stats.num_heads}
 
 
 def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
@@ -327,6 +349,10 @@ def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
     if "searched" in summary:
         lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
                      + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
+    if summary.get("fastest_engine"):
+        lines.append(f"Engines (same questions, greedy, batch 1): fastest {summary['fastest_engine']} "
+                     f"({summary['fastest_engine_tokens_per_s']:.1f} tokens/s); the runtime's fastest, "
+                     f"{summary['fastest_own']}, is {summary['own_vs_fastest_engine']:.2f}x it.")
     if summary.get("fastest_heads_only"):
         lines.append(f"Medusa alone (heads, no lookup chain): fastest {summary['fastest_heads_only']}, "
                      f"{summary['fastest_heads_only_speedup']:.3f}x plain.")

@@ -32,7 +32,7 @@ from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from .mtbench import Question
 
 RECORD_SCHEMA = "medusa-record/1"
-METHODS = ("generate", "prompt_lookup", "plain", "medusa")
+METHODS = ("generate", "prompt_lookup", "plain", "medusa", "vllm", "llama.cpp")  # the last two: engines (bench.engines)
 # FastChat's MT-Bench sampling temperatures per category (fastchat/llm_judge/common.py); 0 = greedy
 FASTCHAT_TEMPERATURES = {"writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0,
                          "reasoning": 0.0, "stem": 0.1, "humanities": 0.1}
@@ -57,6 +57,11 @@ class MethodConfig:
     # with it (Medusa-2 heads: their adapter merged; for plain decoding, that base alone); None: the replay's own
     heads: str | None = None
     samples: int = 1  # sampled configurations: answers drawn per (question, turn), each with a seed of its own
+    # engines (method vllm | llama.cpp, bench.engines): what the peer loads and how it speculates
+    weights: str | None = None  # vllm: a transformers model folder; llama.cpp: a GGUF file
+    speculative: str | None = None  # vllm: medusa | ngram; llama.cpp: ngram (its prompt lookup); None: plain
+    draft_tokens: int = 0  # tokens a speculative engine drafts per step
+    draft_model: str | None = None  # vllm + medusa: the heads folder exported for vLLM
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -67,6 +72,8 @@ class MethodConfig:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.method == "medusa" and not self.tree:
             raise ValueError(f"configuration {self.name!r}: medusa needs a tree")
+        if self.method in ("vllm", "llama.cpp") and not self.weights:
+            raise ValueError(f"configuration {self.name!r}: an engine needs the weights it loads")
         if self.temperature_policy not in ("fixed", "fastchat"):
             raise ValueError(f"configuration {self.name!r}: temperature_policy must be fixed or fastchat, "
                              f"got {self.temperature_policy!r}")
@@ -83,8 +90,11 @@ class MethodConfig:
     @property
     def digest(self) -> str:
         fields = asdict(self)
-        if fields["samples"] == 1:  # added later: configurations that draw one answer keep their digests (records)
-            del fields["samples"]
+        # fields added later, at their defaults, leave a configuration's digest (and so its records) as it was
+        for name, default in (("samples", 1), ("weights", None), ("speculative", None), ("draft_tokens", 0),
+                              ("draft_model", None)):
+            if fields[name] == default:
+                del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -96,6 +106,7 @@ class RunOutput:
     accept_lengths: list[int] = field(default_factory=list)
     prefill_time: float | None = None  # seconds of the prompt forward (the runtime's methods only)
     split: dict[str, float] = field(default_factory=dict)  # the runtime's methods: seconds in heads, verify, bookkeeping
+    counters: dict = field(default_factory=dict)  # engines: the engine's own speculative counters for this answer
 
 
 Runner = Callable[..., RunOutput]  # (prompt ids, new tokens, temperature, seed=None)
@@ -106,8 +117,14 @@ def sample_seed(question_id: int, turn: int, sample: int) -> int:
     return int(hashlib.sha256(f"{question_id}/{turn}/{sample}".encode()).hexdigest()[:8], 16)
 
 
-def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10) -> Runner:
-    """The callable for one configuration (decoders and buffers built once, here)."""
+def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10,
+                peers=None) -> Runner:
+    """The callable for one configuration (decoders and buffers built once, here; an engine's from ``peers``,
+    the pool of warm engines, ``bench.engines.peers.PeerPool``)."""
+    if cfg.method in ("vllm", "llama.cpp"):
+        if peers is None:
+            raise ValueError(f"configuration {cfg.name!r} runs an engine: the replay needs its engines started")
+        return peers.runner(cfg)
     if cfg.method in ("generate", "prompt_lookup"):
         extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens} if cfg.method == "prompt_lookup" else {}
         eos = list(loaded.eos_token_ids) or None
@@ -231,20 +248,23 @@ def _record(c: MethodConfig, q: Question, turn: int, rep: int, prompt: list[int]
             "question_id": q.question_id, "category": q.category, "turn": turn, "repeat": rep, "seed": seed,
             "prompt_tokens": len(prompt), "new_tokens": len(out.token_ids), "steps": out.steps,
             "accept_lengths": out.accept_lengths, "wall_time": out.wall_time, "prefill_time": out.prefill_time,
-            **out.split, "token_ids": out.token_ids, "answer": answer}
+            **out.split, **({"engine_counters": out.counters} if out.counters else {}),
+            "token_ids": out.token_ids, "answer": answer}
 
 
 def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[MethodConfig],
            questions: Sequence[Question], cfg: ReplayConfig, out_file: str | Path, progress: bool = True,
            extra: dict | None = None, variants: dict[str, tuple[LoadedModel, MedusaHeads | None]] | None = None,
-           between: Callable[[int, int, int, int], None] | None = None) -> list[dict]:
+           between: Callable[[int, int, int, int], None] | None = None, peers=None) -> list[dict]:
     """Run every configuration on every question (interleaved: per (question, turn, repeat) transformers'
     methods one whole answer after another in a shuffled order, then the runtime's configurations stepped in
     turn, ``medusa_runtime.lockstep``, unless ``cfg.lockstep`` is off), appending records; resumable. ``variants``:
     per heads spec that a configuration names (``MethodConfig.heads``), the base and heads it decodes with.
     ``between(index, question_id, turn, repeat)`` runs before each (question, turn, repeat) that has records
     to take, ``index`` being its place in the whole matrix (the same on a resumed run): between records,
-    never inside one (``bench.replay_profile``: the latency profile taken while the replay runs)."""
+    never inside one (``bench.replay_profile``: the latency profile taken while the replay runs). ``peers``: the
+    warm engines of the engines' configurations (``bench.engines.peers.PeerPool``), whose answers run whole,
+    as transformers' do, and whose records name the base they ran (the original weights)."""
     path = Path(out_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load_records(path)
@@ -255,7 +275,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         raise ValueError(f"configurations name heads {sorted(missing)[0]!r}, which the replay was not given")
     own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
            for c in configs}  # (base, heads) of each configuration
-    runners = {c.digest: make_runner(c, *own[c.digest]) for c in configs}  # one name may run per fold, on its questions
+    runners = {c.digest: make_runner(c, *own[c.digest], peers=peers) for c in configs}  # a name may run per fold
     # a sampled configuration's repeats are its samples (each answer drawn with a seed of its own)
     rounds = max([cfg.repeats] + [c.samples for c in configs])
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds)
@@ -271,6 +291,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
             "device": str(loaded.device), "chat_template": chat_template_name(loaded), **(extra or {})}
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
+    own_meta |= {c.digest: {"model": peers.base_name, "heads": None, "engine": c.method} for c in configs
+                 if c.method in ("vllm", "llama.cpp") and peers is not None}
     groups = {(q.question_id, t, r): i for i, (q, t, r) in enumerate(
         (q, t, r) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds))}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")

@@ -21,6 +21,8 @@ from treesearch.stats import bootstrap_ratio
 from treesearch.tree import load_tree, write_json_atomic
 
 from .analyze import greedy_equality
+from .engines import PEER_METHODS
+from .engines.peers import counters_summary, engine_of
 from .runner import MethodConfig
 from .workload import ConfigPrediction, decoding_of
 
@@ -58,12 +60,24 @@ def paired_speedup(df: pd.DataFrame, config: str, reference: str = "plain", seed
 def measured_tau(df: pd.DataFrame, config: str) -> tuple[float | None, tuple[float, float] | None]:
     """Committed tokens per step (the runtime's accept lengths) with a bootstrap interval over questions."""
     sub = df[df["config"] == config]
-    if sub["method"].iloc[0] not in ("plain", "medusa"):
-        return (1.0, (1.0, 1.0)) if sub["method"].iloc[0] == "generate" else (None, None)
+    method = sub["method"].iloc[0]
+    if method in PEER_METHODS:  # an engine: new tokens over its target forwards (bench.engines.peers.steps_of)
+        q = _per_question(sub)
+        if q["steps"].sum() == 0:
+            return None, None
+        return float(q["new_tokens"].sum() / q["steps"].sum()), bootstrap_ratio(q["new_tokens"], q["steps"])
+    if method not in ("plain", "medusa"):
+        return (1.0, (1.0, 1.0)) if method == "generate" else (None, None)
     q = _per_question(sub)
     if q["steps"].sum() == 0:
         return None, None
     return float(q["accepted"].sum() / q["steps"].sum()), bootstrap_ratio(q["accepted"], q["steps"])
+
+
+def tokens_per_s_interval(df: pd.DataFrame, config: str) -> tuple[float, float]:
+    """95 % bootstrap interval of a configuration's tokens/s (total tokens over total time), questions resampled."""
+    q = _per_question(df[df["config"] == config])
+    return bootstrap_ratio(q["new_tokens"], q["wall_time"])
 
 
 def _one_or_all(values: list):
@@ -72,8 +86,11 @@ def _one_or_all(values: list):
 
 
 def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: dict[str, ConfigPrediction],
-              searched: str = "searched") -> pd.DataFrame:
-    """One row per configuration name: what it is, measured, predicted, errors."""
+              searched: str = "searched", engine_predictions: dict[str, list[float]] | None = None,
+              startup: dict[str, float] | None = None) -> pd.DataFrame:
+    """One row per configuration name: what it is, measured, predicted, errors. ``engine_predictions``: per
+    engine configuration, the accepted drafts per chain position predicted from calibration; ``startup``:
+    per engine configuration, its start-up in seconds (``replay/engines.json``)."""
     same = greedy_equality(df, "plain").set_index("config")["identical_share"]
     rows = []
     for name in dict.fromkeys(c.name for c in configs):  # names in order, once (a pick runs per fold)
@@ -89,14 +106,17 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         lookups = sorted({int(c.lookup_tokens) for c in mine}) if cfg.method in ("plain", "medusa") else [0]
         gates = sorted({float(c.gate) for c in mine})
         pred = predictions.get(name)
-        row = {"config": name, "method": cfg.method, "uses_heads": cfg.method == "medusa",
-               "heads": cfg.heads if cfg.heads is not None else "main",
+        engine = engine_of(cfg.method)
+        row = {"config": name, "method": cfg.method, "engine": engine,
+               "uses_heads": cfg.method == "medusa" or cfg.speculative == "medusa",
+               "heads": cfg.heads if cfg.heads is not None else ("main" if engine == "own" else None),
                "model": str(sub["model"].iloc[0]) if "model" in sub else None,
                "lookup": _one_or_all(lookups), "tree_nodes": _one_or_all(nodes) if nodes else None,
                "gate": _one_or_all(gates), "accept": _accept(cfg, float(sub["temperature"].max())),
                "temperature": float(sub["temperature"].max()),
                "questions": int(sub["question_id"].nunique()), "tokens": int(sub["new_tokens"].sum()),
                "tokens_per_s": float(sub["new_tokens"].sum() / sub["wall_time"].sum()),
+               "tokens_per_s_ci": tokens_per_s_interval(df, name),
                "tau": tau, "tau_ci": tau_ci, "speedup_vs_plain": speedup, "speedup_vs_plain_ci": ci,
                "predicted_tau": pred.tau if pred else None,
                "predicted_tau_ci": pred.tau_interval if pred else None,
@@ -108,8 +128,25 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         if pred and tau:
             row["tau_error"] = pred.tau / tau - 1
             row["speedup_error"] = pred.speedup / speedup - 1
+        if engine in PEER_METHODS:
+            row.update(_engine_fields(cfg, sub, (engine_predictions or {}).get(name), (startup or {}).get(name)))
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _engine_fields(cfg: MethodConfig, sub: pd.DataFrame, predicted: list[float] | None,
+                   startup: float | None) -> dict:
+    """An engine row's own figures: its speculative decoding as the engine counted it, the prediction of its
+    accepted drafts per position, its start-up (apart from the answers)."""
+    counts = counters_summary(sub.to_dict("records")) if cfg.speculative else {}
+    out = {"speculative": cfg.speculative, "draft_tokens": cfg.draft_tokens or None,
+           "weights": Path(cfg.weights).name if cfg.weights else None, "startup_s": startup,
+           "draft_acceptance": counts.get("draft_acceptance"),
+           "accepted_per_position": counts.get("accepted_per_position"),
+           "predicted_accepted_per_position": predicted}
+    if predicted is not None and out["accepted_per_position"] is not None:
+        out["accepted_per_position_error"] = [m - p for m, p in zip(out["accepted_per_position"], predicted)]
+    return out
 
 
 def _accept(cfg: MethodConfig, temperature: float) -> str:
@@ -149,6 +186,14 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
         best = medusa.loc[medusa["speedup_vs_plain"].idxmax()]
         out.update(fastest_heads_only=best["config"], fastest_heads_only_speedup=float(best["speedup_vs_plain"]),
                    fastest_heads_only_speedup_ci=best["speedup_vs_plain_ci"])
+    engines = greedy[greedy["engine"].isin(PEER_METHODS)] if "engine" in greedy else greedy.iloc[:0]
+    if not engines.empty:  # the fastest engine against the runtime's fastest, both measured in this replay
+        peer = engines.loc[engines["tokens_per_s"].idxmax()]
+        own = greedy[greedy["engine"] == "own"]
+        best = own.loc[own["tokens_per_s"].idxmax()]
+        out.update(fastest_engine=peer["config"], fastest_engine_tokens_per_s=float(peer["tokens_per_s"]),
+                   fastest_own=best["config"], fastest_own_tokens_per_s=float(best["tokens_per_s"]),
+                   own_vs_fastest_engine=float(best["tokens_per_s"] / peer["tokens_per_s"]))
     if not pick.empty:
         ratio = float(pick["tokens_per_s"].iloc[0] / fastest["tokens_per_s"])
         out.update(searched=searched, searched_is_fastest=bool(fastest["config"] == searched),
@@ -158,13 +203,15 @@ def verdict(card: pd.DataFrame, searched: str = "searched") -> dict:
 
 def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Path:
     """report.json: machine-readable, names kept stable for other tools (see DESIGN.md, 'Contracts')."""
-    keep = ["config", "uses_heads", "heads", "model", "lookup", "tree_nodes", "gate", "accept", "temperature", "questions", "tokens",
-            "tokens_per_s", "tau", "tau_ci", "speedup_vs_plain", "speedup_vs_plain_ci", "predicted_tau",
-            "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on", "fit_positions", "searched",
-            "identical_to_plain"]
+    keep = ["config", "engine", "uses_heads", "heads", "model", "lookup", "tree_nodes", "gate", "accept", "temperature",
+            "questions", "tokens", "tokens_per_s", "tokens_per_s_ci", "tau", "tau_ci", "speedup_vs_plain",
+            "speedup_vs_plain_ci", "predicted_tau", "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on",
+            "fit_positions", "searched", "identical_to_plain"]
+    engine_keep = ["speculative", "draft_tokens", "weights", "startup_s", "draft_acceptance", "accepted_per_position",
+                   "predicted_accepted_per_position", "accepted_per_position_error"]
 
     def clean(v):
-        if isinstance(v, tuple):
+        if isinstance(v, (tuple, list)):
             return [clean(x) for x in v]
         if isinstance(v, (float, np.floating)):
             return None if np.isnan(v) else round(float(v), 6)
@@ -175,7 +222,8 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
         return v
 
     quality = meta.get("quality") or {}
-    configs = [{**{k: clean(r.get(k)) for k in keep}, "quality": quality.get(r["config"])}
+    configs = [{**{k: clean(r.get(k)) for k in keep}, "quality": quality.get(r["config"]),
+                **({k: clean(r.get(k)) for k in engine_keep} if r.get("engine") in PEER_METHODS else {})}
                for r in card.to_dict("records")]
     obj = {"schema": REPORT_SCHEMA, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": meta.get("machine") or {"platform": platform.platform(), "node": platform.node()},

@@ -5,16 +5,20 @@ vLLM's Medusa draft model (``vllm/model_executor/models/medusa.py``, config clas
 ``vllm/transformers_utils/configs/medusa.py``) is, per head i::
 
     x = h;  for layer j:  x = x + SiLU(blocks[i].layers[j](x))      # nn.Linear(H, H), bias iff medusa_fc_bias
-    logits_i = lm_heads[i](x)                                         # [truncated_vocab_size, H]
-    draft_i  = argmax(logits_i)  (scattered back through token_map when the vocabulary is truncated)
+    logits_i = lm_heads[i](x)                                         # [vocab_size, H]
+    draft_i  = argmax(logits_i)
 
 so it proposes the top-1 *chain* of the heads (``num_speculative_tokens`` of them), never a tree.
 The folder holds ``config.json`` (``model_type: medusa``, ``num_heads``, ``num_hidden_layers``,
 ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``, ``medusa_fc_bias``, ``original_lm_head``) and
-``model.safetensors`` with ``blocks.{i}.layers.{j}.weight|bias``, ``lm_heads.{i}.weight`` (only
+``model.safetensors`` with ``blocks.{i}.layers.{j}.weight|bias`` and ``lm_heads.{i}.weight`` (only
 ``lm_heads.0.weight`` when ``original_lm_head``: every head then scores through the base model's
-``lm_head``, as this project's shared format does) and ``token_map`` (the draft vocabulary's token
-ids) where the heads carry one.
+``lm_head``, as this project's shared format does). vLLM's config reads a truncated vocabulary
+(``truncated_vocab_size`` < ``vocab_size`` with a ``token_map`` tensor), but its loader (0.32,
+``Medusa.load_weights``) registers ``token_map`` as a parameter without reporting it loaded, and the model
+loader then refuses the checkpoint ("Following weights were not initialized from checkpoint:
+{'token_map'}"). So heads with a draft vocabulary are written over the whole vocabulary, as for TGI: vLLM
+may then propose a token outside that vocabulary where this runtime would not.
 
 TGI (``server/text_generation_server/models/__init__.py``: a model folder whose ``config.json`` has
 ``medusa_num_heads`` is Medusa heads for ``base_model_name_or_path``, weights ``medusa_lm_head.safetensors``;
@@ -81,31 +85,28 @@ def engine_refusal(heads: MedusaHeads, engine: str) -> str | None:
 
 
 def vllm_state_dict(heads: MedusaHeads, lm_weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors of a vLLM Medusa checkpoint: residual blocks, the heads' projections over the draft
-    vocabulary (one shared ``lm_heads.0`` for shared-format heads) and ``token_map``."""
+    """The tensors of a vLLM Medusa checkpoint: residual blocks and the heads' projections over the whole
+    vocabulary (one shared ``lm_heads.0`` for shared-format heads); no ``token_map`` (see the module's text)."""
     cfg = heads.config
     out: dict[str, torch.Tensor] = {}
     for i, blocks in enumerate(heads.blocks):
         for j, block in enumerate(blocks):
             out[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight.detach().to(dtype)
             out[f"blocks.{i}.layers.{j}.bias"] = block.linear.bias.detach().to(dtype)
-    proj = heads.projection(lm_weight)  # [S, H] shared, or [K, S, H] per head (S = V without a draft vocabulary)
+    proj = heads.projection(lm_weight, use_draft_vocab=False)  # [V, H] shared, or [K, V, H] per head
     if cfg.shared_lm_head:
         out["lm_heads.0.weight"] = proj.detach().to(dtype)
     else:
         for i in range(cfg.num_heads):
             out[f"lm_heads.{i}.weight"] = proj[i].detach().to(dtype)
-    if heads.draft_vocab is not None:
-        out["token_map"] = heads.draft_vocab.clone().long()
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
 def vllm_config(heads: MedusaHeads, dtype: torch.dtype) -> dict:
     cfg = heads.config
-    vocab = cfg.vocab_size if heads.draft_vocab is None else int(heads.draft_vocab.numel())
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
             "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-            "truncated_vocab_size": vocab, "medusa_fc_bias": True, "original_lm_head": cfg.shared_lm_head,
+            "truncated_vocab_size": cfg.vocab_size, "medusa_fc_bias": True, "original_lm_head": cfg.shared_lm_head,
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -115,13 +116,17 @@ def vllm_speculative_config(folder: str | os.PathLike[str], num_tokens: int) -> 
 
 
 def export_vllm(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.PathLike[str],
-                num_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16, base=None) -> Path:
+                num_tokens: int | None = None, dtype: torch.dtype = torch.bfloat16, base=None,
+                warn: Callable[[str], None] | None = None) -> Path:
     """Write the vLLM Medusa folder (atomically) with its ``speculative_config.json``; refuse what vLLM
     cannot run. ``num_tokens``: the chain's length (default: every head). ``base``: a LoadedModel written
     to ``base/`` (the adapted base of Medusa-2 heads, which ``vllm serve`` must be given)."""
     reason = engine_refusal(heads, "vLLM")
     if reason:
         raise HeadsError(reason)
+    if heads.draft_vocab is not None and warn is not None:
+        warn(f"written over the whole vocabulary: vLLM's loader refuses a token_map, so the heads' "
+             f"{heads.draft_vocab.numel()}-token draft vocabulary is dropped and vLLM may propose tokens outside it")
     k = heads.num_heads if num_tokens is None else num_tokens
     if not 1 <= k <= heads.num_heads:
         raise HeadsError(f"vLLM's Medusa drafts one token per head: num_speculative_tokens must be 1..{heads.num_heads}, "

@@ -2,7 +2,8 @@
 
 vLLM: the Medusa draft model ``vllm/model_executor/models/medusa.py`` (parameters ``blocks.{i}.layers.{j}``
 as ``nn.Linear(H, H, bias=config.medusa_fc_bias)``, ``lm_heads.{i}`` or, with ``original_lm_head``, one
-``lm_head`` loaded from ``lm_heads.0.weight``; ``token_map`` when ``truncated_vocab_size < vocab_size``)
+``lm_head`` loaded from ``lm_heads.0.weight``; ``token_map`` when ``truncated_vocab_size < vocab_size``, which
+vLLM 0.32's loader refuses, so the export writes the whole vocabulary)
 and its config ``vllm/transformers_utils/configs/medusa.py`` (keys holding "num" and "heads"/"layers"
 renamed to ``num_heads`` / ``num_hidden_layers``). TensorRT-LLM: ``--medusa_choices`` read with
 ``ast.literal_eval`` (examples/medusa/run.py) and ``MedusaDecodingConfig`` (tensorrt_llm/llmapi/llm_args.py:
@@ -111,6 +112,8 @@ def test_vllm_folder_has_what_vllms_loader_reads_and_drafts_our_top1(tmp_path, s
     assert {k: tuple(v.shape) for k, v in sd.items()} == _vllm_expected_params(cfg)
     spec = json.loads((out / VLLM_SPEC_FILE).read_text())
     assert spec == {"method": "medusa", "model": str(out.resolve()), "num_speculative_tokens": 2}
+    assert cfg["truncated_vocab_size"] == cfg["vocab_size"] and "token_map" not in sd
+    heads.set_draft_vocab(None)  # vLLM scores the whole vocabulary
     torch.manual_seed(1)
     for hidden in torch.randn(8, HIDDEN):
         ours = heads(hidden, loaded.model.get_output_embeddings()).argmax(-1).tolist()  # [K]
@@ -260,11 +263,11 @@ def test_shipped_unconditioned_heads_export_for_tgi_and_vllm(tmp_path):
                  "--out", str(tmp_path / "vllm")]) == 0
     vcfg = _vllm_config_parse(json.loads((tmp_path / "vllm" / "config.json").read_text()))
     sd = load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS))
-    assert vcfg["truncated_vocab_size"] == 4096 and tuple(sd["token_map"].shape) == (4096,)
+    assert vcfg["truncated_vocab_size"] == vcfg["vocab_size"] == loaded.vocab_size and "token_map" not in sd
     full = resolve_heads("unconditioned", loaded.hidden_size, loaded.vocab_size)
     full.set_draft_vocab(None)
     torch.manual_seed(0)
     with torch.no_grad():
         for hidden in torch.randn(4, loaded.hidden_size) * 2:
-            assert _vllm_drafts(sd, vcfg, hidden) == heads(hidden, lm_head).argmax(-1).tolist()
+            assert _vllm_drafts(sd, vcfg, hidden) == full(hidden, lm_head).argmax(-1).tolist()
             assert tgi_drafts(hidden) == full(hidden, lm_head).argmax(-1).tolist()

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .errors import StatsError
-from .tree import Tree, read_json, write_json_atomic
+from .tree import Tree, chain, read_json, write_json_atomic
 from .typical import TypicalStats, typical_from_json, typical_to_json
 
 ACCEPTANCE_SCHEMA = "medusa-acceptance/1"
@@ -339,6 +339,15 @@ def tau_step_walk(tree: Tree, rollouts: Sequence[Sequence[Sequence[int]]]) -> Wa
     if not lengths:
         raise StatsError("no rollouts to replay")
     return WalkResult(sum(lengths) / len(lengths), len(lengths), sum(lengths), tuple(lengths))
+
+
+def chain_accepted_per_position(rollouts: Sequence[Sequence[Sequence[int]]], depth: int) -> list[float]:
+    """A top-1 chain of ``depth`` heads (what vLLM's Medusa drafts) walked along the rollouts: per chain position
+    i, the share of drafting steps that accepted position i (its draft and every one before it): the figure
+    vLLM reports as ``spec_decode_num_accepted_tokens_per_pos / spec_decode_num_drafts``."""
+    walk = tau_step_walk(chain(depth), rollouts)
+    lengths = np.asarray(walk.accept_lengths)  # 1 + accepted drafts per step
+    return [float(np.mean(lengths > i + 1)) for i in range(depth)]
 
 
 def step_walk_interval(tree: Tree, rollouts: Sequence[Sequence[Sequence[int]]], level: float = 0.95,

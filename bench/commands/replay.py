@@ -60,12 +60,28 @@ def _replay_inputs(args, configs) -> dict:
                if getattr(args, "profile_like", None) else {})}
 
 
-def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int):
+def _peer_pool(configs, settings: dict | None, loaded, dtype: str, out_dir: Path):
+    """The warm engines of the matrix's engine configurations (``bench.engines``), or a null context."""
+    from contextlib import nullcontext
+
+    from bench.engines import PEER_METHODS, EngineSettings
+    from bench.engines.peers import PeerPool
+
+    peers = [c for c in configs if c.method in PEER_METHODS]
+    if not peers:
+        return nullcontext(None)
+    opts = EngineSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in (settings or {}).items()})
+    base_name = loaded.name.split("+adapter:")[0]  # the engines run the original weights
+    return PeerPool(peers, opts, loaded.eos_token_ids, base_name, dtype, out_dir / "engine-logs", log=_log)
+
+
+def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int, engines: dict | None = None):
     from bench.analyze import records_frame, summary, to_markdown, write_tables
     from bench.runner import ReplayConfig, replay
     from bench.stages import StageCache, isolate_records
     from medusa_runtime.heads import resolve_heads
     from medusa_runtime.model import load_model
+    from treesearch.tree import write_json_atomic
 
     questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
@@ -81,6 +97,8 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int):
                        lockstep=not args.sequential)
     out_dir = Path(args.out)
     if getattr(args, "storage", None):  # the matrix shared among workers (bench.distributed)
+        if any(c.method in ("vllm", "llama.cpp") for c in configs):
+            raise ValueError("engines (vllm, llama.cpp) are replayed by one machine: they do not combine with --storage")
         records = _replay_shared(args, configs, questions, cfg, loaded, heads, variants)
         machines = sorted({r["machine"] for r in records})
         if len(machines) > 1:  # never one ratio over two machines' timings: a summary per machine
@@ -88,8 +106,12 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int):
     else:
         isolate_records(out_dir, StageCache.key_of(_replay_inputs(args, configs)))  # never resume another runtime's
         during = _profile_during(args, loaded, heads, out_dir)
-        records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
-                         extra={"heads": args.heads}, variants=variants, between=during)
+        with _peer_pool(configs, engines, loaded, args.dtype, out_dir) as peers:
+            if peers is not None:  # the engines' start-up, measured apart from their answers
+                write_json_atomic(out_dir / "engines.json", {"schema": "medusa-engines/1", "startup_s": peers.startup,
+                                                             "versions": peers.versions, "settings": engines or {}})
+            records = replay(loaded, heads, configs, questions, cfg, out_dir / "records.jsonl",
+                             extra={"heads": args.heads}, variants=variants, between=during, peers=peers)
         if during is not None:
             during.write_profile(out_dir / "latency-during.json")
     df = records_frame([r for r in records if r["config"] in {c.name for c in configs}])
@@ -265,7 +287,7 @@ def replay_stage(job: ReplayJob) -> tuple[dict, str]:
     configs = [MethodConfig(**c) for c in spec.get("configurations", [])]
     if not configs:
         raise ValueError(f"{job.config} lists no configurations")
-    _, _, text, obj = _run_replay(job, configs, turns=int(spec.get("turns", 2)))
+    _, _, text, obj = _run_replay(job, configs, turns=int(spec.get("turns", 2)), engines=spec.get("engines"))
     return obj, text
 
 

@@ -105,13 +105,15 @@ def cmd_export_heads(args: argparse.Namespace) -> int:
     base_line = (f"the adapted base (Medusa-2 heads): {args.out}/{serving.BASE_DIR}" if base is not None
                  else "the base: BASE_MODEL, the model the heads were trained on")
     if args.format == "vllm":
-        out = serving.export_vllm(heads, lm, args.out, args.num_speculative_tokens, dtype, base=base)
+        notes: list[str] = []
+        out = serving.export_vllm(heads, lm, args.out, args.num_speculative_tokens, dtype, base=base, warn=notes.append)
         spec = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
         model = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else "BASE_MODEL"
         text = (f"written: {out} (vLLM Medusa model folder: config.json, model.safetensors); {base_line}\n"
-                f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
+                + "".join(f"note: {n}\n" for n in notes) + f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
                 f"not a tree:\n  vllm serve {model} --speculative-config '{json.dumps(spec)}'")
-        _result(args, {"out": str(out), "speculative_config": spec, "base": None if base is None else model}, text)
+        _result(args, {"out": str(out), "speculative_config": spec, "base": None if base is None else model,
+                       "notes": notes}, text)
         return 0
     k = args.num_speculative_tokens or heads.num_heads
     if not 1 <= k <= heads.num_heads:  # TGI refuses --speculate above medusa_num_heads

