@@ -132,11 +132,16 @@ class OpenAIBackend:
                            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
 
     def rate(self, system: str, user: str, judgment: str) -> str:
+        # the constraint in both spellings: vLLM from 0.1x on reads ``structured_outputs.choice`` (0.32's
+        # vllm/entrypoints/openai/chat_completion/protocol.py has no guided_choice) and ignores unknown fields;
+        # earlier vLLM and medusa-bench serve read ``guided_choice``
+        choices = list(RATING_CHOICES)
         reply = self._post({"model": self.name, "temperature": 0, "max_tokens": 4,
-                            "messages": rating_messages(system, user, judgment), "guided_choice": list(RATING_CHOICES)})
+                            "messages": rating_messages(system, user, judgment),
+                            "structured_outputs": {"choice": choices}, "guided_choice": choices})
         if reply.strip() not in RATING_CHOICES:
-            raise RuntimeError(f"the judge endpoint ignored guided_choice (replied {reply[:40]!r}); it needs an engine "
-                               "that constrains replies (vLLM, medusa-bench serve), or no --guided-rating")
+            raise RuntimeError(f"the judge endpoint ignored the choice constraint (replied {reply[:40]!r}); it needs an "
+                               "engine that constrains replies (vLLM, medusa-bench serve), or no --guided-rating")
         return reply.strip()
 
     def _post(self, payload: dict) -> str:

@@ -336,6 +336,11 @@ def run(opts: BenchOptions) -> None:
         prof = replace(prof, max_new_tokens=opts.max_new_tokens)
     if opts.guided_rating and not opts.judge:
         raise ValueError("--guided-rating needs --judge (it changes how the judge's ratings are read)")
+    if opts.engines:  # before hours of stages: what the engines need and cannot get is said now, in one line
+        from bench.engines import EngineSettings
+        from bench.engines.stage import check
+
+        check(opts.engines, EngineSettings(vllm_python=opts.vllm_python))
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = StageCache(out)

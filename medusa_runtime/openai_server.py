@@ -9,7 +9,8 @@ the ``openai`` package reads):
 * ``POST /v1/chat/completions``: ``model``, ``messages`` (system/user/assistant, through the model's chat
   template), ``max_tokens`` or ``max_completion_tokens``, ``temperature`` (0: greedy, lossless Medusa
   acceptance; above 0: exact tree sampling, distributed as plain sampling), ``seed``; ``n`` must be 1 and
-  ``stream`` false. ``guided_choice`` (vLLM's extension: a list of strings) makes the reply one of them, by
+  ``stream`` false. ``structured_outputs: {"choice": [...]}`` (vLLM's extension; its earlier spelling
+  ``guided_choice``, a list of strings) makes the reply one of them, by
   greedy decoding constrained to their tokens (``medusa_runtime.guided``). Reply: ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the
   cap) and ``usage``; plus a ``medusa`` object with the steps and tau of the request.
 * ``GET /v1/models``: the one model served. Anything else: a JSON error with the HTTP status.
@@ -169,6 +170,13 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
         raise RequestError("temperature must be within [0, 2]")
     seed = _field(body, "seed", int)
     choices = _field(body, "guided_choice", list)
+    structured = _field(body, "structured_outputs", dict)  # today's vLLM spelling: {"choice": [...]}
+    if structured is not None:
+        if set(structured) - {"choice"}:
+            raise RequestError("structured_outputs: only 'choice' is supported")
+        choices = structured.get("choice") if choices is None else choices
+        if not isinstance(choices, list):
+            raise RequestError("structured_outputs.choice must be a list of strings")
     if choices is not None:
         try:
             check_choices(choices)

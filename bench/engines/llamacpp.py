@@ -48,7 +48,7 @@ def built_binary(name: str, version: str = VERSION) -> Path | None:
     return exe if (folder / BUILT).is_file() and exe.is_file() else None
 
 
-def _require_tools() -> dict[str, str]:
+def require_tools() -> dict[str, str]:
     """cmake, ninja and a C++ compiler, or one line saying which is missing and where to get it."""
     found = {"cmake": shutil.which("cmake"), "ninja": shutil.which("ninja"),
              "c++": shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")}
@@ -98,7 +98,7 @@ def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
     folder = build_dir()
     if (folder / BUILT).is_file():
         return folder
-    tools = _require_tools()
+    tools = require_tools()
     from tqdm.auto import tqdm
 
     folder.parent.mkdir(parents=True, exist_ok=True)

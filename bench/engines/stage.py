@@ -49,6 +49,20 @@ def engine_heads(model: str, heads: str) -> str | None:
     return None if heads in ("none", "default") else heads
 
 
+def check(engines: tuple[str, ...], settings: EngineSettings) -> None:
+    """What the engines need from outside, checked at once (the pipeline's first step): vLLM's environment,
+    and llama.cpp's build tools unless it is built already."""
+    if "vllm" in engines:
+        from .vllm_engine import vllm_python, vllm_version
+
+        vllm_version(vllm_python(settings))
+    if "llama.cpp" in engines:
+        from .llamacpp import built_binary, require_tools
+
+        if built_binary("llama-server") is None:
+            require_tools()
+
+
 def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSettings, out: Path,
             log: Callable[[str], None] = print) -> EnginePlan:
     folder, name = model_folder(model, log)

@@ -112,10 +112,12 @@ class VllmWorker:
         return reply
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()  # type: ignore[union-attr]
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+        """End of input ends the worker; one that does not end within 30 s is killed."""
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()  # type: ignore[union-attr]
         self._err.close()
