@@ -23,8 +23,14 @@ import pytest
 
 from bench.engines import EngineError, EngineSettings, parse_engines
 from bench.engines.llamacpp import parse_completion
-from bench.engines.peers import (counters_summary, engine_of, llama_spec_args, llamacpp_configurations, steps_of,
-                                 vllm_configurations)
+from bench.engines.peers import (
+    counters_summary,
+    engine_of,
+    llama_spec_args,
+    llamacpp_configurations,
+    steps_of,
+    vllm_configurations,
+)
 from bench.engines.vllm_worker import delta, spec_counters
 from bench.runner import MethodConfig
 from treesearch.stats import chain_accepted_per_position
