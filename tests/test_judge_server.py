@@ -95,11 +95,14 @@ def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail
     ratings = [str(i) for i in range(1, 11)]
     status, body = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0, "guided_choice": ratings})
     assert status == 200 and body["choices"][0]["message"]["content"] == guided_choice(loaded, ids, ratings)
-    # today's vLLM spelling of the same constraint (structured_outputs.choice), what the judge sends besides
-    three = ["7", "8", "9"]
-    status, body = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0,
-                               "structured_outputs": {"choice": three}})
-    assert status == 200 and body["choices"][0]["message"]["content"] == guided_choice(loaded, ids, three)
+    # today's vLLM spelling of the same constraint (structured_outputs.choice), what the judge sends besides:
+    # the same reply as guided_choice's from the same server, for other choices too
+    for choices in (ratings, ["7", "8", "9"], ["blue", "green"]):
+        status, body = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0,
+                                   "structured_outputs": {"choice": choices}})
+        _, old = _post(url, {"model": JUDGE, "messages": messages, "temperature": 0, "guided_choice": choices})
+        reply = body["choices"][0]["message"]["content"]
+        assert status == 200 and reply in choices and reply == old["choices"][0]["message"]["content"]
     for bad, code in (({"model": JUDGE, "messages": messages, "structured_outputs": {"json": {}}}, 400),
                       ({"model": JUDGE, "messages": messages, "structured_outputs": {"choice": "7"}}, 400),
                       ({"model": "other", "messages": messages}, 404), ({"model": JUDGE, "messages": []}, 400),
