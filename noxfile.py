@@ -85,7 +85,7 @@ def _vllm_environment(session: nox.Session) -> str:
         session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNLOADABLE, external=True)
         session.run(str(python), "-c", "import vllm", external=True)  # fails here, in one place, if it cannot load
         stamp.write_text(wanted + "\n")
-    return str(python.resolve())
+    return str(python.absolute())  # not resolved: the venv's python is a link to the base interpreter
 
 
 @nox.session
