@@ -98,4 +98,15 @@ def engines(session: nox.Session) -> None:
     python = _vllm_environment(session)
     session.env["MEDUSA_VLLM_PYTHON"] = python
     session.run("python", "-m", "bench.pipeline", "--engines", "vllm,llama.cpp", *session.posargs)
+    session.env["MEDUSA_ENGINES_REPORT"] = str(Path(_out_of(session.posargs)) / "report.json")
     session.run("pytest", "-m", "engines", "-p", "no:cacheprovider")
+
+
+def _out_of(args: list[str], default: str = "results/bench") -> str:
+    """The pipeline's --out among the session's arguments (the report the engines' tests read)."""
+    for i, arg in enumerate(args):
+        if arg == "--out" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--out="):
+            return arg.split("=", 1)[1]
+    return default
