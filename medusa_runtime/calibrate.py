@@ -168,11 +168,12 @@ def _typical_seq(base_logits: torch.Tensor, top: torch.Tensor, temperature: floa
     entropy = -(lp.exp() * lp).sum(-1)  # [M]
     own = lp.max(dim=-1).values  # [M]: the argmax token's log p
     p, k_heads, _ = top.shape
-    q = torch.arange(p)[:, None] + torch.arange(k_heads)[None, :] + 1  # [P, K]: verify position of each guess
+    dev = lp.device
+    q = torch.arange(p, device=dev)[:, None] + torch.arange(k_heads, device=dev)[None, :] + 1  # [P, K]: verify position
     inside = q < m
-    logp = lp[q.clamp(max=m - 1)[:, :, None], top]  # [P, K, k]
+    logp = lp[q.clamp(max=m - 1)[:, :, None], top.to(dev)]  # [P, K, k]
     logp = torch.where(inside[:, :, None], logp, torch.full_like(logp, float("-inf")))
-    return TypicalSeq(logp.numpy(), entropy.numpy(), own.numpy())
+    return TypicalSeq(logp.cpu().numpy(), entropy.cpu().numpy(), own.cpu().numpy())
 
 
 @dataclass(frozen=True)

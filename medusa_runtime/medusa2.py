@@ -77,14 +77,37 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def base_digest(model, layers: Sequence[int]) -> str:
-    """sha256 of the adapted layers' weights rounded to bf16 (the same for a float32 or bf16 load)."""
+    """sha256 of the adapted layers' weights rounded to bf16, taken from the values stored in the model's
+    checkpoint where it has them (so the same for a float32, bf16 or float16 load, on any device; a float16
+    cast would round some of them otherwise), else from the loaded values."""
     h = hashlib.sha256()
     stack = decoder_layers(model)
+    full = {id(p): name for name, p in model.named_parameters()}
+    stored = _stored_tensors(model, [full[id(p)] for i in layers for _, p in stack[i].named_parameters()])
     for i in layers:
         for name, p in sorted(stack[i].named_parameters()):
+            value = stored.get(full[id(p)], p.detach())
             h.update(name.encode())
-            h.update(p.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+            h.update(value.to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()
+
+
+def _stored_tensors(model, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors as the model's own safetensors checkpoint stores them (none where it was not loaded
+    from a local folder of safetensors files)."""
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return {}
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    wanted = set(names)
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in wanted.intersection(fh.keys()):
+                out[key] = fh.get_tensor(key)
+    return out
 
 
 def adapter_info(folder: str | Path) -> AdapterInfo | None:

@@ -189,3 +189,30 @@ def test_engine_exports_carry_the_adapted_base(tiny_examples, tmp_path, monkeypa
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, adapted.model(ids).logits, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(reloaded(ids).logits, loaded.model(ids).logits, atol=1e-4)  # not the original
+
+
+def test_shipped_adapter_loads_in_float16_as_in_float32_and_bfloat16():
+    """The base digest is taken from the checkpoint's stored values, so the shipped Medusa-2 heads accept the
+    default model loaded in any dtype: a float16 load rounds some weights otherwise than a bf16 rounding of
+    the stored float32 values would (its digest from the loaded values differs, which the shipped heads
+    used to refuse), and decoding with the float16 base runs."""
+    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.model import load_model
+
+    folder = shipped_heads_dir("default")
+    info = medusa2.adapter_info(folder)
+    names = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        loaded = load_model("default", dtype, "cpu", log=lambda m: None)
+        assert medusa2.base_digest(loaded.model, info.layers) == info.base_digest
+        names.append(medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None).name)
+    assert len(set(names)) == 1 and names[0].endswith(f"+adapter:{info.base_digest[:8]}")
+    # what the loaded float16 values alone would give: another digest (the refusal the stored values avoid)
+    half = load_model("default", "float16", "cpu", log=lambda m: None).model
+    layers = medusa2.decoder_layers(half)
+    h = __import__("hashlib").sha256()
+    for i in info.layers:
+        for name, p in sorted(layers[i].named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    assert h.hexdigest() != info.base_digest

