@@ -117,14 +117,9 @@ def sample_seed(question_id: int, turn: int, sample: int) -> int:
     return int(hashlib.sha256(f"{question_id}/{turn}/{sample}".encode()).hexdigest()[:8], 16)
 
 
-def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10,
-                peers=None) -> Runner:
-    """The callable for one configuration (decoders and buffers built once, here; an engine's from ``peers``,
-    the pool of warm engines, ``bench.engines.peers.PeerPool``)."""
-    if cfg.method in ("vllm", "llama.cpp"):
-        if peers is None:
-            raise ValueError(f"configuration {cfg.name!r} runs an engine: the replay needs its engines started")
-        return peers.runner(cfg)
+def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10) -> Runner:
+    """The callable for one of the runtime's or transformers' configurations (decoders and buffers built once,
+    here); an engine's comes from its pool of warm engines (``peer_runner``)."""
     if cfg.method in ("generate", "prompt_lookup"):
         extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens} if cfg.method == "prompt_lookup" else {}
         eos = list(loaded.eos_token_ids) or None
@@ -171,6 +166,13 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
                           "time_bookkeeping": st.time_bookkeeping})
 
     return SteppedRunner(run_steps)
+
+
+def peer_runner(cfg: MethodConfig, peers) -> Runner:
+    """An engine configuration's callable, from the pool of warm engines (``bench.engines.peers.PeerPool``)."""
+    if peers is None:
+        raise ValueError(f"configuration {cfg.name!r} runs an engine: the replay needs its engines started")
+    return peers.runner(cfg)
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         raise ValueError(f"configurations name heads {sorted(missing)[0]!r}, which the replay was not given")
     own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
            for c in configs}  # (base, heads) of each configuration
-    runners = {c.digest: make_runner(c, *own[c.digest], peers=peers) for c in configs}  # a name may run per fold
+    runners = {c.digest: peer_runner(c, peers) if c.method in ("vllm", "llama.cpp") else make_runner(c, *own[c.digest])
+               for c in configs}  # one name may run per fold, on its questions
     # a sampled configuration's repeats are its samples (each answer drawn with a seed of its own)
     rounds = max([cfg.repeats] + [c.samples for c in configs])
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds)
