@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
-FIGURES = ("predicted_vs_measured.png", "pareto_typical.png")
+FIGURES = ("predicted_vs_measured.png", "pareto_typical.png", "tokens_per_s_by_engine.png")
+ENGINE_NAMES = {"own": "this runtime", "transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
 
 
 def _num(v, fmt: str = ".2f") -> str:
@@ -37,14 +38,15 @@ def render(report: dict) -> str:
     q = report.get("questions", {})
     m = report.get("machine", {})
     v = report.get("verdict", {})
-    lines = [f"`nox -s bench` on {m.get('cpu_model') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores; decode steps on the C "
+    engines = any(c.get("engine") in ("vllm", "llama.cpp") for c in report["configs"])
+    lines = [f"`nox -s {'engines' if engines else 'bench'}` on {m.get('cpu_model') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores; decode steps on the C "
              f"forward: {m.get('lean_c_forward', '?')}), {report.get('created', '?')[:10]}: "
              f"{q.get('questions', '?')}, {len(q.get('replayed', []))} questions replayed in {len(q.get('folds', []))} "
              f"folds ({q.get('max_new_tokens', '?')} new tokens, bf16), calibrated on {q.get('calibration', '?')}.",
              "",
-             "| configuration | decoding | tree nodes | lookup | questions | tokens/s | tau | predicted tau | "
+             "| configuration | engine | decoding | tree nodes | lookup | questions | tokens/s | tau | predicted tau | "
              "speed-up vs plain (95 %) | predicted | outputs = plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in report["configs"]:
         ci = c.get("speedup_vs_plain_ci") or [None, None]
         name = f"**{c['config']}**" if c.get("searched") else c["config"]
@@ -52,7 +54,9 @@ def render(report: dict) -> str:
         t = c.get("temperature") or 0
         decoding = c.get("accept") or "greedy"
         decoding += f", T {t:g}" if t else ""
-        lines.append(f"| {name} | {decoding} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
+        decoding += f", {c['speculative']} {c.get('draft_tokens')}" if c.get("speculative") else ""
+        engine = ENGINE_NAMES.get(c.get("engine") or "own", c.get("engine"))
+        lines.append(f"| {name} | {engine} | {decoding} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
                      f"{c.get('questions', '-')} | {_num(c.get('tokens_per_s'), '.1f')} | "
                      f"{_num(c.get('tau'))} | {_num(c.get('predicted_tau'))} | {_num(c.get('speedup_vs_plain'))}x "
                      f"({_num(ci[0])}-{_num(ci[1])}) | {_num(c.get('predicted_speedup_vs_plain'))} | "
@@ -62,6 +66,15 @@ def render(report: dict) -> str:
         lines.append(f"The search's pick (**searched**, chosen per fold without that fold's questions) ran at "
                      f"{v['searched_vs_fastest']:.3f}x the fastest lossless (greedy) configuration measured "
                      f"({v['fastest']}).")
+    if v.get("fastest_engine"):
+        lines.append(f"Engines on the same questions: the fastest, {v['fastest_engine']}, "
+                     f"{v['fastest_engine_tokens_per_s']:.1f} tokens/s; the runtime's fastest, {v['fastest_own']}, "
+                     f"{v['own_vs_fastest_engine']:.2f}x it.")
+        medusa = [c for c in report["configs"] if c.get("predicted_accepted_per_position")]
+        if medusa:
+            worst = max(abs(e) for c in medusa for e in c.get("accepted_per_position_error") or [0])
+            lines.append(f"vLLM + Medusa: accepted drafts per chain position, as vLLM counted them, within {worst:.3f} "
+                         f"of the suite's prediction at every position of chains 1-{max(len(c['predicted_accepted_per_position']) for c in medusa)}.")
     if v.get("fastest_heads_only"):
         ci = v.get("fastest_heads_only_speedup_ci") or [None, None]
         lines.append(f"Medusa alone (heads, no lookup chain): fastest {v['fastest_heads_only']}, "

@@ -185,8 +185,11 @@ class LlamaServer:
             raise EngineError("llama.cpp is not built (python -m bench.pipeline --engines llama.cpp builds it)")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # weights read into the server's memory (--load-mode none), as the runtime's and vLLM's are: a mapped
+        # file's pages may be dropped under memory pressure and read again in the middle of an answer
         args = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
-                "-np", "1", "-t", str(threads or len(os.sched_getaffinity(0))), "--no-webui", *extra]
+                "-np", "1", "-t", str(threads or len(os.sched_getaffinity(0))), "--no-webui", "--load-mode", "none",
+                *extra]
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
