@@ -218,8 +218,11 @@ def plot_engines_headline(rows: list[dict], out_dir: str | Path) -> list[Path]:
                 xerr=[[r["tokens_per_s"] - lo], [hi - r["tokens_per_s"]]], capsize=3, error_kw={"lw": 0.8})
         ax.text(hi, yi, f"  {r['tokens_per_s']:.0f}", va="center", fontsize=8)
     ax.set_yticks(y)
-    ax.set_yticklabels([f"{ENGINE_LABELS.get(r.get('engine', 'own'), r.get('engine'))}: {r['config']}" for r in shown],
-                       fontsize=8)
+    def label(r: dict) -> str:  # engines' configurations carry the engine's name already
+        engine = r.get("engine", "own")
+        return r["config"] if r["config"].startswith(engine) else f"{ENGINE_LABELS.get(engine, engine)}: {r['config']}"
+
+    ax.set_yticklabels([label(r) for r in shown], fontsize=8)
     ax.set_xlabel("tokens/s (greedy, batch 1; 95 % interval over questions)")
     ax.set_title("Engines side by side: plain and fastest speculative configuration (red: this runtime)")
     ax.set_xlim(0, max((r.get("tokens_per_s_ci") or [0, r["tokens_per_s"]])[1] for r in shown) * 1.15)

@@ -54,7 +54,7 @@ def render(report: dict) -> str:
         t = c.get("temperature") or 0
         decoding = c.get("accept") or "greedy"
         decoding += f", T {t:g}" if t else ""
-        decoding += f", {c['speculative']} {c.get('draft_tokens')}" if c.get("speculative") else ""
+        decoding += f", {c['speculative']} {_setting(c.get('draft_tokens'))}" if c.get("speculative") else ""
         engine = ENGINE_NAMES.get(c.get("engine") or "own", c.get("engine"))
         lines.append(f"| {name} | {engine} | {decoding} | {_setting(c.get('tree_nodes'))} | {_setting(c.get('lookup'))} | "
                      f"{c.get('questions', '-')} | {_num(c.get('tokens_per_s'), '.1f')} | "

@@ -139,7 +139,7 @@ def _engine_fields(cfg: MethodConfig, sub: pd.DataFrame, predicted: list[float] 
     """An engine row's own figures: its speculative decoding as the engine counted it, the prediction of its
     accepted drafts per position, its start-up (apart from the answers)."""
     counts = counters_summary(sub.to_dict("records")) if cfg.speculative else {}
-    out = {"speculative": cfg.speculative, "draft_tokens": cfg.draft_tokens or None,
+    out = {"speculative": cfg.speculative, "draft_tokens": int(cfg.draft_tokens) or None,
            "weights": Path(cfg.weights).name if cfg.weights else None, "startup_s": startup,
            "draft_acceptance": counts.get("draft_acceptance"),
            "accepted_per_position": counts.get("accepted_per_position"),
