@@ -41,7 +41,7 @@ class EngineSettings:
 
     vllm_python: str | None = None  # the interpreter of vLLM's environment (None: $MEDUSA_VLLM_PYTHON)
     vllm_kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE per vLLM engine: a batch of one needs little
-    vllm_eager: bool = True  # enforce_eager: no torch.compile warm-up (minutes on 2 cores)
+    vllm_eager: bool = True  # enforce_eager: no torch.compile warm-up at each engine's start
     llama_threads: int | None = None  # llama.cpp's -t (None: every core the process may use)
     medusa_chains: tuple[int, ...] = (1, 2, 3, 4)  # vLLM + Medusa: chain lengths (those past the heads' count dropped)
     ngram_tokens: int = 4  # vLLM's n-gram proposer and llama.cpp's lookup: tokens drafted per step
