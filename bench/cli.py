@@ -31,6 +31,7 @@ from bench.jobs import CalibrateJob, JudgeJob, ProfileJob, ReplayJob, SearchJob,
 from medusa_runtime.train_profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
+from treesearch.targets import TARGETS
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy: search heads trees only (default: every configuration the runtime runs, no heads, "
                         "lookup chain and gate included, when the statistics carry rollout tokens and --latency is given)")
     p.add_argument("--max-lookup", type=int, help="longest prompt-lookup chain a configuration may use")
+    p.add_argument("--target", choices=list(TARGETS),
+                   help="where the result is deployed: own (this runtime: trees, lookup, gates), vllm or tgi (the "
+                        "heads' top-1 chain only), trtllm (trees of at most 63 nodes); engines: no lookup, no gate")
     p.add_argument("--exclude-ids", nargs="+", metavar="ID",
                    help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
                         "search's pick will be measured on)")
@@ -351,14 +355,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_search, **SearchJob.defaults())
 
-    p = sub.add_parser("export", help="print a tree for a server: official Python list, TensorRT-LLM, vLLM")
-    p.add_argument("tree", help="tree JSON file or preset name")
+    p = sub.add_parser("export", help="deploy a search's tree.json to an engine (--target, --out), or print a tree "
+                                      "for a server (--format)")
+    p.add_argument("tree", help="tree JSON file (the bench's results/bench/tree.json) or preset name")
+    p.add_argument("--target", choices=list(TARGETS), default=None,
+                   help="write everything this target loads into --out (heads, speculative config / medusa_choices / "
+                        "LLM API options / TGI speculate); refused in one line where it cannot run the configuration")
+    p.add_argument("--out", default=None, help="with --target: the folder to write (replaced atomically)")
+    p.add_argument("--model", default="default", help="with --target: the base model the heads belong to")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="with --target: dtype of the written weights")
+    p.add_argument("--base-model", default=None,
+                   help="with --target trtllm / tgi: the base the engine loads (default: --model)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--format", default="python", choices=list(EXPORT_FORMATS),
                    help="trtllm: the --medusa_choices argument; trtllm-config: the LLM API / trtllm-serve "
                         "speculative_config (JSON, also YAML); vllm: --speculative-config (its Medusa drafts a "
                         "top-1 chain: a tree is exported as its chain, with a note)")
-    p.add_argument("--num-heads", type=int, default=None, help="the engine's Medusa heads (trtllm-config; "
-                   "default: the tree's depth); a deeper tree is refused")
+    p.add_argument("--num-heads", type=int, default=None, help="trtllm-config: the heads in the checkpoint "
+                   "(TensorRT-LLM's num_medusa_heads, required); a deeper tree is refused")
     p.add_argument("--max-draft-len", type=int, default=TRTLLM_MAX_DRAFT_LEN,
                    help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
     p.add_argument("--draft-model", default=None,

@@ -200,6 +200,7 @@ class SearchJob(Job):
     max_regret: float = 0.05
     trees_only: bool = False
     max_lookup: int = 8
+    target: str = "own"  # own | vllm | trtllm | tgi (treesearch.targets)
     exclude_ids: tuple[str, ...] = ()
     out: str = "results/tree.json"
     plots: str | None = None

@@ -31,6 +31,7 @@ from bench.engines import parse_engines
 from bench.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
 from bench.matrix import baseline_configurations, replay_configurations, sampled_configurations
 from bench.stages import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
+from treesearch.targets import TARGETS, heads_conditioning
 from treesearch.tree import write_json_atomic
 from treesearch.typical import SEARCH_TEMPERATURE
 
@@ -83,6 +84,7 @@ class BenchOptions:
     max_new_tokens: int | None = None  # per replayed turn and calibration rollout (None: the profile's)
     engines: tuple[str, ...] = ()  # serving engines replayed beside the runtime (bench.engines: vllm, llama.cpp)
     vllm_python: str | None = None  # the interpreter of vLLM's environment (None: $MEDUSA_VLLM_PYTHON)
+    target: str = "own"  # where the final configuration is deployed: own | vllm | trtllm | tgi (treesearch.targets)
 
     def model_fields(self) -> dict[str, str]:
         """What every stage's job gets to load the same model the same way."""
@@ -113,8 +115,13 @@ def _cached(cache: StageCache, name: str, job: Job, outputs: list[Path]) -> bool
 
 def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     """The shipped heads, or heads trained with the quick profile (``--retrain``)."""
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads import SHIPPED, shipped_heads_dir
 
+    if opts.heads in SHIPPED and opts.heads != "default" and not opts.retrain:
+        folder = shipped_heads_dir(opts.heads)
+        if folder is None or opts.model != "default":
+            raise ValueError(f"the shipped '{opts.heads}' heads belong to the default model: pass --heads FOLDER")
+        return folder
     if opts.heads not in ("default", "none") and not opts.retrain:
         folder = Path(opts.heads)
         if not (folder / "config.json").is_file():
@@ -218,16 +225,23 @@ def _ids_digest(ids) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:8]
 
 
-def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict
-                 ) -> tuple[list[Path], list[Path]]:
-    """Per fold, fitted without the fold's questions: the configuration search, and one without lookup chains
-    (Medusa alone, what engines without prompt lookup serve); and the typical search. Returns both lists of
-    per-fold files."""
-    db = out / "treesearch.db"
-    study = f"bench-{file_hash(acc)}-{file_hash(lat)}"
+def _study(acc: Path, lat: Path) -> str:
+    return f"bench-{file_hash(acc)}-{file_hash(lat)}"
+
+
+def _search_fields(prof: BenchProfile, out: Path, acc: Path, lat: Path) -> dict:
+    return {"acceptance": str(acc), "latency": str(lat), "budget": prof.search_budget, "trials": prof.search_trials,
+            "storage": f"sqlite:///{out / 'treesearch.db'}", "quiet": True}
+
+
+def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict,
+                 target: str = "own") -> tuple[list[Path], list[Path]]:
+    """Per fold, fitted without the fold's questions: the configuration search for the target, and one without
+    lookup chains (Medusa alone, what engines without prompt lookup serve); and the typical search (this
+    runtime's). Returns both lists of per-fold files."""
+    study = _study(acc, lat) + ("" if target == "own" else f"-{target}")
     files, heads_only = [], []
-    common = {"acceptance": str(acc), "latency": str(lat), "budget": prof.search_budget, "trials": prof.search_trials,
-              "storage": f"sqlite:///{db}", "quiet": True}
+    common = {**_search_fields(prof, out, acc, lat), "target": target}
     for f, fold in enumerate(workload["folds"]):
         path = out / "search" / f"fold-{f}.json"
         files.append(path)
@@ -242,10 +256,32 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
-    job = SearchJob(**common, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
+    job = SearchJob(**{**common, "target": "own"}, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
                     exclude_ids=tuple(map(str, fold0)), out=str(typical), plots=str(out / "plots"))
     _cached(cache, "search-typical", job, [typical])
     return files, heads_only
+
+
+def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path,
+                workload: dict, heads: Path) -> Path:
+    """The configuration to deploy on the target (``tree.json``): its search fitted on every replayed question
+    (the folds check the procedure; this is its result), with the heads it needs and its prediction with
+    intervals (``treesearch.deploy``)."""
+    from bench.deploy import heads_reference
+    from treesearch.cost import load_profile
+    from treesearch.deploy import write_final
+    from treesearch.stats import load_stats
+
+    search = out / "search" / f"final-{opts.target}.json"
+    replayed = tuple(map(str, workload["replayed"]))
+    job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target,
+                    study=f"{_study(acc, lat)}-final-{opts.target}-{_ids_digest(replayed)}", out=str(search))
+    _cached(cache, f"search-final-{opts.target}", job, [search])
+    # the acceptance file holds the replayed questions' rollouts (or, with --calibration, another prompt set's)
+    fitted = list(replayed) if opts.calibration is None else None
+    path = write_final(search, load_stats(acc), load_profile(lat), heads_reference(heads), out / "tree.json", fitted)
+    _log(f"[bench] the configuration to deploy ({opts.target}): {path}")
+    return path
 
 
 def stage_engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache):
@@ -360,7 +396,8 @@ def run(opts: BenchOptions) -> None:
         acc = stage_calibrate(opts, prof, out, cache, heads, workload)
         peers = _engines(opts, prof, out, cache)
         lat = stage_profile(opts, prof, out, cache, heads, acc)
-        searches = stage_search(prof, out, cache, acc, lat, workload)
+        searches = stage_search(prof, out, cache, acc, lat, workload, opts.target)
+        stage_final(opts, prof, out, cache, acc, lat, workload, heads)
         stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload, peers)
     stage_quality(opts, out, cache)
     from bench.report import report
@@ -444,6 +481,26 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _target_heads(target: str, heads: str, retrain: bool) -> str:
+    """The heads a target decodes with: an engine runs no root- or path-conditioned heads, so the shipped default
+    (path-conditioned) gives way to the shipped unconditioned set; heads it cannot run are refused now."""
+    from medusa_runtime.heads import heads_folder
+
+    if target == "own" or heads == "none":
+        return heads
+    if retrain:
+        raise ValueError(f"--target {target}: --retrain trains path-conditioned heads, which {TARGETS[target].engine} "
+                         "does not run; train unconditioned ones (medusa-bench train --condition none) and pass --heads")
+    heads = "unconditioned" if heads == "default" else heads
+    folder = heads_folder(heads)
+    if folder is not None and (folder / "config.json").is_file():
+        conditioning = heads_conditioning(json.loads((folder / "config.json").read_text()))
+        if conditioning != "none":
+            raise ValueError(f"--target {target}: {TARGETS[target].engine} does not run {conditioning}-conditioned "
+                             f"heads ({heads}); pass unconditioned ones")
+    return heads
+
+
 def _write_command(out: Path, argv: list[str], opts: BenchOptions) -> None:
     """command.json: how this run was started (the report shows it), beside the options it resolved to."""
     import shlex
@@ -496,15 +553,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", default=None, metavar="LIST",
                         help="serving engines replayed beside the runtime, comma-separated: vllm, llama.cpp (nox -s "
                              "engines installs them; llama.cpp is built into the cache on first use)")
+    parser.add_argument("--target", default="own", choices=list(TARGETS),
+                        help="where the final configuration (OUT/tree.json) is deployed: own (this runtime), vllm, "
+                             "trtllm, tgi; the searches range over what it runs, and an engine target decodes with "
+                             "the shipped unconditioned heads unless --heads names others it runs")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help="with --engines vllm: the Python of vLLM's environment (default: $MEDUSA_VLLM_PYTHON)")
     args = parser.parse_args(argv)
     try:
+        args.heads = _target_heads(args.target, args.heads, args.retrain)
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
                             compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
                             guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
-                            engines=parse_engines(args.engines), vllm_python=args.vllm_python)
+                            engines=parse_engines(args.engines), vllm_python=args.vllm_python,
+                            target=args.target)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),

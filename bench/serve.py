@@ -14,6 +14,8 @@ def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -
                                                       "(plain decoding)")
     p.add_argument("--tree", default="chain:2", help="the heads' tree: preset, chain:N or a tree JSON (a search's pick)")
     p.add_argument("--lookup", type=int, default=0, help="prompt-lookup draft tokens beside the tree (0: none)")
+    p.add_argument("--gate", type=float, default=0.0,
+                   help="confidence gate on the tree's levels (0: off; a search's pick may carry one)")
     p.add_argument("--name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
@@ -27,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from treesearch.tree import load_tree
 
     cfg = ServeConfig(args.name or args.model, args.host, args.port, args.max_tokens,
-                      None if args.heads in (None, "none") else args.tree, lookup=args.lookup)
+                      None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate)
     if cfg.tree is not None:
         load_tree(cfg.tree)  # a bad tree fails before the model loads
     loaded, heads = _model_and_heads(args)

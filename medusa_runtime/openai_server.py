@@ -44,6 +44,7 @@ class ServeConfig:
     tree: str | None = None  # the heads' tree (None: plain decoding)
     topk: int = 10
     lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
+    gate: float = 0.0  # confidence gate on the tree's levels (DecodeConfig.gate; 0: off)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -52,6 +53,8 @@ class ServeConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.lookup < 0:
             raise ValueError(f"lookup must be >= 0, got {self.lookup}")
+        if not 0.0 <= self.gate <= 1.0:
+            raise ValueError(f"gate must be within [0, 1], got {self.gate}")
 
 
 class RequestError(ValueError):
@@ -98,7 +101,8 @@ class ChatService:
             self._decoders[temperature] = MedusaDecoder(self.loaded, self.heads, tree,
                                                         AcceptConfig(rule=rule, temperature=temperature),
                                                         DecodeConfig(topk=self.cfg.topk,
-                                                                     lookup=LookupConfig(self.cfg.lookup)))
+                                                                     lookup=LookupConfig(self.cfg.lookup),
+                                                                     gate=self.cfg.gate if tree is not None else 0.0))
         return self._decoders[temperature]
 
     def complete(self, req: ChatRequest) -> Completion:

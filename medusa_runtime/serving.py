@@ -162,6 +162,40 @@ def tgi_config(heads: MedusaHeads, base_model: str) -> dict:
             "base_model_name_or_path": base_model, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
 
 
+TRTLLM_WEIGHTS = "medusa_lm_head.safetensors"  # TensorRT-LLM's load_medusa_hf reads .pt, else this file
+
+
+def trtllm_config(heads: MedusaHeads, base_model: str) -> dict:
+    """``config.json`` of the heads folder as TensorRT-LLM reads it (``tensorrt_llm/models/medusa/config.py``:
+    ``num_medusa_heads`` and ``medusa_num_layers``; its LLM API falls back to ``medusa_num_heads``)."""
+    cfg = heads.config
+    return {"medusa_num_heads": cfg.num_heads, "num_medusa_heads": cfg.num_heads,
+            "medusa_num_layers": cfg.num_layers, "base_model_name_or_path": base_model,
+            "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+
+
+def export_trtllm(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.PathLike[str], base_model: str,
+                  dtype: torch.dtype = torch.float16, warn: Callable[[str], None] | None = None, base=None) -> Path:
+    """Write the TensorRT-LLM Medusa folder (atomically): each head's blocks and its own full-vocabulary
+    projection in the official layout (``{i}.{j}.linear.weight|bias``, ``{i}.{L}.weight``: what
+    ``tensorrt_llm/models/medusa/weight.py`` reads per head and layer) and ``config.json``."""
+    reason = engine_refusal(heads, "TensorRT-LLM")
+    if reason:
+        raise HeadsError(reason)
+    if base is not None:
+        base_model = str((Path(out_dir) / BASE_DIR).resolve())
+    if heads.draft_vocab is not None and warn is not None:
+        warn(f"TensorRT-LLM scores the whole vocabulary: the heads' {heads.draft_vocab.numel()}-token draft "
+             "vocabulary is dropped, so it may propose tokens outside it")
+    weights = {k: v.to(dtype) for k, v in checkpoint_state_dict(heads, "official", lm_weight).items()}
+    with atomic_dir(out_dir) as tmp:
+        save_file(weights, str(tmp / TRTLLM_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(trtllm_config(heads, base_model), indent=1) + "\n")
+        if base is not None:
+            write_base(base.model, base.tokenizer, tmp / BASE_DIR, dtype)
+    return Path(out_dir)
+
+
 def export_tgi(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.PathLike[str], base_model: str,
                dtype: torch.dtype = torch.float16, warn: Callable[[str], None] | None = None, base=None) -> Path:
     """Write the TGI Medusa folder (atomically): ``config.json`` and ``medusa_lm_head.safetensors``;

@@ -18,12 +18,10 @@ import json
 import sys
 from collections.abc import Callable
 
+from .targets import TRTLLM_MAX_DRAFT_LEN
 from .tree import Tree, TreeError
 
 FORMATS = ("python", "trtllm", "trtllm-config", "vllm", "json")
-# TensorRT-LLM's Medusa examples build their engines with max_draft_len 63 (examples/llm-api/
-# llm_medusa_decoding.py, examples/medusa): the draft tokens (tree nodes) one step may verify
-TRTLLM_MAX_DRAFT_LEN = 63
 
 
 def to_python(tree: Tree, name: str | None = None) -> str:
@@ -52,10 +50,14 @@ def to_trtllm(tree: Tree, max_draft_len: int = TRTLLM_MAX_DRAFT_LEN) -> str:
 
 
 def to_trtllm_config(tree: Tree, num_heads: int | None = None, max_draft_len: int = TRTLLM_MAX_DRAFT_LEN) -> str:
-    """``{"speculative_config": MedusaDecodingConfig fields}`` for the LLM API and ``trtllm-serve``."""
+    """``{"speculative_config": MedusaDecodingConfig fields}`` for the LLM API and ``trtllm-serve``:
+    ``max_draft_len`` is the draft tokens a step verifies (the tree's nodes), ``num_medusa_heads`` the heads in
+    the checkpoint (its loader reads that many heads), not the tree's depth."""
+    if num_heads is None:
+        raise TreeError("TensorRT-LLM's num_medusa_heads is the heads checkpoint's head count, not the tree's depth: "
+                        "pass --num-heads (or export a search's tree.json with --target trtllm)")
     check_trtllm(tree, num_heads, max_draft_len)
-    spec = {"decoding_type": "Medusa", "max_draft_len": len(tree.paths),
-            "num_medusa_heads": num_heads if num_heads is not None else tree.depth,
+    spec = {"decoding_type": "Medusa", "max_draft_len": len(tree.paths), "num_medusa_heads": num_heads,
             "medusa_choices": tree.as_lists()}
     return json.dumps({"speculative_config": spec}, indent=1)
 

@@ -43,6 +43,7 @@ from .ngram import MAX_LOOKUP
 from .optimal import Constraints, JointModel, PathModel, expected_depth, model_for, optimal_tree
 from .replay import Decoding, ReplayResult, replay
 from .stats import AcceptanceStats, StatsError, tau_step_walk
+from .targets import TARGETS, Target
 from .tree import Tree, load_tree, make_tree, read_json, save_tree
 from .typical import TypicalParams, typical_walk
 
@@ -67,6 +68,7 @@ class SearchConfig:
     max_lookup: int = MAX_LOOKUP  # longest prompt-lookup chain a configuration may draft
     heartbeat: int = 5  # seconds between a running trial's heartbeats
     grace: int = 20  # seconds without one after which another worker fails the trial and re-enqueues it
+    target: str = "own"  # where the configuration is deployed (treesearch.targets): the space is what it runs
 
     def __post_init__(self) -> None:
         if self.accept not in ("greedy", "typical"):
@@ -81,6 +83,11 @@ class SearchConfig:
             raise StatsError(f"unknown objective {self.objective!r}; use tau or speedup")
         if not 0 <= self.max_lookup <= 32:
             raise StatsError(f"max_lookup must be within 0..32, got {self.max_lookup}")
+        if self.target not in TARGETS:
+            raise StatsError(f"unknown target {self.target!r}; use one of {', '.join(TARGETS)}")
+        if self.target != "own" and self.accept != "greedy":
+            raise StatsError(f"--target {self.target}: the engines' Medusa acceptance is greedy (typical acceptance "
+                             "is this runtime's)")
         if self.heartbeat < 1 or self.grace <= self.heartbeat:
             raise StatsError(f"heartbeat must be >= 1 s and the grace period longer, got {self.heartbeat} / {self.grace}")
 
@@ -179,6 +186,9 @@ class TreeObjective:
 
     def __init__(self, stats: AcceptanceStats, cfg: SearchConfig, latency: LatencyProfile | None):
         self.stats, self.cfg, self.latency = stats, cfg, latency
+        self.target: Target = TARGETS[cfg.target]
+        self.budget = min(cfg.budget, self.target.max_nodes or cfg.budget)  # the target's own draft limit
+        self.max_lookup = cfg.max_lookup if self.target.lookup else 0
         self.model = model_for(stats, cfg.joint)
         self.objective = cfg.objective if cfg.objective != "auto" else ("speedup" if latency else "tau")
         if self.objective == "speedup" and latency is None:
@@ -224,12 +234,18 @@ class TreeObjective:
         return TypicalParams(trial.suggest_float("posterior_threshold", 0.01, 0.5, log=True),
                              trial.suggest_float("posterior_alpha", 0.03, 1.0, log=True))
 
+    def chain(self, depth: int) -> Tree:
+        """The heads' top-1 chain of ``depth`` tokens, all a chain-only target drafts."""
+        return make_tree([[0] * d for d in range(1, depth + 1)], name=f"chain:{depth}")
+
     def suggest_tree(self, trial: optuna.Trial) -> Tree:
         baseline = trial.user_attrs.get("baseline_tree")
         if baseline:
             return load_tree(baseline)
         k, topk = self.stats.num_heads, self.stats.topk
-        params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.cfg.budget), self.cfg.budget,
+        if self.target.chain_only:
+            return self.chain(trial.suggest_int("depth", 1, min(k, self.budget)))
+        params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.budget), self.budget,
                                              log=True),
                   "depth": trial.suggest_int("depth", 1, k)}
         for d in range(k):  # suggested for every depth so the space is fixed; used up to 'depth'
@@ -239,12 +255,13 @@ class TreeObjective:
     def suggest_configuration(self, trial: optuna.Trial) -> tuple[Tree | None, int, float]:
         """(tree or None, lookup tokens, gate): heads or none, then the tree, the lookup chain and the gate."""
         heads = bool(trial.user_attrs.get("baseline_tree")) or trial.suggest_categorical("heads", [False, True])
-        lookup = trial.suggest_int("lookup", 0, self.cfg.max_lookup)
+        lookup = trial.suggest_int("lookup", 0, self.max_lookup)
         if not heads:
             return None, lookup, 0.0
         tree = self.suggest_tree(trial)
         gate = 0.0
-        if not trial.user_attrs.get("baseline_tree") and trial.suggest_categorical("gated", [False, True]):
+        if self.target.gates and not trial.user_attrs.get("baseline_tree") \
+                and trial.suggest_categorical("gated", [False, True]):
             gate = trial.suggest_float("gate", 0.02, 0.9, log=True)
             if any((0,) * d not in set(tree.paths) for d in range(1, tree.depth + 1)):
                 raise optuna.TrialPruned("the gate reads the top-1 chain, which this tree does not hold")
@@ -358,14 +375,19 @@ def _warm_start_params(k: int, topk: int, budget: int, accept: str) -> dict[str,
     return params
 
 
-def _configuration_seeds(warm: dict[str, float], cfg: SearchConfig) -> list[dict[str, Any]]:
+def _configuration_seeds(warm: dict[str, float], objective: TreeObjective) -> list[dict[str, Any]]:
     """Trials every configuration search starts from: plain decoding, plain + lookup chains, the one-node
-    tree, a small and the full-budget optimum, each without and with a lookup chain."""
-    lookups = sorted({0, min(4, cfg.max_lookup), cfg.max_lookup})
+    tree, a small and the full-budget optimum, each without and with a lookup chain (a chain-only target:
+    every chain)."""
+    budget, max_lookup = objective.budget, objective.max_lookup
+    lookups = sorted({0, min(4, max_lookup), max_lookup})
     seeds: list[dict[str, Any]] = [{"heads": False, "lookup": n} for n in lookups]
-    for nodes in sorted({1, min(4, cfg.budget), cfg.budget}):
+    if objective.target.chain_only:
+        return seeds + [{"heads": True, "depth": d, "lookup": 0} for d in range(1, int(warm["depth"]) + 1)]
+    gated = {"gated": False} if objective.target.gates else {}
+    for nodes in sorted({1, min(4, budget), budget}):
         for n in lookups[:2]:
-            seeds.append({**warm, "heads": True, "nodes": nodes, "lookup": n, "gated": False})
+            seeds.append({**warm, "heads": True, "nodes": nodes, "lookup": n, **gated})
     return seeds
 
 
@@ -399,14 +421,23 @@ def _seed(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective, stat
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names(["speedup" if objective.objective == "speedup" else "tau"]
                                + (["minus_regret"] if cfg.accept == "typical" else []))
-    warm = _warm_start_params(stats.num_heads, stats.topk, cfg.budget, cfg.accept)
-    seeds = [(p, {}) for p in (_configuration_seeds(warm, cfg) if objective.configurations else [warm])]
-    if cfg.baseline:
+    warm = _warm_start_params(stats.num_heads, stats.topk, objective.budget, cfg.accept)
+    if objective.target.chain_only:
+        warm = {"depth": min(stats.num_heads, objective.budget)}
+    seeds = [(p, {}) for p in (_configuration_seeds(warm, objective) if objective.configurations else [warm])]
+    if cfg.baseline and _baseline_runs(cfg.baseline, objective):
         typical = {k: v for k, v in warm.items() if k.startswith("posterior_")}
         seeds.append(({**typical, **({"lookup": 0} if objective.configurations else {})},
                       {"baseline_tree": cfg.baseline}))
     for i, (params, attrs) in enumerate(seeds):
         study.enqueue_trial(params, user_attrs={**attrs, "seed": i})
+
+
+def _baseline_runs(name: str, objective: TreeObjective) -> bool:
+    """Whether the official baseline tree is one the target runs (not for a chain-only one)."""
+    tree = load_tree(name)
+    return not objective.target.chain_only and len(tree.paths) <= objective.budget \
+        and tree.depth <= objective.stats.num_heads
 
 
 def _waiting(study: optuna.Study) -> int:
@@ -420,7 +451,8 @@ def _complete(study: optuna.Study) -> int:
 def _guards(cfg: SearchConfig, objective: TreeObjective, stats: AcceptanceStats) -> dict[str, Any]:
     """What a study's trials were computed from; workers with other inputs are refused."""
     return {"objective": objective.objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
-            "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees"}
+            "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees",
+            "target": cfg.target}
 
 
 def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective,
@@ -429,7 +461,7 @@ def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: Tree
     have = study.user_attrs
     for k, v in _guards(cfg, objective, stats).items():
         # studies from before 'accept' were greedy, and searched trees only
-        if have.get(k, {"accept": "greedy", "space": "trees"}.get(k)) != v:
+        if have.get(k, {"accept": "greedy", "space": "trees", "target": "own"}.get(k)) != v:
             raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
                              "use another --study-name")
 
@@ -471,9 +503,15 @@ def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) ->
     if not complete:
         raise StatsError(f"study {cfg.study_name!r} has no complete trial")
     best_trial = _pick_best(complete, cfg)
-    opt_tree, _ = optimal_tree(objective.model, cfg.budget, name=f"optimal-{cfg.budget}")
     default = TypicalParams() if cfg.accept == "typical" else None  # optimum and baseline: the paper's thresholds
-    baseline = objective.score(load_tree(cfg.baseline), default) if cfg.baseline else None
+    if objective.target.chain_only:  # the best chain, each scored (there are at most K)
+        depth = min(objective.stats.num_heads, objective.budget)
+        opt_tree = max((objective.chain(d) for d in range(1, depth + 1)),
+                       key=lambda t: objective.value(objective.score(t)))
+    else:
+        opt_tree, _ = optimal_tree(objective.model, objective.budget, name=f"optimal-{objective.budget}")
+    baseline = objective.score(load_tree(cfg.baseline), default) \
+        if cfg.baseline and _baseline_runs(cfg.baseline, objective) else None
     pareto = []
     if cfg.accept == "typical":
         front = sorted(study.best_trials, key=lambda t: t.values[0])
@@ -516,13 +554,16 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
     provenance: dict[str, Any] = {
         "model": stats.meta.get("model"), "heads": stats.meta.get("heads"),
         "acceptance_file": acceptance_file, "acceptance_sha256": stats.sha256, "latency_file": latency_file,
-        "node_budget": cfg.budget, "predicted_tau": round(tree_score.tau, 6),
+        "node_budget": min(cfg.budget, TARGETS[cfg.target].max_nodes or cfg.budget), "predicted_tau": round(tree_score.tau, 6),
         "predicted_speedup": round(tree_score.speedup, 6) if tree_score.speedup is not None else None,
         "estimator": "joint replay" if joint else "independence",
         "search": {"tool": "optuna", "study": cfg.study_name, "storage": cfg.storage, "objective": result.objective,
                    "space": result.space,
                    "trials_complete": result.trials_complete, "seed": cfg.seed},
     }
+    target = TARGETS[cfg.target]
+    provenance["target"] = target.name
+    provenance["cost_model"] = cost_model(target, latency_file)
     if "selected" in stats.meta:  # a fold of a cross-fitted workload: which rollouts it was fitted on
         provenance["fitted_on"] = stats.meta["selected"]
     if tree_score.lookup or tree_score.gate:
@@ -546,6 +587,17 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
                 "fastest configuration with heads" + (f" ({headed.label}, predicted {headed.speedup:.3f}x)"
                                                       if headed is not None and headed.speedup else ""))
     return save_tree(tree_score.tree, out, **provenance)
+
+
+def cost_model(target: Target, latency_file: str | None) -> str:
+    """What the predicted speed-ups were priced with, in words (tree.json's ``cost_model``)."""
+    if latency_file is None:
+        return "none: tau only, no latency profile"
+    if target.name == "own":
+        return f"this runtime's measured step costs ({latency_file})"
+    return (f"this runtime's measured step costs ({latency_file}), not {target.engine}'s: the speed-up is what this "
+            f"runtime gains from the configuration {target.engine} runs; {target.engine}'s own step costs are "
+            "measured by the engines session (nox -s engines)")
 
 
 def load_recommendation(path: str | Path, with_heads: bool = False) -> Decoding:

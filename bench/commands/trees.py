@@ -30,7 +30,8 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
                        study_name=job.study, seed=job.seed, joint=joint, min_budget=job.min_budget,
                        heartbeat=job.heartbeat, grace=job.grace_period,
                        context=job.context, baseline=job.baseline, accept=job.accept,
-                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.max_lookup)
+                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.max_lookup,
+                       target=job.target)
     result = run_search(stats, cfg, latency, show_progress=not job.quiet)
     path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
     lines = [format_search_table(result)]
@@ -80,8 +81,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     from treesearch.export import export_tree
     from treesearch.tree import load_tree
 
+    if args.target is not None:
+        return _export_target(args)
+    if args.out is not None:
+        raise ValueError("--out writes a deployment: name its --target (own, vllm, trtllm, tgi)")
     print(export_tree(load_tree(args.tree), args.format, num_heads=args.num_heads, max_draft_len=args.max_draft_len,
                       model=args.draft_model))
+    return 0
+
+
+def _export_target(args: argparse.Namespace) -> int:
+    from bench.deploy import export
+
+    if args.out is None:
+        raise ValueError(f"--target {args.target} writes a folder: name it with --out DIR")
+    res = export(args.tree, args.target, args.out, model=args.model, dtype=args.dtype, base_model=args.base_model,
+                 log=_log)
+    lines = [f"written: {res['out']} (for {args.target})"] + [f"note: {n}" for n in res.get("notes", [])]
+    if "speculative_config" in res and args.target == "vllm":
+        lines.append(f"speculative config ({res['out']}/speculative_config.json): "
+                     f"{json.dumps(res['speculative_config'])}")
+    lines.append(f"serve it:\n  {res['command']}")
+    _result(args, res, "\n".join(lines))
     return 0
 
 
