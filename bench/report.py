@@ -115,6 +115,30 @@ def _machine_folder(out: Path, machine: str, records: list[dict]) -> Path:
     return folder
 
 
+def deploy_summary(out: Path) -> dict | None:
+    """What report.json says of the configuration to deploy (the run's tree.json), None without one."""
+    final = _read(out / "tree.json")
+    if not final or "configuration" not in final:
+        return None
+    return {"tree": "tree.json", "target": final.get("target"), "configuration": final["configuration"],
+            "heads": final.get("heads"), "prediction": final.get("prediction"), "cost_model": final.get("cost_model")}
+
+
+def deploy_line(deploy: dict | None) -> str:
+    """One sentence on the configuration to deploy, for summary.md and the page."""
+    if not deploy:
+        return ""
+    conf, pred, heads = deploy["configuration"], deploy.get("prediction") or {}, deploy.get("heads") or {}
+    what = (f"{len(conf['medusa_choices'])}-node tree" if conf.get("medusa_choices") else "no heads")
+    extra = "".join([f", lookup {conf['lookup']}" if conf.get("lookup") else "",
+                     f", gate {conf['gate']:g}" if conf.get("gate") else ""])
+    ci = pred.get("speedup_vs_plain_ci") or [float("nan")] * 2
+    return (f"To deploy ({deploy['target']}): tree.json, a {what}{extra} on the heads "
+            f"{heads.get('name') or heads.get('path')}, predicted {pred.get('speedup_vs_plain', float('nan')):.3f}x "
+            f"plain decoding ({ci[0]:.3f}-{ci[1]:.3f}), tau {pred.get('tau', float('nan')):.3f}; "
+            f"medusa-bench export tree.json --target {deploy['target']} --out DIR writes what it needs.")
+
+
 def report(out: Path) -> list[Path]:
     from bench.scorecard import write_report
 
@@ -156,10 +180,13 @@ def report(out: Path) -> list[Path]:
         section = scorecard_section(card, verdict) + (f"\nPredicted speeds are priced with "
                                                       f"{questions['predictions_priced_with']}.\n"
                                                       if verdict["predictions"] else "")
+        if line := deploy_line(deploy_summary(out)):
+            section += f"\n{line}\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions,
                                                     "quality": quality_of(card, quality, judged),
-                                                    "distribution_checks": (quality or {}).get("distribution_checks")},
+                                                    "distribution_checks": (quality or {}).get("distribution_checks"),
+                                                    "deploy": deploy_summary(out)},
                                     out / "report.json"))
     if any(p.name == "report.json" for p in written):  # the headline: every engine's plain and fastest speculative configuration
         from bench.plots import plot_engines_headline

@@ -230,4 +230,6 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
            "versions": meta.get("versions", {}), "questions": meta.get("questions", {}),
            "verdict": {k: clean(v) for k, v in summary.items()}, "configs": configs,
            "distribution_checks": meta.get("distribution_checks") or []}
+    if meta.get("deploy"):
+        obj["deploy"] = meta["deploy"]
     return write_json_atomic(out, obj)

@@ -1,5 +1,6 @@
 """The real engines, started (marker ``engines``; ``nox -s engines`` installs vLLM and runs these after the
-bench): vLLM 0.32 loads and runs the heads the suite exports for it, llama.cpp's server answers greedy and
+bench): vLLM 0.32 loads and runs the heads the suite exports for it (the engines stage's and ``medusa-bench
+export --target vllm``'s), llama.cpp's server answers greedy and
 speculates with its lookup, and the judge's constrained rating works against a real ``vllm serve``.
 
 vLLM's interpreter comes from ``$MEDUSA_VLLM_PYTHON``; without it these tests fail (they are never skipped:
@@ -60,6 +61,40 @@ def test_vllm_loads_the_exported_unconditioned_heads_and_accepts_their_drafts(tm
     assert len(reply["token_ids"]) > 0 and spec["drafts"] > 0 and spec["draft_tokens"] == 2 * spec["drafts"]
     assert spec["accepted_tokens"] > 0, spec  # vLLM's own count: the heads' drafts pass its verification
     assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+
+
+def test_vllm_runs_the_export_of_a_final_tree_with_the_speculative_config_it_writes(tmp_path, vllm_python, loaded):
+    """``medusa-bench export tree.json --target vllm --out DIR``, as a user runs it after ``python -m
+    bench.pipeline --target vllm``: vLLM loads DIR with DIR/speculative_config.json, greedy, and accepts drafts."""
+    import json
+    import sys
+
+    from bench.deploy import heads_reference
+    from bench.engines.stage import model_folder
+    from bench.engines.vllm_engine import VllmWorker
+    from medusa_runtime.heads import shipped_heads_dir
+    from treesearch.tree import make_tree, tree_to_json, write_json_atomic
+
+    choices = [[0], [0, 0]]
+    conf = {"config": "chain:2", "uses_heads": True, "medusa_choices": choices, "tree_nodes": 2, "lookup": 0,
+            "gate": 0.0}
+    tree = write_json_atomic(tmp_path / "tree.json", tree_to_json(
+        make_tree(choices, name="final"), target="vllm", configuration=conf,
+        heads=heads_reference(shipped_heads_dir("unconditioned"))))
+    out = tmp_path / "deploy"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export", str(tree), "--target", "vllm", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out / "speculative_config.json").read_text())
+    assert spec["model"] == str(out.resolve()) and json.dumps(spec) in proc.stdout  # what it prints, it wrote
+    model, _ = model_folder("default", log=lambda m: None)
+    worker = VllmWorker(vllm_python, str(model), "bfloat16", spec, EngineSettings(), log_file=tmp_path / "vllm.log")
+    try:
+        reply = worker.complete(_prompt_ids(loaded), 64)
+    finally:
+        worker.close()
+    assert reply["token_ids"] and reply["spec"]["draft_tokens"] == 2 * reply["spec"]["drafts"] > 0
+    assert reply["spec"]["accepted_tokens"] > 0, reply["spec"]
 
 
 def test_llama_server_answers_greedy_and_drafts_with_its_lookup(tmp_path, loaded):
