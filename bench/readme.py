@@ -35,6 +35,21 @@ def _setting(v) -> str:
     return f"{min(v)}-{max(v)}" if isinstance(v, list) else str(v)
 
 
+def medusa_bound_line(medusa: list[dict]) -> str:
+    """What bounds vLLM + Medusa over vLLM plain, measured: its best chain's speed-up is its tau over what one
+    of its steps costs in plain steps; the tau a 1.2x would need at that cost."""
+    rows = [c for c in medusa if c.get("speedup_vs_engine_plain") and c.get("step_cost_vs_engine_plain")]
+    if not rows:
+        return ""
+    best = max(rows, key=lambda c: c["speedup_vs_engine_plain"])
+    ci = best.get("speedup_vs_engine_plain_ci") or [None, None]
+    costs = ", ".join(f"{c['step_cost_vs_engine_plain']:.2f}" for c in rows)
+    return (f"vLLM + Medusa against vLLM plain: best {best['config']}, {best['speedup_vs_engine_plain']:.2f}x "
+            f"({_num(ci[0])}-{_num(ci[1])}) = tau {best['tau']:.2f} / a step costing "
+            f"{best['step_cost_vs_engine_plain']:.2f} plain steps (chains 1-{len(rows)}: {costs}); 1.2x at that "
+            f"cost needs tau {1.2 * best['step_cost_vs_engine_plain']:.2f}.")
+
+
 def render(report: dict) -> str:
     """Markdown: one row per configuration, measured beside predicted, then the verdict in two sentences."""
     q = report.get("questions", {})
@@ -77,6 +92,8 @@ def render(report: dict) -> str:
             worst = max(abs(e) for c in medusa for e in c.get("accepted_per_position_error") or [0])
             lines.append(f"vLLM + Medusa: accepted drafts per chain position, as vLLM counted them, within {worst:.3f} "
                          f"of the suite's prediction at every position of chains 1-{max(len(c['predicted_accepted_per_position']) for c in medusa)}.")
+            if line := medusa_bound_line(medusa):
+                lines.append(line)
     if v.get("fastest_heads_only"):
         ci = v.get("fastest_heads_only_speedup_ci") or [None, None]
         lines.append(f"Medusa alone (heads, no lookup chain): fastest {v['fastest_heads_only']}, "

@@ -131,7 +131,27 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         if engine in PEER_METHODS:
             row.update(_engine_fields(cfg, sub, (engine_predictions or {}).get(name), (startup or {}).get(name)))
         rows.append(row)
+    _versus_engine_plain(rows, configs, df)
     return pd.DataFrame(rows)
+
+
+def _versus_engine_plain(rows: list[dict], configs: list[MethodConfig], df: pd.DataFrame) -> None:
+    """Each speculative engine row against the same engine's plain decoding of the same weights, paired per
+    question: ``speedup_vs_engine_plain`` (+ ``_ci``) and ``step_cost_vs_engine_plain``, what one of its steps
+    (draft, verify, bookkeeping) costs in plain steps: tau / speed-up. A speed-up is bounded by tau over that
+    cost, so the two say whether acceptance or the engine's drafting overhead holds it back."""
+    by_name = {c.name: c for c in configs}
+    for row in rows:
+        cfg = by_name[row["config"]]
+        if row["engine"] not in PEER_METHODS or not cfg.speculative:
+            continue
+        plain = [r["config"] for r in rows if r["engine"] == row["engine"] and not by_name[r["config"]].speculative
+                 and by_name[r["config"]].weights == cfg.weights]
+        if not plain:
+            continue
+        speedup, ci = paired_speedup(df, row["config"], plain[0])
+        row.update(engine_plain=plain[0], speedup_vs_engine_plain=speedup, speedup_vs_engine_plain_ci=ci,
+                   step_cost_vs_engine_plain=row["tau"] / speedup if row["tau"] and speedup else None)
 
 
 def _engine_fields(cfg: MethodConfig, sub: pd.DataFrame, predicted: list[float] | None,
@@ -208,7 +228,8 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
             "speedup_vs_plain_ci", "predicted_tau", "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on",
             "fit_positions", "searched", "identical_to_plain"]
     engine_keep = ["speculative", "draft_tokens", "weights", "startup_s", "draft_acceptance", "accepted_per_position",
-                   "predicted_accepted_per_position", "accepted_per_position_error"]
+                   "predicted_accepted_per_position", "accepted_per_position_error", "engine_plain",
+                   "speedup_vs_engine_plain", "speedup_vs_engine_plain_ci", "step_cost_vs_engine_plain"]
 
     def clean(v):
         if isinstance(v, (tuple, list)):

@@ -203,6 +203,20 @@ def test_peer_rows_of_report_json(tmp_path):
     assert rows["vllm plain"]["identical_to_plain"] == pytest.approx(4 / 6)
     assert rows["llama.cpp bf16 +lookup4"]["identical_to_plain"] == 1.0
     assert "speculative" not in rows["plain"]  # the engines' own fields on engine rows only
+    # against the engine's own plain decoding of the same weights: speed-up = tau / the step's cost in plain steps
+    sub = df.set_index("config")
+    ratio = (sub.loc["vllm medusa chain:2", "new_tokens"].sum() / sub.loc["vllm medusa chain:2", "wall_time"].sum()) \
+        / (sub.loc["vllm plain", "new_tokens"].sum() / sub.loc["vllm plain", "wall_time"].sum())
+    assert medusa["engine_plain"] == "vllm plain" and medusa["speedup_vs_engine_plain"] == pytest.approx(ratio, abs=1e-6)
+    lo, hi = medusa["speedup_vs_engine_plain_ci"]
+    assert lo < ratio < hi
+    assert medusa["step_cost_vs_engine_plain"] == pytest.approx(medusa["tau"] / ratio, abs=1e-5)
+    assert rows["llama.cpp bf16 +lookup4"]["speedup_vs_engine_plain"] is None  # no plain llama.cpp of its weights
+    from bench.readme import medusa_bound_line
+
+    line = medusa_bound_line([medusa])
+    assert line.startswith(f"vLLM + Medusa against vLLM plain: best vllm medusa chain:2, {ratio:.2f}x")
+    assert f"needs tau {1.2 * medusa['step_cost_vs_engine_plain']:.2f}" in line
     assert v["fastest_engine"] == "llama.cpp bf16 +lookup4" and v["fastest_own"] == "plain"
     assert v["own_vs_fastest_engine"] == pytest.approx(rows["plain"]["tokens_per_s"] / rows[v["fastest_engine"]]["tokens_per_s"])
     # the headline chart: per engine its plain and fastest speculative configuration
