@@ -346,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=list(TARGETS),
                    help="where the result is deployed: own (this runtime: trees, lookup, gates), vllm or tgi (the "
                         "heads' top-1 chain only), trtllm (trees of at most 63 nodes); engines: no lookup, no gate")
+    p.add_argument("--engine-costs", metavar="REPORT",
+                   help="with --target vllm: price its chains with vLLM's own step costs, measured by an engines run "
+                        "(its report.json), instead of this runtime's")
     p.add_argument("--exclude-ids", nargs="+", metavar="ID",
                    help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
                         "search's pick will be measured on)")

@@ -201,13 +201,15 @@ class SearchJob(Job):
     trees_only: bool = False
     max_lookup: int = 8
     target: str = "own"  # own | vllm | trtllm | tgi (treesearch.targets)
+    engine_costs: str | None = None  # report.json of an engines run: the target's measured step costs
     exclude_ids: tuple[str, ...] = ()
     out: str = "results/tree.json"
     plots: str | None = None
     quiet: bool = False
 
     def reads(self) -> dict[str, Path]:
-        return {"acceptance": Path(self.acceptance), **({"latency": Path(self.latency)} if self.latency else {})}
+        return {"acceptance": Path(self.acceptance), **({"latency": Path(self.latency)} if self.latency else {}),
+                **_file("engine_costs", self.engine_costs)}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,6 +85,7 @@ class BenchOptions:
     engines: tuple[str, ...] = ()  # serving engines replayed beside the runtime (bench.engines: vllm, llama.cpp)
     vllm_python: str | None = None  # the interpreter of vLLM's environment (None: $MEDUSA_VLLM_PYTHON)
     target: str = "own"  # where the final configuration is deployed: own | vllm | trtllm | tgi (treesearch.targets)
+    engine_costs: str | None = None  # report.json of an engines run: the target engine's measured step costs
 
     def model_fields(self) -> dict[str, str]:
         """What every stage's job gets to load the same model the same way."""
@@ -235,13 +236,13 @@ def _search_fields(prof: BenchProfile, out: Path, acc: Path, lat: Path) -> dict:
 
 
 def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict,
-                 target: str = "own") -> tuple[list[Path], list[Path]]:
+                 target: str = "own", engine_costs: str | None = None) -> tuple[list[Path], list[Path]]:
     """Per fold, fitted without the fold's questions: the configuration search for the target, and one without
     lookup chains (Medusa alone, what engines without prompt lookup serve); and the typical search (this
     runtime's). Returns both lists of per-fold files."""
     study = _study(acc, lat) + ("" if target == "own" else f"-{target}")
     files, heads_only = [], []
-    common = {**_search_fields(prof, out, acc, lat), "target": target}
+    common = {**_search_fields(prof, out, acc, lat), "target": target, "engine_costs": engine_costs}
     for f, fold in enumerate(workload["folds"]):
         path = out / "search" / f"fold-{f}.json"
         files.append(path)
@@ -256,7 +257,7 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
-    job = SearchJob(**{**common, "target": "own"}, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
+    job = SearchJob(**{**common, "target": "own", "engine_costs": None}, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
                     exclude_ids=tuple(map(str, fold0)), out=str(typical), plots=str(out / "plots"))
     _cached(cache, "search-typical", job, [typical])
     return files, heads_only
@@ -274,7 +275,7 @@ def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageC
 
     search = out / "search" / f"final-{opts.target}.json"
     replayed = tuple(map(str, workload["replayed"]))
-    job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target,
+    job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target, engine_costs=opts.engine_costs,
                     study=f"{_study(acc, lat)}-final-{opts.target}-{_ids_digest(replayed)}", out=str(search))
     _cached(cache, f"search-final-{opts.target}", job, [search])
     # the acceptance file holds the replayed questions' rollouts (or, with --calibration, another prompt set's)
@@ -370,6 +371,10 @@ def run(opts: BenchOptions) -> None:
         if opts.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
         prof = replace(prof, max_new_tokens=opts.max_new_tokens)
+    if opts.engine_costs is not None:
+        from treesearch.targets import load_engine_costs
+
+        load_engine_costs(opts.engine_costs, TARGETS[opts.target])  # one line now, not after calibration
     if opts.guided_rating and not opts.judge:
         raise ValueError("--guided-rating needs --judge (it changes how the judge's ratings are read)")
     if opts.engines:  # before hours of stages: what the engines need and cannot get is said now, in one line
@@ -396,7 +401,7 @@ def run(opts: BenchOptions) -> None:
         acc = stage_calibrate(opts, prof, out, cache, heads, workload)
         peers = _engines(opts, prof, out, cache)
         lat = stage_profile(opts, prof, out, cache, heads, acc)
-        searches = stage_search(prof, out, cache, acc, lat, workload, opts.target)
+        searches = stage_search(prof, out, cache, acc, lat, workload, opts.target, opts.engine_costs)
         stage_final(opts, prof, out, cache, acc, lat, workload, heads)
         stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload, peers)
     stage_quality(opts, out, cache)
@@ -557,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the final configuration (OUT/tree.json) is deployed: own (this runtime), vllm, "
                              "trtllm, tgi; the searches range over what it runs, and an engine target decodes with "
                              "the shipped unconditioned heads unless --heads names others it runs")
+    parser.add_argument("--engine-costs", default=None, metavar="REPORT",
+                        help="with --target vllm: price the searches with vLLM's own step costs, measured by an "
+                             "earlier engines run (its report.json), instead of this runtime's")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help="with --engines vllm: the Python of vLLM's environment (default: $MEDUSA_VLLM_PYTHON)")
     args = parser.parse_args(argv)
@@ -567,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                             compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
                             guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
                             engines=parse_engines(args.engines), vllm_python=args.vllm_python,
-                            target=args.target)
+                            target=args.target, engine_costs=args.engine_costs)
         print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),

@@ -74,10 +74,7 @@ def test_a_chain_target_searches_chains_only_and_finds_the_best_by_brute_force(t
 
 
 def _trial_trees(tmp_path, target):
-    import optuna
-
-    study = optuna.load_study(study_name=target, storage=f"sqlite:///{tmp_path / f'{target}.db'}")
-    return [t.user_attrs["medusa_choices"] for t in study.trials if t.state.name == "COMPLETE"]
+    return _trial_trees_named(tmp_path / f"{target}.db", target)
 
 
 def test_trtllm_target_caps_trees_at_its_draft_limit_without_lookup_or_gate(tmp_path, fitted):
@@ -228,3 +225,37 @@ def test_export_without_target_keeps_printing_and_out_needs_a_target(tmp_path):
     assert proc.returncode == 2 and "name its --target" in proc.stderr
     proc = _cli("export", "chain:2", "--format", "trtllm-config")
     assert proc.returncode == 2 and "num_medusa_heads is the heads checkpoint's head count" in proc.stderr
+
+
+def test_engine_step_costs_price_the_chains_and_the_best_is_tau_over_cost(tmp_path, fitted):
+    """Priced with an engines run's measured step costs (report.json's step_cost_vs_engine_plain), a chain of k
+    runs tau_k / cost_k times the engine's plain decoding: the search's pick is that ratio's argmax."""
+    stats, latency = fitted
+    costs = {1: 1.05, 2: 1.9, 3: 1.2}  # chain 4 unmeasured: never picked
+    report = {"configs": [{"config": "vllm plain", "engine": "vllm", "speculative": None},
+                          *({"config": f"vllm medusa chain:{k}", "engine": "vllm", "speculative": "medusa",
+                             "draft_tokens": k, "step_cost_vs_engine_plain": c} for k, c in costs.items())]}
+    path = write_json_atomic(tmp_path / "report.json", report)
+    cfg = SearchConfig(budget=16, trials=12, storage=f"sqlite:///{tmp_path / 'e.db'}", study_name="e", target="vllm",
+                       engine_costs=str(path))
+    res = run_search(stats, cfg, latency, show_progress=False)
+    want = {k: predict_decoding(Decoding(make_tree([[0] * d for d in range(1, k + 1)])), stats, latency).tau / c
+            for k, c in costs.items()}
+    want[0] = 1.0  # no heads: the engine's plain decoding
+    got = 0 if res.best.tree is None else len(res.best.tree.paths)
+    assert got == max(want, key=want.get) and res.best.speedup == pytest.approx(want[got])
+    assert all(t is None or len(t) in costs for t in _trial_trees_named(tmp_path / "e.db", "e"))
+    obj = json.loads(write_search(res, stats, cfg, tmp_path / "t.json", latency_file="l.json").read_text())
+    assert obj["cost_model"].startswith("vLLM's measured step costs") and "chain of 2: 1.900" in obj["cost_model"]
+    with pytest.raises(ValueError, match="engine step costs price chains"):
+        SearchConfig(budget=4, target="trtllm", engine_costs=str(path))
+    empty = write_json_atomic(tmp_path / "empty.json", {"configs": []})
+    with pytest.raises(ValueError, match="holds no measured step cost of vLLM"):
+        TreeObjective(stats, SearchConfig(budget=4, target="vllm", engine_costs=str(empty)), latency)
+
+
+def _trial_trees_named(db, name):
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    return [t.user_attrs["medusa_choices"] for t in study.trials if t.state.name == "COMPLETE"]

@@ -43,7 +43,7 @@ from .ngram import MAX_LOOKUP
 from .optimal import Constraints, JointModel, PathModel, expected_depth, model_for, optimal_tree
 from .replay import Decoding, ReplayResult, replay
 from .stats import AcceptanceStats, StatsError, tau_step_walk
-from .targets import TARGETS, Target
+from .targets import TARGETS, Target, load_engine_costs
 from .tree import Tree, load_tree, make_tree, read_json, save_tree
 from .typical import TypicalParams, typical_walk
 
@@ -69,6 +69,7 @@ class SearchConfig:
     heartbeat: int = 5  # seconds between a running trial's heartbeats
     grace: int = 20  # seconds without one after which another worker fails the trial and re-enqueues it
     target: str = "own"  # where the configuration is deployed (treesearch.targets): the space is what it runs
+    engine_costs: str | None = None  # a report.json of the engines session: price the target's chains with its costs
 
     def __post_init__(self) -> None:
         if self.accept not in ("greedy", "typical"):
@@ -88,6 +89,8 @@ class SearchConfig:
         if self.target != "own" and self.accept != "greedy":
             raise StatsError(f"--target {self.target}: the engines' Medusa acceptance is greedy (typical acceptance "
                              "is this runtime's)")
+        if self.engine_costs is not None and not TARGETS[self.target].chain_only:
+            raise StatsError(f"engine step costs price chains: --target {self.target} is not a chain-only engine")
         if self.heartbeat < 1 or self.grace <= self.heartbeat:
             raise StatsError(f"heartbeat must be >= 1 s and the grace period longer, got {self.heartbeat} / {self.grace}")
 
@@ -199,6 +202,12 @@ class TreeObjective:
         self.configurations = (cfg.configurations and cfg.accept == "greedy" and latency is not None
                                and stats.has_texts and self.objective == "speedup")
         self.plain = replay(Decoding(), stats, latency) if self.configurations else None
+        self.engine_costs = load_engine_costs(cfg.engine_costs, self.target) if cfg.engine_costs else None
+        if self.engine_costs is not None and not self.chain_depths:
+            raise StatsError(f"{cfg.engine_costs}: no measured chain length is within the {stats.num_heads} heads")
+        if self.engine_costs is not None and not self.configurations:
+            raise StatsError("engine step costs price replayed configurations: give rollouts with tokens, --latency "
+                             "and the speedup objective")
 
     @property
     def directions(self) -> list[str]:
@@ -216,7 +225,11 @@ class TreeObjective:
     def score(self, tree: Tree | None, params: TypicalParams | None = None, lookup: int = 0,
               gate: float = 0.0) -> TreeScore:
         if self.configurations:
-            return score_decoding(Decoding(tree, lookup, gate), self.stats, self.latency, self.plain)
+            score = score_decoding(Decoding(tree, lookup, gate), self.stats, self.latency, self.plain)
+            if self.engine_costs is None:
+                return score
+            cost = 1.0 if tree is None else self.engine_costs.by_draft_tokens[len(tree.paths)]
+            return TreeScore(tree, score.tau, score.tau / cost, None, lookup=lookup, gate=gate)
         if self.cfg.accept == "typical":
             return score_typical(tree, self.stats, params or TypicalParams(), self.latency, self.cfg.context)
         rollouts = self.stats.rollouts if isinstance(self.model, JointModel) else None
@@ -234,6 +247,13 @@ class TreeObjective:
         return TypicalParams(trial.suggest_float("posterior_threshold", 0.01, 0.5, log=True),
                              trial.suggest_float("posterior_alpha", 0.03, 1.0, log=True))
 
+    @property
+    def chain_depths(self) -> list[int]:
+        """The chain lengths a chain-only target may draft: up to the heads (and, priced with the engine's own step
+        costs, the lengths it was measured at)."""
+        depths = range(1, min(self.stats.num_heads, self.budget) + 1)
+        return [d for d in depths if self.engine_costs is None or d in self.engine_costs.by_draft_tokens]
+
     def chain(self, depth: int) -> Tree:
         """The heads' top-1 chain of ``depth`` tokens, all a chain-only target drafts."""
         return make_tree([[0] * d for d in range(1, depth + 1)], name=f"chain:{depth}")
@@ -244,7 +264,10 @@ class TreeObjective:
             return load_tree(baseline)
         k, topk = self.stats.num_heads, self.stats.topk
         if self.target.chain_only:
-            return self.chain(trial.suggest_int("depth", 1, min(k, self.budget)))
+            depth = trial.suggest_int("depth", 1, min(k, self.budget))
+            if depth not in self.chain_depths:
+                raise optuna.TrialPruned(f"no measured step cost for a chain of {depth}")
+            return self.chain(depth)
         params = {"nodes": trial.suggest_int("nodes", min(self.cfg.min_budget, self.budget), self.budget,
                                              log=True),
                   "depth": trial.suggest_int("depth", 1, k)}
@@ -383,7 +406,7 @@ def _configuration_seeds(warm: dict[str, float], objective: TreeObjective) -> li
     lookups = sorted({0, min(4, max_lookup), max_lookup})
     seeds: list[dict[str, Any]] = [{"heads": False, "lookup": n} for n in lookups]
     if objective.target.chain_only:
-        return seeds + [{"heads": True, "depth": d, "lookup": 0} for d in range(1, int(warm["depth"]) + 1)]
+        return seeds + [{"heads": True, "depth": d, "lookup": 0} for d in objective.chain_depths]
     gated = {"gated": False} if objective.target.gates else {}
     for nodes in sorted({1, min(4, budget), budget}):
         for n in lookups[:2]:
@@ -452,7 +475,8 @@ def _guards(cfg: SearchConfig, objective: TreeObjective, stats: AcceptanceStats)
     """What a study's trials were computed from; workers with other inputs are refused."""
     return {"objective": objective.objective, "acceptance_sha256": stats.sha256, "budget": cfg.budget,
             "accept": cfg.accept, "space": "configurations" if objective.configurations else "trees",
-            "target": cfg.target}
+            "target": cfg.target, "engine_costs": objective.engine_costs.by_draft_tokens
+            if objective.engine_costs else None}
 
 
 def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective,
@@ -461,9 +485,16 @@ def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: Tree
     have = study.user_attrs
     for k, v in _guards(cfg, objective, stats).items():
         # studies from before 'accept' were greedy, and searched trees only
-        if have.get(k, {"accept": "greedy", "space": "trees", "target": "own"}.get(k)) != v:
+        if _json_like(have.get(k, {"accept": "greedy", "space": "trees", "target": "own"}.get(k))) != _json_like(v):
             raise StatsError(f"study {cfg.study_name!r} was run with {k}={have.get(k)!r}, not {v!r}; "
                              "use another --study-name")
+
+
+def _json_like(v: Any) -> Any:
+    """A guard as the storage gives it back (JSON: dict keys become strings)."""
+    import json
+
+    return json.loads(json.dumps(v))
 
 
 def _trial_typical(trial: optuna.trial.FrozenTrial) -> TypicalParams | None:
@@ -505,8 +536,7 @@ def _result(study: optuna.Study, objective: TreeObjective, cfg: SearchConfig) ->
     best_trial = _pick_best(complete, cfg)
     default = TypicalParams() if cfg.accept == "typical" else None  # optimum and baseline: the paper's thresholds
     if objective.target.chain_only:  # the best chain, each scored (there are at most K)
-        depth = min(objective.stats.num_heads, objective.budget)
-        opt_tree = max((objective.chain(d) for d in range(1, depth + 1)),
+        opt_tree = max((objective.chain(d) for d in objective.chain_depths),
                        key=lambda t: objective.value(objective.score(t)))
     else:
         opt_tree, _ = optimal_tree(objective.model, objective.budget, name=f"optimal-{objective.budget}")
@@ -563,7 +593,7 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
     }
     target = TARGETS[cfg.target]
     provenance["target"] = target.name
-    provenance["cost_model"] = cost_model(target, latency_file)
+    provenance["cost_model"] = cost_model(target, latency_file, cfg.engine_costs)
     if "selected" in stats.meta:  # a fold of a cross-fitted workload: which rollouts it was fitted on
         provenance["fitted_on"] = stats.meta["selected"]
     if tree_score.lookup or tree_score.gate:
@@ -589,8 +619,10 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
     return save_tree(tree_score.tree, out, **provenance)
 
 
-def cost_model(target: Target, latency_file: str | None) -> str:
+def cost_model(target: Target, latency_file: str | None, engine_costs: str | None = None) -> str:
     """What the predicted speed-ups were priced with, in words (tree.json's ``cost_model``)."""
+    if engine_costs is not None:
+        return load_engine_costs(engine_costs, target).describe() + "; speed-up over the engine's plain decoding"
     if latency_file is None:
         return "none: tau only, no latency profile"
     if target.name == "own":

@@ -35,16 +35,50 @@ class Target:
     gates: bool  # runs a confidence gate on the tree's levels
     conditioned_heads: bool  # runs heads that read the step's root (and parent) tokens
     max_nodes: int | None = None  # draft tokens one step may verify (None: no limit of its own)
+    report_engine: str | None = None  # its name in a report.json of the engines session, where that measures it
 
 
 TARGETS: dict[str, Target] = {
     "own": Target("own", "this runtime", chain_only=False, lookup=True, gates=True, conditioned_heads=True),
-    "vllm": Target("vllm", "vLLM", chain_only=True, lookup=False, gates=False, conditioned_heads=False),
+    "vllm": Target("vllm", "vLLM", chain_only=True, lookup=False, gates=False, conditioned_heads=False,
+                   report_engine="vllm"),
     "trtllm": Target("trtllm", "TensorRT-LLM", chain_only=False, lookup=False, gates=False, conditioned_heads=False,
                      max_nodes=TRTLLM_MAX_DRAFT_LEN),
     "tgi": Target("tgi", "text-generation-inference", chain_only=True, lookup=False, gates=False,
                   conditioned_heads=False),
 }
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """What one speculative step of an engine costs in its own plain steps, per chain length, as the engines
+    session measured it (report.json's ``step_cost_vs_engine_plain`` of its Medusa rows: tau over the measured
+    speed-up). A chain of k then runs ``tau_k / cost_k`` times the engine's plain decoding."""
+
+    target: str
+    by_draft_tokens: dict[int, float]
+    source: str
+
+    def describe(self) -> str:
+        costs = ", ".join(f"chain of {k}: {c:.3f}" for k, c in sorted(self.by_draft_tokens.items()))
+        return f"{TARGETS[self.target].engine}'s measured step costs in its plain steps ({self.source}: {costs})"
+
+
+def load_engine_costs(path: str, target: Target) -> EngineCosts:
+    """The step costs of ``target`` + Medusa from a report.json of the engines session (``nox -s engines``)."""
+    from .stats import StatsError
+    from .tree import read_json
+
+    if target.report_engine is None:
+        raise StatsError(f"no engines session measures {target.engine} here: its step costs cannot be read")
+    obj = read_json(path, StatsError, "engines report")
+    rows = [c for c in (obj.get("configs") or []) if isinstance(obj, dict) and c.get("engine") == target.report_engine
+            and c.get("speculative") == "medusa" and c.get("step_cost_vs_engine_plain") and c.get("draft_tokens")]
+    if not rows:
+        raise StatsError(f"{path} holds no measured step cost of {target.engine} + Medusa (a report.json of "
+                         "nox -s engines, written by this version)")
+    return EngineCosts(target.name, {int(c["draft_tokens"]): float(c["step_cost_vs_engine_plain"]) for c in rows},
+                       str(path))
 
 
 def get_target(name: str) -> Target:

@@ -31,7 +31,7 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
                        heartbeat=job.heartbeat, grace=job.grace_period,
                        context=job.context, baseline=job.baseline, accept=job.accept,
                        max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.max_lookup,
-                       target=job.target)
+                       target=job.target, engine_costs=job.engine_costs)
     result = run_search(stats, cfg, latency, show_progress=not job.quiet)
     path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
     lines = [format_search_table(result)]
