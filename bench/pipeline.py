@@ -257,8 +257,9 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
-    job = SearchJob(**{**common, "target": "own", "engine_costs": None}, accept="typical", study=f"{study}-typical-{_ids_digest(fold0)}",
-                    exclude_ids=tuple(map(str, fold0)), out=str(typical), plots=str(out / "plots"))
+    job = SearchJob(**{**common, "target": "own", "engine_costs": None}, accept="typical",
+                    study=f"{study}-typical-{_ids_digest(fold0)}", exclude_ids=tuple(map(str, fold0)),
+                    out=str(typical), plots=str(out / "plots"))
     _cached(cache, "search-typical", job, [typical])
     return files, heads_only
 
@@ -390,7 +391,7 @@ def run(opts: BenchOptions) -> None:
     if opts.heads == "none":  # a base model without heads: plain decoding and prompt lookup, measured
         if opts.retrain or opts.compare_heads:
             raise ValueError("--heads none runs without heads: it takes neither --retrain nor --compare-heads")
-        for stale in ("acceptance.json", "latency.json"):  # a run with heads in this folder: not this one's
+        for stale in ("acceptance.json", "latency.json", "tree.json"):  # a run with heads in this folder: not this one's
             (out / stale).unlink(missing_ok=True)
         workload = stage_workload(opts, prof, out, fits=False)
         peers = _engines(opts, prof, out, cache)
@@ -491,8 +492,10 @@ def _target_heads(target: str, heads: str, retrain: bool) -> str:
     (path-conditioned) gives way to the shipped unconditioned set; heads it cannot run are refused now."""
     from medusa_runtime.heads import heads_folder
 
-    if target == "own" or heads == "none":
+    if target == "own":
         return heads
+    if heads == "none":
+        raise ValueError(f"--target {target} picks a configuration with heads: --heads none searches nothing")
     if retrain:
         raise ValueError(f"--target {target}: --retrain trains path-conditioned heads, which {TARGETS[target].engine} "
                          "does not run; train unconditioned ones (medusa-bench train --condition none) and pass --heads")
