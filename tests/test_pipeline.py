@@ -50,6 +50,12 @@ def test_a_heads_folder_is_used_as_given(tmp_path, monkeypatch):
     (["--model", "/some/other/model"], "the shipped heads belong to the default model"),
     (["--heads", "none", "--retrain"], "--heads none runs without heads"),
     (["--dtype", "int8"], "invalid choice"),
+    (["--target", "vllm", "--heads", "medusa1"], "vLLM does not run path-conditioned heads (medusa1)"),
+    (["--target", "tgi", "--heads", "none"], "--target tgi picks a configuration with heads"),
+    (["--target", "trtllm", "--retrain"], "--retrain trains path-conditioned heads"),
+    (["--target", "own", "--engine-costs", "/nonexistent.json"], "no engines session measures this runtime"),
+    (["--target", "vllm", "--engine-costs", "/nonexistent.json"], "engines report not found: /nonexistent.json"),
+    (["--target", "sglang"], "invalid choice"),
 ])
 def test_bad_main_job_options_give_one_line_and_exit_2(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "bench.pipeline", *args, "--out", str(tmp_path / "o")],
@@ -149,6 +155,24 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     heads_only = [job for job in ran[:5] if "heads-only" in job.study]
     assert len(heads_only) == 2 and all(job.max_lookup == 0 for job in heads_only)
     assert all(job.max_lookup > 0 for job in ran[:5] if job not in heads_only)
+
+
+def test_an_engine_target_searches_what_it_runs_with_heads_it_runs(tmp_path, monkeypatch):
+    """--target vllm: the shipped unconditioned heads instead of the path-conditioned default, every fold's
+    searches and the final one for vLLM (the typical search stays this runtime's)."""
+    from medusa_runtime.heads import shipped_heads_dir
+
+    assert pipeline._target_heads("vllm", "default", False) == "unconditioned"
+    assert pipeline._target_heads("own", "default", False) == "default"
+    out = tmp_path / "run"
+    assert pipeline.stage_heads(BenchOptions(heads="unconditioned", target="vllm"), out, StageCache(out)) \
+        == shipped_heads_dir("unconditioned")
+    ran = fake_stage_runs(monkeypatch, pipeline)
+    acc, lat = search_inputs(tmp_path)
+    pipeline.stage_search(pipeline.PROFILES["quick"], out, StageCache(out), acc, lat, {"folds": [[1, 2], [3, 4]]},
+                          "vllm")
+    assert [job.target for job in ran] == ["vllm"] * 4 + ["own"]
+    assert all("-vllm-" in job.study for job in ran[:4])
 
 
 def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp_path):
