@@ -126,10 +126,14 @@ def deploy_summary(out: Path) -> dict | None:
 
 def deploy_line(deploy: dict | None) -> str:
     """One sentence on the configuration to deploy, for summary.md and the page."""
+    from treesearch.targets import is_chain
+
     if not deploy:
         return ""
     conf, pred, heads = deploy["configuration"], deploy.get("prediction") or {}, deploy.get("heads") or {}
-    what = (f"{len(conf['medusa_choices'])}-node tree" if conf.get("medusa_choices") else "no heads")
+    choices = conf.get("medusa_choices") or []
+    what = (f"top-1 chain of {len(choices)}" if choices and is_chain(choices)
+            else f"{len(choices)}-node tree" if choices else "no heads")
     extra = "".join([f", lookup {conf['lookup']}" if conf.get("lookup") else "",
                      f", gate {conf['gate']:g}" if conf.get("gate") else ""])
     ci = pred.get("speedup_vs_plain_ci") or [float("nan")] * 2
