@@ -58,7 +58,7 @@ def postgres_server(database: str = "medusa") -> Iterator[str]:
         run(str(bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(root / "server.log"), "-w", "start")
         try:
             run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", database)
-            yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/{database}"
+            yield f"postgresql://postgres@127.0.0.1:{port}/{database}"
         finally:
             run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
     finally:

@@ -216,3 +216,20 @@ def test_replay_split_over_three_workers_one_killed_equals_one_worker(pg, tmp_pa
     for m in ("m-a", "m-b"):
         mine = (run / "machines" / m / "replay" / "records.jsonl").read_text().splitlines()
         assert mine and all(json.loads(line)["machine"] == m for line in mine)
+
+
+def test_the_documented_postgresql_url_binds_the_installed_driver(monkeypatch):
+    """``postgresql://`` (as README and --help spell it) goes to psycopg 3, which the postgres extra brings, or to
+    psycopg2 where only that is installed; without either, one line says what to install."""
+    import importlib.util
+
+    from treesearch.search import storage_url
+
+    assert storage_url("sqlite:///x.db") == "sqlite:///x.db"
+    assert storage_url("postgresql+psycopg2://u@h/d") == "postgresql+psycopg2://u@h/d"  # an explicit driver stays
+    assert storage_url("postgresql://u@h:5/d") == "postgresql+psycopg://u@h:5/d"  # the extra's driver, installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psycopg" else object())
+    assert storage_url("postgres://u@h/d") == "postgresql+psycopg2://u@h/d"  # only psycopg2 there
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match=r"pip install 'medusa-bench\[postgres\]'"):
+        storage_url("postgresql://u@h/d")

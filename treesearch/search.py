@@ -312,6 +312,24 @@ class TreeObjective:
         return self.values(score)
 
 
+POSTGRES_DRIVERS = (("psycopg", "psycopg"), ("psycopg2", "psycopg2"))  # (SQLAlchemy dialect driver, module)
+
+
+def storage_url(url: str) -> str:
+    """``postgresql://...`` as documented, bound to the PostgreSQL driver that is installed (psycopg 3, which the
+    ``postgres`` extra brings, else psycopg2): SQLAlchemy's default driver for the bare scheme moved from psycopg2
+    to psycopg between releases, and it fails when that one is absent. Other URLs pass as they are."""
+    import importlib.util
+
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    rest = url.split("://", 1)[1]
+    for driver, module in POSTGRES_DRIVERS:
+        if importlib.util.find_spec(module) is not None:
+            return f"postgresql+{driver}://{rest}"
+    raise StatsError("a postgresql:// storage needs a PostgreSQL driver: pip install 'medusa-bench[postgres]'")
+
+
 def make_storage(url: str, heartbeat: int = 5, grace: int = 20, tries: int = 6) -> optuna.storages.BaseStorage:
     """An RDB storage with heartbeats: a worker that dies mid-trial stops beating, and the next worker to start
     a trial fails it (after ``grace`` seconds) and re-enqueues its parameters (RetryHeartbeatStaleTrialCallback),
@@ -320,6 +338,7 @@ def make_storage(url: str, heartbeat: int = 5, grace: int = 20, tries: int = 6) 
     them on a retry."""
     import sqlalchemy.exc
 
+    url = storage_url(url)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
