@@ -165,3 +165,33 @@ def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dt
         result = {"speculate": len(choices)}
     return {"target": target, "out": str(out), "heads": spec, "configuration": conf, **result, "notes": notes,
             "base": base_path, "command": cmd}
+
+
+# ---------------------------------------------------------------------------- how the report names it
+
+
+def deploy_summary(out: Path) -> dict | None:
+    """What report.json says of the configuration to deploy (the run's tree.json), None without one."""
+    path = out / "tree.json"
+    final = json.loads(path.read_text()) if path.is_file() else None
+    if not final or "configuration" not in final:
+        return None
+    return {"tree": "tree.json", "target": final.get("target"), "configuration": final["configuration"],
+            "heads": final.get("heads"), "prediction": final.get("prediction"), "cost_model": final.get("cost_model")}
+
+
+def deploy_line(deploy: dict | None) -> str:
+    """One sentence on the configuration to deploy, for summary.md and the page."""
+    if not deploy:
+        return ""
+    conf, pred, heads = deploy["configuration"], deploy.get("prediction") or {}, deploy.get("heads") or {}
+    choices = conf.get("medusa_choices") or []
+    what = (f"top-1 chain of {len(choices)}" if choices and is_chain(choices)
+            else f"{len(choices)}-node tree" if choices else "no heads")
+    extra = "".join([f", lookup {conf['lookup']}" if conf.get("lookup") else "",
+                     f", gate {conf['gate']:g}" if conf.get("gate") else ""])
+    ci = pred.get("speedup_vs_plain_ci") or [float("nan")] * 2
+    return (f"To deploy ({deploy['target']}): tree.json, a {what}{extra} on the heads "
+            f"{heads.get('name') or heads.get('path')}, predicted {pred.get('speedup_vs_plain', float('nan')):.3f}x "
+            f"plain decoding ({ci[0]:.3f}-{ci[1]:.3f}), tau {pred.get('tau', float('nan')):.3f}; "
+            f"medusa-bench export tree.json --target {deploy['target']} --out DIR writes what it needs.")

@@ -141,7 +141,7 @@ def _verdict(report: dict) -> str:
                      f"{100 * v['speedup_tolerance']:.0f} %: <b>{'yes' if v['speedup_within_tolerance'] else 'no'}"
                      f"</b> (worst {100 * (v['worst_speedup_error'] or 0):.1f} %).")
     if report.get("deploy"):
-        from bench.report import deploy_line
+        from bench.deploy import deploy_line
 
         items.append(_esc(deploy_line(report["deploy"])))
     return "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"

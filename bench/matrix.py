@@ -91,8 +91,8 @@ def compare_configurations(compare: str, heads: Path | None, depths: list[int], 
     """The other head set's chains (named ``<compare> chain:d``) and, where its base differs from that of the
     main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference, once
     per base (``bases``: those already in, updated)."""
+    from medusa_runtime.adapter import adapter_info
     from medusa_runtime.heads import heads_folder
-    from medusa_runtime.medusa2 import adapter_info
 
     folder = heads_folder(compare)
     if folder is None or not (folder / "config.json").is_file():

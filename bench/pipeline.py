@@ -472,8 +472,8 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
         if "auto" in specs or "none" in specs:
             raise ValueError("--compare-heads: 'auto' and 'none' stand alone")
         return tuple(dict.fromkeys(specs))
+    from medusa_runtime.adapter import adapter_info
     from medusa_runtime.heads import shipped_heads_dir
-    from medusa_runtime.medusa2 import adapter_info
 
     if not (args.model == "default" and args.heads == "default" and not args.retrain):
         return ()

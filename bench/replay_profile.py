@@ -5,7 +5,7 @@ predictions at the speed the replay ran at. On a shared machine that speed moves
 (this VM's memory bandwidth sits at one of two levels for minutes at a time), and it moves a multi-row
 verify otherwise than one row (at the slower level extra rows hide under the weight stream: a 5-row
 verify cost 1.33x one row in a profile at the fast level, 1.13x in a replay at the slow one;
-docs/reports/2026-12-01-verify-probes.md). So the replay takes one round of the profile's own pieces
+docs/reports/verify-probes.md). So the replay takes one round of the profile's own pieces
 (``medusa_runtime.profile.Profiler``: tight verify forwards, real decode loops, prefills; ~10 s on the
 default model) before every ``every``-th (question, turn, repeat), between records, never inside one,
 and the report prices with the profile of those rounds (``latency-during.json``).

@@ -115,35 +115,8 @@ def _machine_folder(out: Path, machine: str, records: list[dict]) -> Path:
     return folder
 
 
-def deploy_summary(out: Path) -> dict | None:
-    """What report.json says of the configuration to deploy (the run's tree.json), None without one."""
-    final = _read(out / "tree.json")
-    if not final or "configuration" not in final:
-        return None
-    return {"tree": "tree.json", "target": final.get("target"), "configuration": final["configuration"],
-            "heads": final.get("heads"), "prediction": final.get("prediction"), "cost_model": final.get("cost_model")}
-
-
-def deploy_line(deploy: dict | None) -> str:
-    """One sentence on the configuration to deploy, for summary.md and the page."""
-    from treesearch.targets import is_chain
-
-    if not deploy:
-        return ""
-    conf, pred, heads = deploy["configuration"], deploy.get("prediction") or {}, deploy.get("heads") or {}
-    choices = conf.get("medusa_choices") or []
-    what = (f"top-1 chain of {len(choices)}" if choices and is_chain(choices)
-            else f"{len(choices)}-node tree" if choices else "no heads")
-    extra = "".join([f", lookup {conf['lookup']}" if conf.get("lookup") else "",
-                     f", gate {conf['gate']:g}" if conf.get("gate") else ""])
-    ci = pred.get("speedup_vs_plain_ci") or [float("nan")] * 2
-    return (f"To deploy ({deploy['target']}): tree.json, a {what}{extra} on the heads "
-            f"{heads.get('name') or heads.get('path')}, predicted {pred.get('speedup_vs_plain', float('nan')):.3f}x "
-            f"plain decoding ({ci[0]:.3f}-{ci[1]:.3f}), tau {pred.get('tau', float('nan')):.3f}; "
-            f"medusa-bench export tree.json --target {deploy['target']} --out DIR writes what it needs.")
-
-
 def report(out: Path) -> list[Path]:
+    from bench.deploy import deploy_line, deploy_summary
     from bench.scorecard import write_report
 
     plots = out / "plots"

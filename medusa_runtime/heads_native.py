@@ -15,11 +15,10 @@ What a tree step reads is what it costs (right after a verify forward every byte
 vocabulary built here once by the same linear layer (bit for bit the rows it would compute; roots outside
 the draft vocabulary are computed), and heads whose config asks for it score the draft projection in
 int8 (``heads.Int8Projection``): half its bytes, which stay in L2 between levels where a core's L2 holds
-its half (2 MB a core; from L3 with 1 MB). The shipped chain:4 tree right after a verify forward on the
-project's Xeon: 1.25 ms before, 0.66 ms with both (docs/reports/2026-12-02-heads-bytes.md). A step's call
-passes five values to a struct built once (``kernels.LeanTreeCall``): right after a verify forward each
-Python and ctypes operation runs on cold caches, and the twenty-argument call it replaced spent 0.05-0.10 ms
-before reaching C (docs/reports/2026-12-03-heads-call.md).
+its half (2 MB a core; from L3 with 1 MB); together the two halve a tree step
+(docs/reports/heads-bytes.md). A step's call passes five values to a struct built once
+(``kernels.LeanTreeCall``): right after a verify forward each Python and ctypes operation runs on cold
+caches, so a long argument list costs more than the call's C work (docs/reports/heads-call.md).
 Used by the decoder where the C forward runs (bf16 on the CPU) and the heads are root-conditioned
 shared-format heads; everywhere else the PyTorch path stays.
 """
@@ -63,9 +62,8 @@ class NativeHeadLevels:
         why = native_support(heads, engine)
         if why:
             raise HeadsNativeError(f"native heads: {why}")
-        # the heads' few rows on the AVX-512 dot-product path, also where the forward runs on AMX tiles: one row
-        # through a 576 x 576 block took 8 us there against 14.5 us on the tile unit (warm, this project's Xeon),
-        # a chain:4 tree after a verify forward 0.66 against 0.76 ms (rows from tables, int8 projection)
+        # the heads' few rows on the AVX-512 dot-product path, also where the forward runs on AMX tiles: for a
+        # handful of rows the tile unit's set-up costs more than it saves (docs/reports/heads-bytes.md)
         self.lib, self.amx, self.topk = engine.lib, False, topk
         dtype = torch.bfloat16
 

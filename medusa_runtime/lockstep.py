@@ -5,7 +5,7 @@ On a shared CPU the speed drifts over seconds: consecutive replay records share 
 step times correlate 0.5-0.6 at lag 1 and still ~0.2 ten records apart on the development VM), so a
 configuration timed one whole answer after another measures the spell it happened to fall in as much as its
 own cost, and 40 questions leave a ratio of two configurations a few per cent off (the HumanEval replay of
-docs/reports/2026-12-02-lockstep.md). Taking one step of each in turn puts every configuration into every
+docs/reports/lockstep.md). Taking one step of each in turn puts every configuration into every
 spell alike; each run counts only its own time (``MedusaDecoder.generate_steps``).
 """
 

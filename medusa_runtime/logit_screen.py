@@ -7,7 +7,7 @@ reads), takes the activations in int16, bounds each estimate's distance to the e
 exact sums), and computes exactly, as the full projection does, only the rows whose bound still reaches the best
 lower bound: the argmax is the full projection's, bit for bit, ties included. On 512 positions of the default
 model's greedy answers to 8 MT-Bench questions that left 3 rows to compute exactly at the median and 57 at most
-(docs/reports/2026-12-03-logit-screen.md).
+(docs/reports/logit-screen.md).
 
 This module builds the screen's tensors from the bf16 weight (the engine does so once per model, with the
 other weights it packs for the C library: ``engine._kernel_weights``).

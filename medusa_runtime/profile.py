@@ -122,7 +122,7 @@ def _ratio_of_means(a: ArrayLike, b: ArrayLike) -> float:
     questions) is made of. Not the rounds' own ratios: a round's pieces do not share its slow spells here
     (the plain and mc_sim_7b_63 loops' verify correlate 0.11 and -0.07 over a replay's 40 rounds, the plain
     loop's varying 19 %), so the central ratio of rounds only added the skew of a noisy denominator and priced
-    mc_sim_7b_63 3-6 % slow (docs/reports/2026-12-01-ratio-of-means.md)."""
+    mc_sim_7b_63 3-6 % slow (docs/reports/ratio-of-means.md)."""
     return float(np.mean(np.asarray(a, dtype=float)) / np.mean(np.asarray(b, dtype=float)))
 
 
@@ -345,8 +345,8 @@ def _in_loop_verify(tight: np.ndarray, cfg: ProfileConfig, loop_context: int, lo
     Rows are kept as measured, not made non-decreasing in nodes: on the development CPU the C forward
     verified 5 rows faster than 3 or 4, in the profile's forwards and loops and in replays alike (chain:4's
     verify 9.6 ms against chain:2's 10.5 in the same replay), and pooling 4 and 5 priced chain:4 10 % high
-    (docs/reports/2026-12-01-verify-probes.md); the kernel's weight prefetch, from 5 rows then, starts at 3
-    rows since (2026-12-02-lockstep.md), and whatever dips remain are priced as measured."""
+    (docs/reports/verify-probes.md); the kernel's weight prefetch, from 5 rows then, starts at 3
+    rows since (lockstep.md), and whatever dips remain are priced as measured."""
     at = int(np.argmin([abs(c - loop_context) for c in cfg.contexts]))
     looped = {at: (loop_nodes, loops)}
     for c, (sizes, times) in (elsewhere or {}).items():

@@ -85,8 +85,8 @@ def test_shipped_medusa2_heads_decode_exactly_on_their_adapted_base(default_mode
     """The shipped default is Medusa-2: its adapter matches the default base and merges into layers 26-29
     only; greedy Medusa decoding on the adapted base equals that base's own greedy decoding (transformers'
     generate in float32, the runtime's plain decoding in bf16); the Medusa-1 set beside it needs no adapter."""
+    from medusa_runtime.adapter import adapter_info, apply_heads_adapter
     from medusa_runtime.heads import shipped_heads_dir
-    from medusa_runtime.medusa2 import adapter_info, apply_heads_adapter
 
     folder = shipped_heads_dir("default")
     info = adapter_info(folder)

@@ -96,3 +96,27 @@ def test_treesearch_never_imports_torch():
             + "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_loading_the_shipped_heads_imports_nothing_of_training():
+    """Inference loads heads (the Medusa-2 adapter merged into the base included) without importing the training
+    stack: checked in a fresh interpreter, on sys.modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import medusa_runtime.heads\n"
+            "from medusa_runtime.model import load_model\n"
+            "from medusa_runtime.heads import resolve_heads\n"
+            "from medusa_runtime.adapter import apply_heads_adapter\n"
+            "from medusa_runtime.heads import shipped_heads_dir\n"
+            "loaded = load_model('default', 'float32', 'cpu', log=lambda m: None)\n"
+            "resolve_heads('default', loaded.hidden_size, loaded.vocab_size)\n"
+            "apply_heads_adapter(loaded, shipped_heads_dir('default'), log=lambda m: None)\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('medusa_runtime'))))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stdout.split())
+    training = {"medusa_runtime.train", "medusa_runtime.train_loop", "medusa_runtime.medusa2", "medusa_runtime.distill",
+                "medusa_runtime.hidden_cache", "medusa_runtime.losses", "medusa_runtime.train_profiles"}
+    assert "medusa_runtime.adapter" in loaded and not loaded & training, loaded & training

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime import medusa2
+from medusa_runtime import adapter, medusa2
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import HeadsError, load_heads
 from medusa_runtime.model import LoadedModel
@@ -74,9 +74,9 @@ def test_trained_adapter_merges_into_the_base_and_decoding_stays_exact(tiny_exam
     assert record["drift"]["tokens"] > 0 and record["drift"]["kl_per_token"] > 0  # the base moved
     folder = tmp_path / "run" / "heads"
     assert (folder / "adapter" / "adapter_config.json").is_file()
-    info = medusa2.adapter_info(folder)
+    info = adapter.adapter_info(folder)
     assert info.layers == (1,) and info.base_model == loaded.name
-    adapted = medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None)
+    adapted = adapter.apply_heads_adapter(loaded, folder, log=lambda m: None)
     assert adapted.name.startswith(loaded.name + "+adapter:")
     changed = [n for n, p in adapted.model.named_parameters()
                if not torch.equal(p, dict(loaded.model.named_parameters())[n])]
@@ -86,7 +86,7 @@ def test_trained_adapter_merges_into_the_base_and_decoding_stays_exact(tiny_exam
 
     import peft
 
-    with medusa2._quiet_peft():
+    with adapter._quiet_peft():
         student = peft.PeftModel.from_pretrained(copy.deepcopy(loaded.model), str(info.path))
     top = medusa2.TopLayers(student, 1)
     ex = examples[0]
@@ -111,14 +111,14 @@ def test_adapter_refused_when_missing_or_for_another_base(tiny_examples, tmp_pat
     other = tiny_llama(vocab=loaded.vocab_size, seed=11)
     other = LoadedModel(other.model, loaded.tokenizer, "tiny-other", torch.float32, torch.device("cpu"))
     with pytest.raises(HeadsError, match="trained on another base"):
-        medusa2.apply_heads_adapter(other, folder, log=lambda m: None)
+        adapter.apply_heads_adapter(other, folder, log=lambda m: None)
     shutil.rmtree(folder / "adapter")
     with pytest.raises(HeadsError, match="need the base adapter .* which is missing"):
-        medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None)
+        adapter.apply_heads_adapter(loaded, folder, log=lambda m: None)
     plain = tmp_path / "plain"  # heads without an adapter leave the base as it is
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
-    assert medusa2.apply_heads_adapter(loaded, plain) is loaded
+    assert adapter.apply_heads_adapter(loaded, plain) is loaded
 
 
 def test_interrupted_run_resumes_to_the_uninterrupted_result(tiny_examples, tmp_path, monkeypatch):
@@ -174,7 +174,7 @@ def test_engine_exports_carry_the_adapted_base(tiny_examples, tmp_path, monkeypa
     loaded, _, examples, _ = tiny_examples
     _train(loaded, examples[:12], _cfg(epochs=1), tmp_path / "run")
     folder = tmp_path / "run" / "heads"
-    adapted = medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None)
+    adapted = adapter.apply_heads_adapter(loaded, folder, log=lambda m: None)
     heads = load_heads(folder, loaded.hidden_size, loaded.vocab_size)
     lm = adapted.model.get_output_embeddings().weight
     out = tmp_path / engine
@@ -200,16 +200,16 @@ def test_shipped_adapter_loads_in_float16_as_in_float32_and_bfloat16():
     from medusa_runtime.model import load_model
 
     folder = shipped_heads_dir("default")
-    info = medusa2.adapter_info(folder)
+    info = adapter.adapter_info(folder)
     names = []
     for dtype in ("float32", "bfloat16", "float16"):
         loaded = load_model("default", dtype, "cpu", log=lambda m: None)
-        assert medusa2.base_digest(loaded.model, info.layers) == info.base_digest
-        names.append(medusa2.apply_heads_adapter(loaded, folder, log=lambda m: None).name)
+        assert adapter.base_digest(loaded.model, info.layers) == info.base_digest
+        names.append(adapter.apply_heads_adapter(loaded, folder, log=lambda m: None).name)
     assert len(set(names)) == 1 and names[0].endswith(f"+adapter:{info.base_digest[:8]}")
     # what the loaded float16 values alone would give: another digest (the refusal the stored values avoid)
     half = load_model("default", "float16", "cpu", log=lambda m: None).model
-    layers = medusa2.decoder_layers(half)
+    layers = adapter.decoder_layers(half)
     h = __import__("hashlib").sha256()
     for i in info.layers:
         for name, p in sorted(layers[i].named_parameters()):

@@ -255,8 +255,9 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
     """Two head sets in one interleaved replay: Medusa-2 heads (with their adapter) beside the replay's own.
     Each configuration decodes on its heads' base, its records say which, and the lossless check compares it
     with plain decoding of that same base."""
+    from medusa_runtime.adapter import apply_heads_adapter
     from medusa_runtime.heads import load_heads
-    from medusa_runtime.medusa2 import apply_heads_adapter, train_medusa2_top
+    from medusa_runtime.medusa2 import train_medusa2_top
     from medusa_runtime.train import TrainConfig
 
     from .conftest import hf_greedy

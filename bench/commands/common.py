@@ -52,8 +52,8 @@ def _base_name(model: str) -> str:
 def _adapted(loaded, heads_spec: str | None):
     """The base with the adapter that the named heads were trained with merged in (Medusa-2 heads), else as
     it is; its name then says so (``<model>+adapter:<digest>``), and so does every record made with it."""
+    from medusa_runtime.adapter import apply_heads_adapter
     from medusa_runtime.heads import heads_folder
-    from medusa_runtime.medusa2 import apply_heads_adapter
 
     folder = heads_folder(heads_spec)
     return loaded if folder is None else apply_heads_adapter(loaded, folder, log=_log)

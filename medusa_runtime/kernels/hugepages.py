@@ -6,7 +6,7 @@ pages a step, each a TLB miss, and the hardware prefetchers stop at every page b
 ``/sys/kernel/mm/transparent_hugepage/enabled`` reads ``[madvise]`` (or without asking where it reads
 ``[always]``). So :func:`huge_buffer` maps and advises the memory, and the engine packs its weights into it
 afterwards. Elsewhere (THP ``never``, another OS) the buffer is an ordinary mapping and nothing else changes;
-``MEDUSA_HUGE_PAGES=0`` asks for ordinary PyTorch memory. Measured in docs/reports/2026-12-03-prefetch-l1.md.
+``MEDUSA_HUGE_PAGES=0`` asks for ordinary PyTorch memory. Measured in docs/reports/prefetch-l1.md.
 """
 
 from __future__ import annotations

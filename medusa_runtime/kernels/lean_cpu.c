@@ -94,19 +94,10 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 #if LEAN_AVX512BF16
 /* Software prefetch of the packed weights, ROWS4_PREFETCH bytes ahead (into L1 by default: ROWS4_HINT), for calls
  * of ROWS4_PREFETCH_FROM rows or more: 1 (every call), except on Zen 4 where the build sets 2, 16 KB and into L2.
- * Measured on a 2-core Zen 4 VM (verify forwards of the default model, variants interleaved in one process): for
- * 1 row the hardware prefetcher alone streams best (8.5 ms against 8.7-9.3 with any software prefetch; again
- * 2026-12-02 in whole decode steps: 9.43 against 8.61 ms), and 8, 16 and 32 KB into L2 alike, into L1 worse.
- * On a 2-core Zen 5 EPYC VM (2026-12-03, one-row forwards, builds alternated, 60-80 rounds, five runs) the
- * prefetch for one row too cut 1-7 % (context 256: 8.74 / 7.85 / 7.45 / 8.07 -> 8.58 / 7.71 / 7.23 / 7.72 ms;
- * context 112: 7.64 -> 7.06), and 8 KB ahead into L1 beat 16 KB into L2 (2026-12-03 night, whole forwards at
- * context 256, builds alternated, 50-60 rounds, five runs: 4 rows 8.15 / 7.16 / 6.55 / 6.98 / 5.46 ms -> 7.85 /
- * 6.57 / 6.02 / 6.89 / 5.19, one row 7.33 / 6.17 / 5.83 / 6.61 / 4.70 -> 7.21 / 5.80 / 5.32 / 6.57 / 4.70; two
- * distances at once, 16 or 32 KB into L2 and 4 or 8 KB into L1, no better;
- * docs/reports/2026-12-03-prefetch-l1.md). From 2 rows on, where the dot products take longer than the weights'
- * transfer, a software prefetch pays on both (3 / 4 rows 11.19-11.69 / 11.84-12.14 ms against 12.02-12.05 /
- * 12.60-13.53 without, context 240; 8 / 16 rows 11.0 / 17.8 ms against 13.4 / 24.9;
- * docs/reports/2026-12-02-lockstep.md; 2 rows: see linear_rows). */
+ * Why: from 2 rows on the dot products take longer than the weights' transfer, and a software prefetch keeps the
+ * stream ahead of them on every CPU measured; for one row it pays on Zen 5, while on Zen 4 the hardware prefetcher
+ * alone streams best; 8 KB into L1 beat 16 KB into L2 where both were tried, and two distances at once did not
+ * help (docs/reports/prefetch-l1.md, docs/reports/lockstep.md; 2 rows: see linear_rows). */
 #ifndef ROWS4_PREFETCH
 #define ROWS4_PREFETCH 8192
 #endif
@@ -311,20 +302,12 @@ static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in
     int blocks = (out + 3) / 4, kb_n = pad_to(in, 32) / 32;
     /* Activation rows per pass over a weight block: up to 4, all of a call's rows in one pass; on Zen 4
      * (SPLIT_PASSES, set by the build for AMD family 25) calls of 3 or 4 rows take passes of 2 (2+1, 2+2; the
-     * block is re-read from L1 for the second) and calls of 2 rows passes of 1. Measured on the 2-core Zen 4 VM
-     * (full verify forwards of the default model at context 112, variants interleaved in one process, 30 rounds,
-     * medians): 3 rows 9.61 -> 9.10 ms, 4 rows 9.85 -> 9.12 ms with passes of 2, 1, 2 and 5 rows unchanged (8.8,
-     * 9.0, 9.3 ms); passes of at most 2 or 3 rows for every n were slower from 5 rows on. Two rows as 1 + 1 with
-     * the prefetch (the verify of whole decode steps, builds interleaved, 2026-12-02): 9.00 ms against 9.98 /
-     * 10.35 as one pass of 2 with / without it, where one row took 9.59; in a second run 8.41 where one row took
-     * 8.61. Why one pass of several rows streamed slower there is not understood (the prefetch distance, 8 / 16 /
-     * 32 KB, made no difference). On a Zen 5 EPYC (2026-12-03, builds alternated in one process) one pass of 2
-     * cost what one row costs (the forward's linear layers, 20 rounds, context 16 / 256: 4.98 / 5.05 ms against
-     * 5.12 / 5.10 for one row) where 1 + 1 cost 5.41 / 5.55; and one pass of 3 or 4 rows streamed a 75 MB weight
-     * at 59-70 / 57-64 GB/s (best of 20-30 calls, three builds alternated) where passes of 2 reached 50-61 /
-     * 46-58: a bf16 dot-product step's latency is ~4.5 ns there, so the 8 accumulators of a pass of 2 cap two
-     * cores near 56 GB/s, what that VM's memory gives in its fast mode, and one pass of 4 keeps 16 chains
-     * going. Results do not depend on the passes (each output is summed in the same order whatever R is). */
+     * block is re-read from L1 for the second) and calls of 2 rows passes of 1, which streamed faster there (why
+     * one pass of several rows streams slower on Zen 4 is not understood; the prefetch distance made no
+     * difference). Elsewhere one pass of up to 4 rows is best: a bf16 dot-product step's latency (~4.5 ns on
+     * Zen 5) means the 8 accumulator chains of a pass of 2 cannot keep two cores' memory stream busy, and one pass
+     * of 4 keeps 16 chains going (docs/reports/verify-rows.md). Results do not depend on the passes (each output is
+     * summed in the same order whatever R is). */
     int rows_per_pass = SPLIT_PASSES ? (n == 2 ? 1 : n <= 4 ? 2 : 4) : 4;
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; ++b) {
@@ -811,10 +794,8 @@ static inline void pair_dp(__m512 acc[4], const __m512bh w[4], uint32_t pp) {
 /* the float32 sum of the numerators p over a row's seen sequence (the prefix's slots [0, start), then its tree
  * slots tidx[0..tcnt)), as 16 lanes of seen positions 16c + l summed over c (a run that reaches the tree slots
  * gathered, zero beyond the sequence's end), then the lanes by one fixed pattern of adds: a function of the seen
- * sequence alone, whatever slots it sits in (see attend_heads_d64). Against two scalar sums per pair of slots in
- * the weighted sum's loop (revision 37), the hot attention at context 464 took 4.31-4.34 / 11.48-11.52 us a layer
- * for 1 / 4 rows -> 4.07-4.08 / 10.85-10.87 (docs/reports/2026-12-03-attention-bench.c, three runs alternated); in
- * the model 0.338 / 0.549 -> 0.317 / 0.538 ms the 30 layers (docs/reports/2026-12-03-verify-roofline.md). */
+ * sequence alone, whatever slots it sits in (see attend_heads_d64). Vector lanes instead of two scalar sums per
+ * pair of slots make the hot attention a few per cent faster (docs/reports/verify-roofline.md). */
 static inline float seen_sum16(const float *p, int start, const int *tidx, int tcnt) {
     __m512 acc = _mm512_setzero_ps();
     int total = start + tcnt, c = 0;
@@ -1747,7 +1728,7 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
 #if LEAN_AVX512BF16
     /* 16 values at a time: once k are held, a run none of whose values beats the k-th best is passed over whole
      * (the same comparison as topk_offer's, so the same result); with the softmax's sum, a chain:4 tree's four
-     * rows of 4,096 took 0.013-0.017 ms before, 0.008-0.010 after (docs/reports/2026-12-03-heads-call.md) */
+     * rows of 4,096 took 0.013-0.017 ms before, 0.008-0.010 after (docs/reports/heads-call.md) */
     for (; i + 16 <= len; i += 16) {
         if (n == k && !_mm512_cmp_ps_mask(load16_bf16(v + i), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ)) continue;
         for (int j = i; j < i + 16; ++j) topk_offer(bf2f(v[j]), j, k, best, idx, &n);
