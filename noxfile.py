@@ -1,7 +1,9 @@
 """Sessions: ``tests`` (the default), ``lint``, ``bench``, ``engines``, ``perf``, ``gpu``.
 
-torch is installed first with an exact pin so that pip takes the local CPU wheel instead of a
-multi-GB CUDA build; override with ``MEDUSA_TORCH_SPEC`` (e.g. ``torch`` on a GPU machine).
+torch is installed first, pinned, from PyTorch's CPU index (``MEDUSA_TORCH_INDEX``; empty: pip's own
+indexes), so that pip takes the CPU build instead of a multi-GB CUDA one; ``MEDUSA_TORCH_SPEC`` overrides the
+pin. The ``gpu`` session takes torch's default build (CUDA) from pip's indexes. Each session installs only
+the extras it uses.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 
 TORCH_SPEC = os.environ.get("MEDUSA_TORCH_SPEC", "torch==2.13.0")
+TORCH_INDEX = os.environ.get("MEDUSA_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 
 
-def _install(session: nox.Session, extras: str = "test") -> None:
-    session.install(TORCH_SPEC)
-    session.install("-e", f".[{extras}]")
+def _torch(session: nox.Session) -> None:
+    session.install(*(["--index-url", TORCH_INDEX] if TORCH_INDEX else []), TORCH_SPEC)
+
+
+def _install(session: nox.Session, extras: str | None = "test") -> None:
+    _torch(session)
+    session.install("-e", f".[{extras}]" if extras else ".")
 
 
 @nox.session
@@ -60,7 +67,7 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every stage end to end on the embedded default model (``nox -s bench -- --profile full`` for all of
     MT-Bench, ``-- --retrain`` to train heads instead of using the shipped ones)."""
-    _install(session)
+    _install(session, extras=None)  # the main job needs no test tools
     session.run("python", "-m", "bench.pipeline", *session.posargs)
 
 
@@ -80,7 +87,7 @@ def _vllm_environment(session: nox.Session) -> str:
         session.log(f"[engines] installing {VLLM_SPEC} into {env} (its own environment; minutes)")
         session.run("python", "-m", "venv", "--clear", str(env))
         pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        session.run(*pip, TORCH_SPEC, external=True)
+        session.run(*pip, *(["--index-url", TORCH_INDEX] if TORCH_INDEX else []), TORCH_SPEC, external=True)
         session.run(*pip, VLLM_SPEC, external=True)
         session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNLOADABLE, external=True)
         session.run(str(python), "-c", "import vllm", external=True)  # fails here, in one place, if it cannot load
@@ -93,8 +100,7 @@ def engines(session: nox.Session) -> None:
     """The quick bench with real serving engines beside the runtime: vLLM (its own environment, installed here)
     and llama.cpp (built once into the model cache), then the tests that start them (marker ``engines``).
     ``nox -s engines -- ARGS`` passes ARGS to the pipeline (e.g. ``-- --out DIR``)."""
-    session.install(TORCH_SPEC)
-    session.install("-e", ".[engines,test]")
+    _install(session, extras="engines,test")
     python = _vllm_environment(session)
     session.env["MEDUSA_VLLM_PYTHON"] = python
     session.run("python", "-m", "bench.pipeline", "--engines", "vllm,llama.cpp", *session.posargs)

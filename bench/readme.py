@@ -1,10 +1,11 @@
-"""Refresh the README's results table and the figures under ``docs/`` from a bench run.
+"""Refresh the README's results table, ``docs/results.md`` and the figures under ``docs/`` from a bench run.
 
     python -m bench.readme [--results results/bench] [--readme README.md] [--docs docs]
 
-The table between the README's ``bench-results`` markers is rendered from ``report.json`` (never typed
-by hand), and the figures it points to are copied from the run's ``plots/``, so both always describe the
-same run.
+The compact table between the README's ``bench-results`` markers (the run's machine and date, then tokens/s,
+tau and speed-up per configuration) and ``docs/results.md`` (every column, the verdict, the figures) are
+rendered from ``report.json`` (never typed by hand), and the figures are copied from the run's ``plots/``, so
+all of them always describe the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from bench.engines import PEER_METHODS
 
 BEGIN, END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
 FIGURES = ("predicted_vs_measured.png", "pareto_typical.png", "tokens_per_s_by_engine.png")
+FIGURE_TEXT = {"tokens_per_s_by_engine.png": "every engine's plain and fastest speculative configuration, tokens/s with "
+                                             "95 % intervals",
+               "predicted_vs_measured.png": "each configuration's measured speed-up against the search's prediction"}
 ENGINE_NAMES = {"own": "this runtime", "transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
 
 
@@ -48,6 +52,28 @@ def medusa_bound_line(medusa: list[dict]) -> str:
             f"({_num(ci[0])}-{_num(ci[1])}) = tau {best['tau']:.2f} / a step costing "
             f"{best['step_cost_vs_engine_plain']:.2f} plain steps (chains 1-{len(rows)}: {costs}); 1.2x at that "
             f"cost needs tau {1.2 * best['step_cost_vs_engine_plain']:.2f}.")
+
+
+def _run_line(report: dict) -> str:
+    """Which session ran, on what machine, when."""
+    m = report.get("machine", {})
+    engines = any(c.get("engine") in PEER_METHODS for c in report["configs"])
+    return (f"`nox -s {'engines' if engines else 'bench'}` on {m.get('cpu_model') or m.get('processor', '?')} "
+            f"({m.get('cpu_count', '?')} cores), {report.get('created', '?')[:10]}")
+
+
+def render_compact(report: dict) -> str:
+    """The README's table: the run's machine and date, then per configuration its engine, tokens/s, tau and
+    speed-up over the runtime's plain decoding with its interval."""
+    lines = [_run_line(report) + ":", "",
+             "| configuration | engine | tokens/s | tau | speed-up vs plain (95 %) |", "|---|---|---:|---:|---:|"]
+    for c in report["configs"]:
+        ci = c.get("speedup_vs_plain_ci") or [None, None]
+        name = f"**{c['config']}**" if c.get("searched") else c["config"]
+        engine = ENGINE_NAMES.get(c.get("engine") or "own", c.get("engine"))
+        lines.append(f"| {name} | {engine} | {_num(c.get('tokens_per_s'), '.1f')} | {_num(c.get('tau'))} | "
+                     f"{_num(c.get('speedup_vs_plain'))}x ({_num(ci[0])}-{_num(ci[1])}) |")
+    return "\n".join(lines)
 
 
 def render(report: dict) -> str:
@@ -122,8 +148,13 @@ def refresh(results: Path, readme: Path, docs: Path) -> list[Path]:
         raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{render(json.loads(report_file.read_text()))}\n{END}{tail}")
-    written = [readme]
+    report = json.loads(report_file.read_text())
+    readme.write_text(f"{head}{BEGIN}\n{render_compact(report)}\n{END}{tail}")
+    results_md = docs / "results.md"
+    results_md.write_text("# Results of the last bench run\n\nWritten by `python -m bench.readme` from the run's "
+                          "`report.json` and plots, never by hand.\n\n" + render(report) + "\n\n"
+                          + "".join(f"![{alt}]({name})\n\n" for name, alt in FIGURE_TEXT.items()))
+    written = [readme, results_md]
     for name in FIGURES:
         src = results / "plots" / name
         if src.is_file():

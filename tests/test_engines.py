@@ -237,3 +237,19 @@ def test_pipeline_refuses_bad_engines_in_one_line_before_any_stage(tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("[bench] error: ") and message in last, last
         assert not (tmp_path / "o" / "stages.json").exists()  # nothing ran
+
+
+def test_readme_table_is_the_runs_compact_table():
+    from bench.readme import render_compact
+
+    report = {"created": "2026-12-04T10:00:00", "machine": {"cpu_model": "CPU X", "cpu_count": 2},
+              "configs": [{"config": "plain", "engine": "own", "tokens_per_s": 100.0, "tau": 1.0,
+                           "speedup_vs_plain": 1.0, "speedup_vs_plain_ci": [1.0, 1.0]},
+                          {"config": "searched", "engine": "own", "searched": True, "tokens_per_s": 150.04, "tau": 1.9,
+                           "speedup_vs_plain": 1.5, "speedup_vs_plain_ci": [1.4, 1.6]},
+                          {"config": "vllm plain", "engine": "vllm", "tokens_per_s": 30.0, "tau": 1.0,
+                           "speedup_vs_plain": 0.3, "speedup_vs_plain_ci": [0.28, 0.32]}]}
+    lines = render_compact(report).splitlines()
+    assert lines[0] == "`nox -s engines` on CPU X (2 cores), 2026-12-04:"
+    assert lines[5] == "| **searched** | this runtime | 150.0 | 1.90 | 1.50x (1.40-1.60) |"
+    assert lines[6] == "| vllm plain | vLLM | 30.0 | 1.00 | 0.30x (0.28-0.32) |" and len(lines) == 7

@@ -120,3 +120,11 @@ def test_loading_the_shipped_heads_imports_nothing_of_training():
     training = {"medusa_runtime.train", "medusa_runtime.train_loop", "medusa_runtime.medusa2", "medusa_runtime.distill",
                 "medusa_runtime.hidden_cache", "medusa_runtime.losses", "medusa_runtime.train_profiles"}
     assert "medusa_runtime.adapter" in loaded and not loaded & training, loaded & training
+
+
+def test_readme_is_a_short_users_guide_with_the_two_commands_first():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 8 * 1024
+    first = readme[:readme.index("## What you get")]
+    for line in ("pip install nox", "nox -s bench", "nox -s tests", "pip install -e ."):
+        assert line in first, line

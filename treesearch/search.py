@@ -476,10 +476,14 @@ def _seed(study: optuna.Study, cfg: SearchConfig, objective: TreeObjective, stat
 
 
 def _baseline_runs(name: str, objective: TreeObjective) -> bool:
-    """Whether the official baseline tree is one the target runs (not for a chain-only one)."""
-    tree = load_tree(name)
-    return not objective.target.chain_only and len(tree.paths) <= objective.budget \
-        and tree.depth <= objective.stats.num_heads
+    """Whether the official baseline tree can be scored (its depth and ranks within the statistics') and is one
+    the target runs: this runtime's reference trial whatever the node budget; for an engine, only within its
+    draft limit (never for a chain-only one)."""
+    target, tree = objective.target, load_tree(name)
+    if objective.configurations and (tree.depth > objective.stats.num_heads or tree.max_rank >= objective.stats.topk):
+        return False  # the replay scores only what the rollouts' ranks hold
+    return target.name == "own" or (not target.chain_only
+                                    and (target.max_nodes is None or len(tree.paths) <= target.max_nodes))
 
 
 def _waiting(study: optuna.Study) -> int:
