@@ -86,7 +86,9 @@ def check(obj: dict[str, Any], target_name: str, heads: dict[str, Any]) -> dict[
     target = get_target(target_name)
     conf = configuration(obj)
     if not conf.get("medusa_choices"):
-        raise DeployError("the configuration uses no heads: there is nothing to export")
+        if target.name == "own":
+            return conf
+        raise DeployError(f"the configuration uses no heads: there is nothing to export to {target.engine}")
     reasons = refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
                        heads.get("conditioning", "none"), heads.get("num_heads"))
     if reasons:
@@ -108,7 +110,7 @@ def export(tree_file: str | Path, target: str, out: str | Path, model: str = "de
     if searched_for != target:
         log(f"note: this configuration was searched for {searched_for}, not {target}; it runs there, but the "
             f"search over what {target} runs may find a faster one (--target {target})")
-    spec = heads_spec(obj["heads"])
+    spec = heads_spec(obj["heads"]) if conf.get("medusa_choices") else "none"
     out = Path(out)
     if target == "own":
         return _export_own(tree_file, obj, conf, spec, out)
@@ -118,7 +120,8 @@ def export(tree_file: str | Path, target: str, out: str | Path, model: str = "de
 def _export_own(tree_file, obj, conf, spec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tree_file, out / "tree.json")
-    cmd = (f"medusa-bench serve --heads {spec} --tree {out.resolve() / 'tree.json'} --lookup {conf.get('lookup', 0)}"
+    tree = f" --tree {out.resolve() / 'tree.json'}" if spec != "none" else ""
+    cmd = (f"medusa-bench serve --heads {spec}{tree} --lookup {conf.get('lookup', 0)}"
            + (f" --gate {conf['gate']:g}" if conf.get("gate") else ""))
     return {"target": "own", "out": str(out), "command": cmd}
 

@@ -259,3 +259,26 @@ def _trial_trees_named(db, name):
 
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
     return [t.user_attrs["medusa_choices"] for t in study.trials if t.state.name == "COMPLETE"]
+
+
+def test_own_target_deploys_the_recommendation_even_without_heads(tmp_path, fitted):
+    """For this runtime the final configuration is the search's recommendation; when that is no heads (plain
+    decoding with a lookup chain), the export serves it with --heads none instead of refusing."""
+    stats, latency = fitted
+    cfg = SearchConfig(budget=4, trials=6, storage=f"sqlite:///{tmp_path / 'o.db'}", study_name="o")
+    res = run_search(stats, cfg, latency, show_progress=False)
+    search = write_search(res, stats, cfg, tmp_path / "s.json", latency_file="l.json")
+    obj = json.loads(search.read_text())
+    obj["recommended"] = {"config": "plain +lookup4", "uses_heads": False, "lookup": 4, "gate": 0.0,
+                          "medusa_choices": None}
+    write_json_atomic(search, obj)
+    heads = heads_reference(heads_reference_path("default"))
+    final = json.loads(write_final(search, stats, latency, heads, tmp_path / "tree.json").read_text())
+    assert final["configuration"] == {"config": "plain +lookup4", "uses_heads": False, "medusa_choices": None,
+                                      "tree_nodes": None, "lookup": 4, "gate": 0.0}
+    pred = predict_decoding(Decoding(None, 4), stats, latency)
+    assert final["prediction"]["speedup_vs_plain"] == pytest.approx(pred.speedup, abs=1e-6)
+    proc = _cli("export", tmp_path / "tree.json", "--target", "own", "--out", tmp_path / "own")
+    assert proc.returncode == 0 and "medusa-bench serve --heads none --lookup 4" in proc.stdout
+    proc = _cli("export", tmp_path / "tree.json", "--target", "vllm", "--out", tmp_path / "v")
+    assert proc.returncode == 2 and "uses no heads: there is nothing to export to vLLM" in proc.stderr

@@ -45,13 +45,14 @@ def configuration_json(dec: Decoding) -> dict[str, Any]:
 
 def write_final(search_file: str | Path, stats: AcceptanceStats, latency: LatencyProfile, heads: dict[str, Any],
                 out: str | Path, fitted_on: list[str] | None = None) -> Path:
-    """``out``: the search file's tree and provenance, plus ``configuration`` (what an export deploys: the fastest
-    configuration with heads that the target runs), ``heads`` (what it needs: name or path, digest,
+    """``out``: the search file's tree and provenance, plus ``configuration`` (what an export deploys: for this
+    runtime the search's recommendation, which may use no heads; for an engine the fastest configuration with
+    heads that it runs, since without heads there is nothing to export to it), ``heads`` (what it needs: name or path, digest,
     conditioning) and ``prediction`` (tau and speed-up over plain decoding, with intervals)."""
     obj = read_json(search_file, StatsError, "search file")
     if not isinstance(obj, dict) or "target" not in obj:
         raise StatsError(f"{search_file} is not a search file with a target (search again)")
-    dec = load_recommendation(search_file, with_heads=True)
+    dec = load_recommendation(search_file, with_heads=obj["target"] != "own")
     final = {**obj, "name": "final", "configuration": configuration_json(dec), "heads": heads,
              "prediction": prediction(dec, stats, latency)}
     if fitted_on is not None:
