@@ -6,6 +6,7 @@ per category and overall; tau is total tokens over total steps for the runtime's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,12 +67,31 @@ def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+COUNT_NAMES = {"nodes", "questions", "tokens", "steps", "compared", "identical", "lookup", "answers", "rounds", "runs"}
+
+
 def to_markdown(table: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    """A Markdown table: missing values as '-', counts as integers (a count column that pandas made float because
+    some rows lack a value), other floats as ``floatfmt``."""
     cols = list(table.columns)
+
+    def whole(col) -> bool:
+        vals = [v for v in table[col] if isinstance(v, float) and not math.isnan(v)]
+        named = str(col).split("_")[-1] in COUNT_NAMES
+        return named and bool(vals) and all(v.is_integer() for v in vals)
+
+    counts = {c for c in cols if whole(c)}
+
+    def cell(col, v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        if isinstance(v, float):
+            return str(int(v)) if col in counts else format(v, floatfmt)
+        return str(v)
+
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for _, row in table.iterrows():
-        cells = [format(v, floatfmt) if isinstance(v, float) else str(v) for v in row]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell(c, v) for c, v in zip(cols, row)) + " |")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ FIGURES = (
     Figure("search_history", "Search history", "The typical-acceptance search's trials: predicted speed-up over "
            "plain decoding per trial, the best so far, and the official mc_sim_7b_63 tree as a baseline trial."),
     Figure("speedup_vs_budget", "Speed-up against tree budget", "Best predicted speed-up per tree-size budget."),
-    Figure("training_curves", "Training of the shipped heads", "Loss and head-0 accuracy over training steps."),
+    Figure("training_curves", "Training of this run's heads (--retrain)", "Loss and head-0 accuracy over training steps."),
 )
 
 _STYLE = """

@@ -170,11 +170,13 @@ def report(out: Path) -> list[Path]:
 
         written += plot_engines_headline(json.loads((out / "report.json").read_text())["configs"], plots)
     written += _typical_measured(out, df, quality, plots)
-    shipped = _training_json()
-    if shipped is not None and any(r.get("heads") not in (None, "none") for r in records):  # a run with heads
+    trained = out / "heads-trained"
+    (plots / "training_curves.png").unlink(missing_ok=True)  # an earlier run's: shown only for a run that trained
+    (plots / "training_curves.svg").unlink(missing_ok=True)
+    if (trained / "training.json").is_file():  # this run trained its heads (--retrain)
         from bench.plots import plot_training
 
-        written += plot_training(shipped.parent, plots)
+        written += plot_training(trained, plots)
     overall = table[table["category"] == "overall"][["config", "tokens", "seconds", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
     by_category = table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index()
@@ -394,11 +396,3 @@ def typical_section(out: Path) -> str:
             "(quality.json). Pareto front:\n\n" + to_markdown(front.round(4)) + "\n")
 
 
-def _training_json() -> Path | None:
-    from medusa_runtime.heads import shipped_heads_dir
-
-    d = shipped_heads_dir()
-    if d is None:
-        return None
-    f = d.parent / "training.json"
-    return f if f.is_file() else None

@@ -86,3 +86,15 @@ def test_configuration_table_shows_counts_and_the_folds_ranges(tmp_path):
         {"config": "searched", "lookup": [4, 6], "tree_nodes": [1.0, 3.0], "tokens_per_s": 140.0}]}))
     page = write_html(tmp_path, {}, {"model": "m"}).read_text()
     assert "<td>4-6</td>" in page and "<td>1-3</td>" in page and "<td>0</td>" in page
+
+
+def test_markdown_tables_show_missing_values_as_dashes_and_counts_as_integers():
+    import pandas as pd
+
+    from bench.analyze import to_markdown
+
+    table = pd.DataFrame({"config": ["plain", "medusa"], "tree_nodes": [float("nan"), 4.0], "tau": [1.0, 1.6543],
+                          "speedup": [1.0, float("nan")]})
+    lines = to_markdown(table).splitlines()
+    assert lines[2] == "| plain | - | 1.000 | 1.000 |"
+    assert lines[3] == "| medusa | 4 | 1.654 | - |"
