@@ -28,8 +28,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from treesearch.export import to_trtllm_config
 from treesearch.targets import get_target, heads_conditioning, is_chain, refusal_line, refusals
-from treesearch.tree import read_json
+from treesearch.tree import make_tree, read_json
 
 TRTLLM_CHOICES = "medusa_choices.txt"
 TRTLLM_OPTIONS = "extra_llm_api_options.yaml"  # JSON is YAML: trtllm-serve --extra_llm_api_options FILE
@@ -64,9 +65,10 @@ def heads_spec(ref: dict[str, Any]) -> str:
     folder = heads_folder(spec) if spec else None
     if folder is None or not (folder / "config.json").is_file():
         raise DeployError(f"the heads the configuration needs are not here: {spec}")
-    if ref.get("digest") and folder_hash(folder) != ref["digest"]:
+    digest = folder_hash(folder) if ref.get("digest") else None
+    if digest is not None and digest != ref["digest"]:
         raise DeployError(f"heads {spec} differ from the ones the configuration was searched with (digest "
-                          f"{folder_hash(folder)}, not {ref['digest']})")
+                          f"{digest}, not {ref['digest']})")
     return str(spec)
 
 
@@ -153,9 +155,8 @@ def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dt
         result = {"speculative_config": spec_cfg}
     elif target == "trtllm":
         serving.export_trtllm(heads, lm, out, base_name, torch_dtype, warn=notes.append, base=base)
-        options = {"speculative_config": {"decoding_type": "Medusa", "max_draft_len": len(choices),
-                                          "num_medusa_heads": heads.num_heads, "medusa_choices": choices,
-                                          "speculative_model": str(out.resolve())}}
+        options = json.loads(to_trtllm_config(make_tree(choices), heads.num_heads))
+        options["speculative_config"]["speculative_model"] = str(out.resolve())
         (out / TRTLLM_OPTIONS).write_text(json.dumps(options, indent=1) + "\n")
         (out / TRTLLM_CHOICES).write_text(f"{choices}\n")
         cmd = f"trtllm-serve {base_path or base_name} --extra_llm_api_options {out.resolve() / TRTLLM_OPTIONS}"

@@ -157,13 +157,14 @@ def report(out: Path) -> list[Path]:
         section = scorecard_section(card, verdict) + (f"\nPredicted speeds are priced with "
                                                       f"{questions['predictions_priced_with']}.\n"
                                                       if verdict["predictions"] else "")
-        if line := deploy_line(deploy_summary(out)):
+        deploy = deploy_summary(out)
+        if line := deploy_line(deploy):
             section += f"\n{line}\n"
         written.append(write_report(card, verdict, {"versions": records[0].get("versions", {}),
                                                     "machine": _machine(out), "questions": questions,
                                                     "quality": quality_of(card, quality, judged),
                                                     "distribution_checks": (quality or {}).get("distribution_checks"),
-                                                    "deploy": deploy_summary(out)},
+                                                    "deploy": deploy},
                                     out / "report.json"))
     if any(p.name == "report.json" for p in written):  # the headline: every engine's plain and fastest speculative configuration
         from bench.plots import plot_engines_headline

@@ -179,18 +179,31 @@ def export_trtllm(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os
     """Write the TensorRT-LLM Medusa folder (atomically): each head's blocks and its own full-vocabulary
     projection in the official layout (``{i}.{j}.linear.weight|bias``, ``{i}.{L}.weight``: what
     ``tensorrt_llm/models/medusa/weight.py`` reads per head and layer) and ``config.json``."""
-    reason = engine_refusal(heads, "TensorRT-LLM")
+    return _write_speculator(heads, "TensorRT-LLM", out_dir, base_model, base, dtype, warn, TRTLLM_WEIGHTS,
+                             lambda: {k: v.to(dtype) for k, v in
+                                      checkpoint_state_dict(heads, "official", lm_weight).items()},
+                             lambda name: trtllm_config(heads, name))
+
+
+def _write_speculator(heads: MedusaHeads, engine: str, out_dir: str | os.PathLike[str], base_model: str, base,
+                      dtype: torch.dtype, warn: Callable[[str], None] | None, weights_file: str,
+                      weights: Callable[[], dict[str, torch.Tensor]], config: Callable[[str], dict]) -> Path:
+    """A heads folder an engine loads beside its base (TGI's and TensorRT-LLM's layouts), written atomically:
+    refused where the engine cannot run the heads; the base it names is ``base/`` when the adapted base of
+    Medusa-2 heads is written there; the whole vocabulary scored (engines have no token map)."""
+    reason = engine_refusal(heads, engine)
     if reason:
         raise HeadsError(reason)
     if base is not None:
         base_model = str((Path(out_dir) / BASE_DIR).resolve())
+    if not base_model:
+        raise HeadsError(f"{engine} loads the base from the heads' config: name it (--base-model HUB_ID_OR_FOLDER)")
     if heads.draft_vocab is not None and warn is not None:
-        warn(f"TensorRT-LLM scores the whole vocabulary: the heads' {heads.draft_vocab.numel()}-token draft "
-             "vocabulary is dropped, so it may propose tokens outside it")
-    weights = {k: v.to(dtype) for k, v in checkpoint_state_dict(heads, "official", lm_weight).items()}
+        warn(f"{engine} scores the whole vocabulary (no token map): the heads' {heads.draft_vocab.numel()}-token "
+             f"draft vocabulary is dropped, so {engine} may propose tokens outside it")
     with atomic_dir(out_dir) as tmp:
-        save_file(weights, str(tmp / TRTLLM_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(trtllm_config(heads, base_model), indent=1) + "\n")
+        save_file(weights(), str(tmp / weights_file), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config(base_model), indent=1) + "\n")
         if base is not None:
             write_base(base.model, base.tokenizer, tmp / BASE_DIR, dtype)
     return Path(out_dir)
@@ -201,19 +214,5 @@ def export_tgi(heads: MedusaHeads, lm_weight: torch.Tensor, out_dir: str | os.Pa
     """Write the TGI Medusa folder (atomically): ``config.json`` and ``medusa_lm_head.safetensors``;
     refuse what TGI cannot run. ``base_model``: what TGI loads as the base (a hub id or a folder);
     ``base``: a LoadedModel written to ``base/`` and named as the base instead (Medusa-2 heads' adapted base)."""
-    reason = engine_refusal(heads, "TGI")
-    if reason:
-        raise HeadsError(reason)
-    if base is not None:
-        base_model = str((Path(out_dir) / BASE_DIR).resolve())
-    if not base_model:
-        raise HeadsError("TGI loads the base from the heads' config: name it (--base-model HUB_ID_OR_FOLDER)")
-    if heads.draft_vocab is not None and warn is not None:
-        warn(f"TGI scores the whole vocabulary (no token map): the heads' {heads.draft_vocab.numel()}-token draft "
-             "vocabulary is dropped, so TGI may propose tokens outside it")
-    with atomic_dir(out_dir) as tmp:
-        save_file(tgi_state_dict(heads, lm_weight, dtype), str(tmp / TGI_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(tgi_config(heads, base_model), indent=1) + "\n")
-        if base is not None:
-            write_base(base.model, base.tokenizer, tmp / BASE_DIR, dtype)
-    return Path(out_dir)
+    return _write_speculator(heads, "TGI", out_dir, base_model, base, dtype, warn, TGI_WEIGHTS,
+                             lambda: tgi_state_dict(heads, lm_weight, dtype), lambda name: tgi_config(heads, name))

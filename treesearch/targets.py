@@ -72,8 +72,9 @@ def load_engine_costs(path: str, target: Target) -> EngineCosts:
     if target.report_engine is None:
         raise StatsError(f"no engines session measures {target.engine} here: its step costs cannot be read")
     obj = read_json(path, StatsError, "engines report")
-    rows = [c for c in (obj.get("configs") or []) if isinstance(obj, dict) and c.get("engine") == target.report_engine
-            and c.get("speculative") == "medusa" and c.get("step_cost_vs_engine_plain") and c.get("draft_tokens")]
+    configs = (obj.get("configs") or []) if isinstance(obj, dict) else []
+    rows = [c for c in configs if c.get("engine") == target.report_engine and c.get("speculative") == "medusa"
+            and c.get("step_cost_vs_engine_plain") and c.get("draft_tokens")]
     if not rows:
         raise StatsError(f"{path} holds no measured step cost of {target.engine} + Medusa (a report.json of "
                          "nox -s engines, written by this version)")
