@@ -12,7 +12,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from bench.commands.common import _add_model_args, _log, _model_and_heads, _result  # noqa: F401 (re-exported)
+from bench.commands import flags
+from bench.commands.common import _log, _model_and_heads, _result  # noqa: F401 (re-exported)
+from bench.commands.flags import add_model_args as _add_model_args
 from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-exported)
     cmd_calibrate,
     cmd_draft_vocab,
@@ -80,6 +82,7 @@ def _version() -> str:
 
 
 JSON_HELP = "print one JSON object with the result (logs and progress stay on stderr)"
+WRITE_DTYPE_HELP = "dtype of the written weights (auto: bfloat16, what the engines serve)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,15 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="prepare and describe a base model (the offline default by default)")
     _add_model_args(p)
-    p.add_argument("--heads", default="none", help="describe the base as these heads decode with it (Medusa-2 heads: "
-                                                   "their adapter merged)")
+    flags.add_heads(p, "the base is described as they decode with it (Medusa-2 heads: their adapter merged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_model)
 
     p = sub.add_parser("draft-vocab", help="copy a heads folder with its draft vocabulary cut to the S most "
                                            "frequent tokens of some replies (a smaller projection per step)")
     _add_model_args(p)
-    p.add_argument("--heads", required=True, help="heads folder or shipped set (default, medusa1)")
+    flags.add_heads(p, "the heads to copy")
     p.add_argument("--size", type=int, required=True, help="tokens to keep (S)")
     p.add_argument("--replies", required=True,
                    help="self-distillation cache (JSONL: turns, input_ids, reply_start), as 'train' writes under "
@@ -110,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="decode one prompt with Medusa heads on a candidate tree")
     _add_model_args(p)
-    p.add_argument("--heads", default="none", help="heads folder (either format), fresh:K[:L], or none for plain decoding")
-    p.add_argument("--tree", default="mc_sim_7b_63", help="preset name, chain:N, or a tree JSON file")
+    flags.add_heads(p, "none: plain decoding")
+    flags.add_tree(p)
     p.add_argument("--accept", default="greedy", choices=["greedy", "typical", "sample"])
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -121,12 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, default=10, help="candidates read from each head's top-k (the tree's "
                                                                "ranks must stay below it); --top-k filters sampling")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    flags.add_new_tokens(p)
     p.add_argument("--engine", default="auto", choices=["auto", "lean", "lean-torch", "hf"],
                    help="forward engine: lean (Llama family, fast; its C forward in bf16 on AVX-512 BF16 CPUs), "
                         "lean-torch (the lean engine on PyTorch ops only) or hf (transformers, any model); auto picks")
-    p.add_argument("--lookup", type=int, default=4,
-                   help="prompt-lookup draft tokens laid beside the heads' tree (0: off; measured to pay on MT-Bench)")
+    flags.add_lookup(p, "a chain laid beside the heads' tree (measured to pay on MT-Bench)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -142,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or a hub dataset id")
     p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
     p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
-    p.add_argument("--max-new-tokens", type=int, help="reply length cap (default from the profile)")
+    flags.add_new_tokens(p, "the --profile's: " + ", ".join(f"{k} {v['max_new_tokens']}"
+                                                        for k, v in TRAIN_PROFILES.items()))
     p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction)
-    p.add_argument("--gen-batch", type=int, help="prompts generated together")
+    p.add_argument("--batch-size", type=int, help="prompts generated together while distilling")
+    flags.deprecated(p, "--gen-batch", "--batch-size", "batch_size", type=int)
     p.add_argument("--max-examples", type=int,
                    help="train on a random subset of this many examples of the (cached) data")
     p.add_argument("--epochs", type=float)
@@ -193,10 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure head x rank acceptance on greedy rollouts -> acceptance.json")
     _add_model_args(p)
-    p.add_argument("--heads", required=True, help="heads folder or fresh:K")
+    flags.add_heads(p)
     p.add_argument("--data", help="builtin (its calibration split) or a prompt file")
     p.add_argument("--limit", type=int, help="use the first N prompts")
-    p.add_argument("--max-new-tokens", type=int)
+    flags.add_new_tokens(p)
     p.add_argument("--candidates", type=int, help="ranks recorded per head (at most 36)")
     p.add_argument("--heldout", type=float, help="share of prompts held out")
     p.add_argument("--batch-size", type=int)
@@ -214,11 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
     _add_model_args(p)
     p.add_argument("--reference", default="default", help="the original model")
-    p.add_argument("--heads", default=None,
-                   help="Medusa-2 heads whose base adapter is merged into --model first (a folder, default)")
+    flags.add_heads(p, "Medusa-2 heads have their base adapter merged into --model first")
     p.add_argument("--questions", default=None, help="question JSONL (default: MT-Bench, offline)")
     p.add_argument("--limit", type=int, default=20, help="first turns, spread over the categories")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    flags.add_new_tokens(p)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out", default="results/fidelity.json")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -226,11 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="replay-predicted tau vs measured tau on held-out calibration prompts")
     p.add_argument("--acceptance", required=True)
-    p.add_argument("--trees", nargs="+", required=True)
-    p.add_argument("--model", default=None, help="default: the model the statistics name")
-    p.add_argument("--heads", default=None, help="default: the heads the statistics name")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
+    flags.add_tree(p, many=True, role="each replayed and decoded")
+    flags.deprecated(p, "--trees", "--tree", "tree", nargs="+")
+    flags.add_model(p, default=None, help="default: the model the statistics name")
+    flags.add_heads(p, "here auto: the heads the statistics name")
+    flags.add_dtype(p, help="auto: the dtype the statistics were measured in")
+    flags.add_device(p)
     p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
                    help="typical: sample at the calibration's typical temperature and replay typical acceptance")
     p.add_argument("--posterior-threshold", type=float, default=POSTERIOR_THRESHOLD, help="typical: epsilon")
@@ -241,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
     _add_model_args(p)
-    p.add_argument("--heads", required=True, help="heads folder or fresh:K")
+    flags.add_heads(p)
     p.add_argument("--nodes", type=int, nargs="+")
     p.add_argument("--contexts", type=int, nargs="+")
     p.add_argument("--prefill", type=int, nargs="+",
@@ -256,15 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
                            ("replay", "replay MT-Bench for a matrix of configurations (resumable records)")):
         p = sub.add_parser(name, help=helptext)
         _add_model_args(p)
-        p.add_argument("--heads", help="heads folder or fresh:K")
+        flags.add_heads(p)
         if name == "speed":
-            p.add_argument("--tree", nargs="+", help="trees to time (presets or files)")
+            flags.add_tree(p, many=True, role="each timed")
             p.add_argument("--hf-engine", action="store_true",
                            help="also time plain decoding on transformers' forward (engine 'hf')")
             p.add_argument("--torch-path", action="store_true",
                            help="also time plain decoding on the lean engine's PyTorch path (engine 'lean-torch')")
-            p.add_argument("--lookup", type=int,
-                           help="also time the runtime's prompt-lookup chain of N tokens, alone and beside each tree")
+            flags.add_lookup(p, "also time the runtime's chain of N, alone and beside each tree")
             p.add_argument("--gate", type=float, nargs="+",
                            help="also time each tree with these confidence gates (with the lookup chain when given)")
             p.add_argument("--only", nargs="+", metavar="NAME",
@@ -276,10 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "questions (latency-during.json): predictions priced at the replay's own speed")
             p.add_argument("--profile-every", type=int, metavar="N",
                            help="with --profile-like: one round before every N-th question (default 2)")
-            p.add_argument("--storage", metavar="URL",
-                           help="share the matrix among workers on several machines through this Optuna storage "
-                                "(postgresql://..., mysql://..., sqlite:///...): one question a unit, each claimed once")
-            p.add_argument("--study-name", help="with --storage: the matrix's queue")
+            flags.add_storage(p, None, ReplayJob.study, "share the matrix among workers on several machines (one "
+                                                        "question a unit, each claimed once)")
             p.add_argument("--machine",
                            help="with --storage: this machine's name in the records (default: the host name)")
             p.add_argument("--heartbeat", type=int, help="with --storage: seconds between heartbeats")
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--categories", nargs="+")
         p.add_argument("--ids", nargs="+", type=int, metavar="ID", help="only these question ids")
         p.add_argument("--limit", type=int, help="at most N questions, spread over categories")
-        p.add_argument("--max-new-tokens", type=int)
+        flags.add_new_tokens(p)
         p.add_argument("--repeats", type=int)
         p.add_argument("--sequential", action="store_true",
                        help="decode each answer whole, one configuration after another (default: the runtime's "
@@ -305,14 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--records", required=True, help="records.jsonl from replay")
     p.add_argument("--questions")
-    p.add_argument("--backend", choices=["none", "openai", "local"],
-                   help="none: proxies only (offline); openai: OPENAI_API_KEY / OPENAI_BASE_URL; local: --judge-local")
-    p.add_argument("--judge-model")
-    p.add_argument("--judge-local", help="local judge model (folder or 'default')")
-    p.add_argument("--guided-rating", action="store_true",
-                   help="a judgment without [[rating]] gets one more turn whose reply is constrained to 1-10 "
-                        "(guided_choice: vLLM's or medusa-bench serve's endpoints, or the local judge); not FastChat's "
-                        "rule, counted per configuration as 'guided'")
+    flags.add_judge(p)
+    flags.add_old_judge_flags(p)
     p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_judge, **JudgeJob.defaults())
@@ -326,9 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=["auto", "tau", "speedup"])
     p.add_argument("--estimator", choices=["auto", "joint", "independent"],
                    help="joint replay of rollouts (when present) or the independence model")
-    p.add_argument("--storage", help="any Optuna storage URL")
-    p.add_argument("--study-name", "--study", dest="study",
-                   help="Optuna study name (workers sharing it share trials)")
+    flags.add_storage(p, SearchJob.storage, SearchJob.study, "trials shared by workers on several machines")
     p.add_argument("--heartbeat", type=int, help="seconds between a running trial's heartbeats")
     p.add_argument("--grace-period", type=int,
                    help="seconds without a heartbeat after which another worker fails the trial and runs it again")
@@ -342,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trees-only", action="store_true",
                    help="greedy: search heads trees only (default: every configuration the runtime runs, no heads, "
                         "lookup chain and gate included, when the statistics carry rollout tokens and --latency is given)")
-    p.add_argument("--max-lookup", type=int, help="longest prompt-lookup chain a configuration may use")
+    flags.add_lookup(p, "the longest chain a configuration may draft")
+    flags.deprecated(p, "--max-lookup", "--lookup", "lookup", type=int)
     p.add_argument("--target", choices=list(TARGETS),
                    help="where the result is deployed: own (this runtime: trees, lookup, gates), vllm or tgi (the "
                         "heads' top-1 chain only), trtllm (trees of at most 63 nodes); engines: no lookup, no gate")
@@ -360,14 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="deploy a search's tree.json to an engine (--target, --out), or print a tree "
                                       "for a server (--format)")
-    p.add_argument("tree", help="tree JSON file (the bench's results/bench/tree.json) or preset name")
+    flags.add_tree(p, role="the bench's final one is results/bench/tree.json")
+    p.add_argument("old_tree", nargs="?", default=None, help=argparse.SUPPRESS)  # the positional of an earlier release
     p.add_argument("--target", choices=list(TARGETS), default=None,
                    help="write everything this target loads into --out (heads, speculative config / medusa_choices / "
                         "LLM API options / TGI speculate); refused in one line where it cannot run the configuration")
     p.add_argument("--out", default=None, help="with --target: the folder to write (replaced atomically)")
-    p.add_argument("--model", default="default", help="with --target: the base model the heads belong to")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="with --target: dtype of the written weights")
+    flags.add_model(p, help="with --target: the base model the heads belong to")
+    flags.add_dtype(p, help=WRITE_DTYPE_HELP)
     p.add_argument("--base-model", default=None,
                    help="with --target trtllm / tgi: the base the engine loads (default: --model)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
@@ -385,16 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM, TGI)")
     p.add_argument("--format", default="vllm", choices=["vllm", "tgi"])
-    p.add_argument("--model", default="default", help="the base model the heads belong to")
-    p.add_argument("--heads", default="default", help="heads folder (either format) or 'default'")
+    flags.add_model(p, help="the base model the heads belong to")
+    flags.add_heads(p)
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="the top-1 chain's length the engine drafts (default: every head)")
     p.add_argument("--base-model", default=None,
                    help="tgi: the base TGI loads, written into config.json (default: --model; Medusa-2 heads: "
                         "the adapted base the export writes to OUT/base)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the written weights")
+    flags.add_dtype(p, help=WRITE_DTYPE_HELP)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_export_heads)
 
@@ -404,8 +396,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Parsed flags made concrete where one flag depends on another: the old judge flags folded into --judge,
+    export's old positional tree into --tree, ``--heads auto`` into the heads it names on --model (validate
+    keeps it: the statistics name their heads)."""
+    from medusa_runtime.heads import auto_heads
+
+    flags.fold_old_judge(args)
+    if getattr(args, "old_tree", None) is not None:
+        print("medusa-bench: warning: the tree as a positional argument is deprecated, use --tree (the old spelling "
+              "goes in the next release)", file=sys.stderr)
+        args.tree = args.old_tree
+    if hasattr(args, "old_tree"):
+        del args.old_tree
+    if getattr(args, "heads", None) == "auto" and getattr(args, "model", None) is not None:
+        args.heads = auto_heads(args.heads, args.model)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_args(build_parser().parse_args(argv))
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

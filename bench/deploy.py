@@ -198,4 +198,4 @@ def deploy_line(deploy: dict | None) -> str:
     return (f"To deploy ({deploy['target']}): tree.json, a {what}{extra} on the heads "
             f"{heads.get('name') or heads.get('path')}, predicted {pred.get('speedup_vs_plain', float('nan')):.3f}x "
             f"plain decoding ({ci[0]:.3f}-{ci[1]:.3f}), tau {pred.get('tau', float('nan')):.3f}; "
-            f"medusa-bench export tree.json --target {deploy['target']} --out DIR writes what it needs.")
+            f"medusa-bench export --tree tree.json --target {deploy['target']} --out DIR writes what it needs.")

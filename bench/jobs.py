@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.commands import flags
+
 J = TypeVar("J", bound="Job")
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -86,18 +88,24 @@ def _prompts_revision(source: str) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelJob(Job):
-    """The model flags every measuring command takes."""
+    """The model flags every measuring command takes; a job's ``heads: auto`` becomes the heads it names on
+    this model (medusa_runtime.heads.auto_heads)."""
 
-    model: str = "default"  # 'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m', a folder or a hub id
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    model: str = flags.MODEL  # 'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m', a folder or a hub id
+    dtype: str = flags.DTYPE  # auto | float32 | bfloat16 | float16
+    device: str = flags.DEVICE  # cpu | cuda | cuda:N | auto
+
+    def __post_init__(self) -> None:
+        from medusa_runtime.heads import auto_heads
+
+        if getattr(self, "heads", None) == "auto":
+            object.__setattr__(self, "heads", auto_heads("auto", self.model))
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainJob(ModelJob):
     """``medusa-bench train``: heads (Medusa-1 or Medusa-2) on self-distilled replies. None: the profile's."""
 
-    dtype: str = "bfloat16"
     method: str = "medusa1"
     num_heads: int = 4
     layers: int = 1
@@ -106,7 +114,7 @@ class TrainJob(ModelJob):
     prompts: int | None = None
     max_new_tokens: int | None = None
     follow_ups: bool | None = None
-    gen_batch: int = 32
+    batch_size: int = 32  # prompts generated together while distilling
     max_examples: int | None = None
     epochs: float | None = None
     lr: float | None = None
@@ -142,10 +150,10 @@ class TrainJob(ModelJob):
 class CalibrateJob(ModelJob):
     """``medusa-bench calibrate``: head x rank acceptance on greedy rollouts -> acceptance.json."""
 
-    heads: str
+    heads: str = flags.HEADS
     data: str = "builtin"
     limit: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = flags.MAX_NEW_TOKENS
     candidates: int = 10
     heldout: float = 0.2
     batch_size: int = 16
@@ -166,7 +174,7 @@ class CalibrateJob(ModelJob):
 class ProfileJob(ModelJob):
     """``medusa-bench profile``: verify, heads, bookkeeping and prefill times on this machine -> latency.json."""
 
-    heads: str
+    heads: str = flags.HEADS
     nodes: tuple[int, ...] = DEFAULT_NODES
     contexts: tuple[int, ...] = (128, 512)
     prefill: tuple[int, ...] = ()
@@ -199,7 +207,7 @@ class SearchJob(Job):
     accept: str = "greedy"
     max_regret: float = 0.05
     trees_only: bool = False
-    max_lookup: int = 8
+    lookup: int = flags.LOOKUP  # longest prompt-lookup chain a configuration may draft
     target: str = "own"  # own | vllm | trtllm | tgi (treesearch.targets)
     engine_costs: str | None = None  # report.json of an engines run: the target's measured step costs
     exclude_ids: tuple[str, ...] = ()
@@ -216,12 +224,12 @@ class SearchJob(Job):
 class QuestionsJob(ModelJob):
     """The flags of the commands that replay questions (replay, speed)."""
 
-    heads: str = "none"
+    heads: str = flags.HEADS
     questions: str | None = None  # mt-bench (None), humaneval, or a JSONL
     categories: tuple[str, ...] | None = None
     ids: tuple[int, ...] | None = None
     limit: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = flags.MAX_NEW_TOKENS
     repeats: int = 1
     sequential: bool = False
     progress: bool = True
@@ -240,7 +248,7 @@ class ReplayJob(QuestionsJob):
     profile_like: str | None = None
     profile_every: int = 2
     storage: str | None = None
-    study_name: str = "medusa-replay"
+    study: str = "medusa-replay"
     machine: str | None = None
     heartbeat: int = 5
     grace_period: int = 20
@@ -286,10 +294,10 @@ def read_replay_config(path: str) -> dict:
 class SpeedJob(QuestionsJob):
     """``medusa-bench speed``: generate, plain, prompt lookup and Medusa trees timed, interleaved."""
 
-    tree: tuple[str, ...] = ("mc_sim_7b_63",)
+    tree: tuple[str, ...] = (flags.TREE,)
     hf_engine: bool = False
     torch_path: bool = False
-    lookup: int = 0
+    lookup: int = flags.LOOKUP
     gate: tuple[float, ...] = ()
     only: tuple[str, ...] | None = None
     out: str = "results/speed"
@@ -305,9 +313,7 @@ class JudgeJob(ModelJob):
 
     records: str
     questions: str | None = None
-    backend: str = "none"
-    judge_model: str = "gpt-4"
-    judge_local: str = "default"
+    judge: str = flags.JUDGE  # none | MODEL (an OpenAI-compatible endpoint's) | local:MODEL
     guided_rating: bool = False
     out: str | None = None
     progress: bool = True
@@ -317,7 +323,8 @@ class JudgeJob(ModelJob):
 
     def depends(self) -> dict[str, Any]:
         # an OpenAI-compatible judge is named by its model and the endpoint serving it
-        return {"endpoint": os.environ.get("OPENAI_BASE_URL")} if self.backend == "openai" else {}
+        remote = self.judge not in ("none", "") and not self.judge.startswith("local:")
+        return {"endpoint": os.environ.get("OPENAI_BASE_URL")} if remote else {}
 
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,

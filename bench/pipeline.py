@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.commands import flags
 from bench.engines import parse_engines
 from bench.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
 from bench.matrix import baseline_configurations, replay_configurations, sampled_configurations
@@ -230,9 +231,12 @@ def _study(acc: Path, lat: Path) -> str:
     return f"bench-{file_hash(acc)}-{file_hash(lat)}"
 
 
+SEARCH_LOOKUP = 8  # the longest prompt-lookup chain the bench's searches range over
+
+
 def _search_fields(prof: BenchProfile, out: Path, acc: Path, lat: Path) -> dict:
     return {"acceptance": str(acc), "latency": str(lat), "budget": prof.search_budget, "trials": prof.search_trials,
-            "storage": f"sqlite:///{out / 'treesearch.db'}", "quiet": True}
+            "storage": f"sqlite:///{out / 'treesearch.db'}", "quiet": True, "lookup": SEARCH_LOOKUP}
 
 
 def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, lat: Path, workload: dict,
@@ -251,7 +255,7 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
         _cached(cache, f"search-fold-{f}", job, [path])
         path = out / "search" / f"fold-{f}-heads-only.json"
         heads_only.append(path)
-        job = SearchJob(**common, study=f"{study}-heads-only-fold{f}-{_ids_digest(fold)}", max_lookup=0,
+        job = SearchJob(**{**common, "lookup": 0}, study=f"{study}-heads-only-fold{f}-{_ids_digest(fold)}",
                         exclude_ids=tuple(map(str, fold)), out=str(path))
         _cached(cache, f"search-heads-only-fold-{f}", job, [path])
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
@@ -427,12 +431,10 @@ def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCach
 
 
 def judge_fields(judge: str | None, guided: bool = False) -> dict:
-    """The judge job's backend fields for ``--judge`` (None: no judge, the proxy only)."""
+    """The judge job's fields for ``--judge`` (None: no judge, the proxy only)."""
     if judge is None:
-        return {"backend": "none"}
-    if judge.startswith("local:"):
-        return {"backend": "local", "judge_local": judge.removeprefix("local:") or "default", "guided_rating": guided}
-    return {"backend": "openai", "judge_model": judge, "guided_rating": guided}
+        return {"judge": flags.JUDGE}
+    return {"judge": flags.judge_name(judge), "guided_rating": guided}
 
 
 def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
@@ -521,7 +523,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The main job's flags; the concepts it shares with ``medusa-bench`` come from bench.commands.flags."""
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="quick", choices=sorted(PROFILES))
     parser.add_argument("--questions", default="mt-bench",
@@ -536,28 +539,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/bench")
     parser.add_argument("--folds", type=int, default=None,
                         help="cross-fitting folds over the replayed questions (default: the profile's)")
-    parser.add_argument("--model", default="default",
-                        help="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M, from the package registry "
-                             "too), a transformers causal LM folder or a hub id")
-    parser.add_argument("--heads", default="default",
-                        help="'default' (the shipped heads, default model only), a heads folder in either format, "
-                             "or 'none' (plain decoding and prompt lookup only, measured, nothing predicted); "
-                             "--retrain trains heads for --model instead")
+    flags.add_model(parser)
+    flags.add_heads(parser, "none: plain decoding and prompt lookup only, measured, nothing predicted; --retrain "
+                            "trains heads for --model instead")
     parser.add_argument("--compare-heads", nargs="+", default=["auto"], metavar="HEADS",
                         help="head sets whose chains are replayed beside the main heads' (folders, medusa1, "
                              "unconditioned; none; auto: the other shipped sets, on the default model)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when present)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="new tokens per replayed turn and calibration rollout (default: the profile's; FastChat "
-                             "answers MT-Bench with up to 1024 for its judge)")
-    parser.add_argument("--judge", default=None,
-                        help="grade every configuration's answers (FastChat single mode) with this model: a model "
-                             "behind an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY) or local:MODEL")
-    parser.add_argument("--guided-rating", action="store_true",
-                        help="with --judge: a judgment without [[rating]] gets one more turn whose reply is constrained "
-                             "to 1-10 (an endpoint that takes vLLM's guided_choice, or a local judge); for small judges")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32")
+    flags.add_device(parser)
+    flags.add_new_tokens(parser, "the --profile's: " + ", ".join(f"{k} {p.max_new_tokens}" for k, p in PROFILES.items())
+                         + "; per replayed turn and calibration rollout")
+    flags.add_judge(parser)
+    flags.add_dtype(parser)
     parser.add_argument("--engines", default=None, metavar="LIST",
                         help="serving engines replayed beside the runtime, comma-separated: vllm, llama.cpp (nox -s "
                              "engines installs them; llama.cpp is built into the cache on first use)")
@@ -570,12 +562,18 @@ def main(argv: list[str] | None = None) -> int:
                              "earlier engines run (its report.json), instead of this runtime's")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help="with --engines vllm: the Python of vLLM's environment (default: $MEDUSA_VLLM_PYTHON)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
+        if args.heads == "auto":  # the shipped heads on the default model (or the trained ones), else none
+            args.heads = "default" if args.model == "default" or args.retrain else "none"
         args.heads = _target_heads(args.target, args.heads, args.retrain)
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
-                            compare_heads=_compare_heads(args.compare_heads, args), judge=args.judge,
+                            compare_heads=_compare_heads(args.compare_heads, args), judge=None if args.judge == flags.JUDGE else args.judge,
                             guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
                             engines=parse_engines(args.engines), vllm_python=args.vllm_python,
                             target=args.target, engine_costs=args.engine_costs)

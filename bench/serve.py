@@ -6,20 +6,22 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from bench.commands import flags
+
 
 def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("serve", help="serve the model (with Medusa heads) as an OpenAI-compatible chat endpoint")
     add_model_args(p)
-    p.add_argument("--heads", default="default", help="heads folder (either format), default, medusa1, or none "
-                                                      "(plain decoding)")
-    p.add_argument("--tree", default="chain:2", help="the heads' tree: preset, chain:N or a tree JSON (a search's pick)")
-    p.add_argument("--lookup", type=int, default=0, help="prompt-lookup draft tokens beside the tree (0: none)")
+    flags.add_heads(p, "none: plain decoding")
+    flags.add_tree(p)
+    flags.add_lookup(p, "a chain laid beside the heads' tree")
     p.add_argument("--gate", type=float, default=0.0,
                    help="confidence gate on the tree's levels (0: off; a search's pick may carry one)")
     p.add_argument("--name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="the default and ceiling of a request's max_tokens")
+    flags.add_new_tokens(p, f"{flags.NEW_TOKENS}; a request's max_tokens may ask for fewer; as a judge, 1024 or more")
+    flags.deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int)
     p.set_defaults(func=cmd_serve)
 
 
@@ -28,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from medusa_runtime.openai_server import ChatService, ServeConfig, make_server
     from treesearch.tree import load_tree
 
-    cfg = ServeConfig(args.name or args.model, args.host, args.port, args.max_tokens,
+    cfg = ServeConfig(args.name or args.model, args.host, args.port, flags.new_tokens(args.max_new_tokens),
                       None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate)
     if cfg.tree is not None:
         load_tree(cfg.tree)  # a bad tree fails before the model loads

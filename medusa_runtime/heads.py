@@ -472,6 +472,14 @@ def frequent_draft_vocab(heads: MedusaHeads, counts: dict[int, int], size: int) 
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
+def auto_heads(spec: str | None, model: str) -> str | None:
+    """``auto``: the shipped heads (``default``) on the default model, ``none`` on any other (the shipped heads
+    belong to the default model); any other spec as it is."""
+    if spec != "auto":
+        return spec
+    return "default" if model == "default" else "none"
+
+
 def heads_folder(spec: str | None) -> Path | None:
     """The folder a heads spec names (``default``, ``medusa1``: shipped heads), None for no heads or fresh ones."""
     if spec is None or spec.lower() in ("", "none") or spec.startswith("fresh:"):

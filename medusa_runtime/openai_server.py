@@ -40,7 +40,7 @@ class ServeConfig:
     name: str  # the model id clients send and /v1/models lists
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the server's .server_address says which)
-    max_tokens: int = 1024  # the default and the ceiling of a request's max_tokens (FastChat's judge asks 2048)
+    max_new_tokens: int = 128  # a reply's length at most: a request's max_tokens may ask for fewer (the judge asks 2048)
     tree: str | None = None  # the heads' tree (None: plain decoding)
     topk: int = 10
     lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
@@ -49,8 +49,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be within 0-65535, got {self.port}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.lookup < 0:
             raise ValueError(f"lookup must be >= 0, got {self.lookup}")
         if not 0.0 <= self.gate <= 1.0:
@@ -166,7 +166,7 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
         raise RequestError("streaming is not supported (stream must be false)")
     if _field(body, "n", int, 1) != 1:
         raise RequestError("only n = 1 is supported")
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int) or cfg.max_tokens
+    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int) or cfg.max_new_tokens
     if max_tokens < 1:
         raise RequestError("max_tokens must be >= 1")
     temperature = float(_field(body, "temperature", (int, float), 1.0))  # OpenAI's default is 1
@@ -187,7 +187,7 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
     return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages],
-                       min(max_tokens, cfg.max_tokens), temperature, seed, tuple(choices) if choices else None)
+                       min(max_tokens, cfg.max_new_tokens), temperature, seed, tuple(choices) if choices else None)
 
 
 def completion_body(c: Completion, model: str) -> dict:

@@ -133,7 +133,7 @@ def test_search_json_is_the_tree_file(capsys, tmp_path):
 
 
 def test_output_cut_short_by_its_reader_ends_quietly():
-    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "export", "mc_sim_7b_63", "--format", "json"],
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "export", "--tree", "mc_sim_7b_63", "--format", "json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader goes away before the tree is written
     with proc.stderr:

@@ -82,7 +82,7 @@ def test_vllm_runs_the_export_of_a_final_tree_with_the_speculative_config_it_wri
         make_tree(choices, name="final"), target="vllm", configuration=conf,
         heads=heads_reference(shipped_heads_dir("unconditioned"))))
     out = tmp_path / "deploy"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export", str(tree), "--target", "vllm", "--out",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export", "--tree", str(tree), "--target", "vllm", "--out",
                            str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((out / "speculative_config.json").read_text())

@@ -5,6 +5,7 @@ held-out share)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -37,7 +38,8 @@ def _argv(name: str) -> list[str]:
 @pytest.mark.parametrize("name", sorted(JOBS))
 def test_a_jobs_fields_are_its_commands_flags_and_its_defaults_the_command_lines(name):
     job_cls = JOBS[name]
-    dests = {a.dest for a in _subparser(name)._actions if a.dest != "help"} - NOT_FIELDS
+    shown = [a for a in _subparser(name)._actions if a.help != argparse.SUPPRESS]  # old spellings: hidden
+    dests = {a.dest for a in shown if a.dest != "help"} - NOT_FIELDS
     fields = {f.name for f in dataclasses.fields(job_cls)}
     assert dests == fields - {"progress"}  # progress: the command's `not --json`
     args = build_parser().parse_args(_argv(name))
@@ -133,7 +135,8 @@ def test_the_pipelines_stages_are_cached_under_their_jobs_keys(tmp_path, monkeyp
     fold1 = ran[2]
     args = build_parser().parse_args(["search", "--acceptance", str(acc), "--latency", str(lat), "--budget",
                                       str(fold1.budget), "--trials", str(fold1.trials), "--storage", fold1.storage,
-                                      "--study", fold1.study, "--exclude-ids", "3", "4", "--out", fold1.out,
+                                      "--study-name", fold1.study, "--lookup", str(fold1.lookup), "--exclude-ids", "3", "4",
+                                      "--out", fold1.out,
                                       "--quiet"])
     assert SearchJob.from_namespace(args) == fold1
     pipeline.stage_search(pipeline.PROFILES["quick"], out, StageCache(out), acc, lat, {"folds": [[1, 2], [3, 4]]})

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "requests.log"
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "serve", "--heads", "default", "--tree", "chain:2",
-                                 "--port", "0", "--max-tokens", "40", "--name", JUDGE],
+                                 "--port", "0", "--max-new-tokens", "40", "--name", JUDGE],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         line = proc.stdout.readline()  # "serving <name> at http://127.0.0.1:<port>/v1 (...)"
@@ -143,8 +143,8 @@ def test_judge_grades_a_replay_through_the_server_into_fastchat_files_and_the_re
     monkeypatch.setenv("OPENAI_BASE_URL", url)
     monkeypatch.setenv("OPENAI_API_KEY", "")
     before = _posts(log)
-    argv = ["judge", "--records", str(out / "replay" / "records.jsonl"), "--questions", str(qfile), "--backend",
-            "openai", "--judge-model", JUDGE, "--out", str(out), "--dtype", "float32", "--json", "--guided-rating"]
+    argv = ["judge", "--records", str(out / "replay" / "records.jsonl"), "--questions", str(qfile), "--judge",
+            JUDGE, "--out", str(out), "--dtype", "float32", "--json", "--guided-rating"]
     assert cli_main(argv) == 0
     scores = json.loads((out / "judge" / "judge_scores.json").read_text())
     assert scores["schema"] == "medusa-judge/1" and scores["judge"] == JUDGE and scores["skipped_no_reference"] == 0

@@ -47,7 +47,8 @@ def test_a_heads_folder_is_used_as_given(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args,message", [
     (["--heads", "/nonexistent"], "--heads /nonexistent: not a heads folder"),
-    (["--model", "/some/other/model"], "the shipped heads belong to the default model"),
+    (["--model", "/some/other/model", "--heads", "default"], "the shipped heads belong to the default model"),
+    (["--model", "/some/other/model"], "model not found: /some/other/model"),
     (["--heads", "none", "--retrain"], "--heads none runs without heads"),
     (["--dtype", "int8"], "invalid choice"),
     (["--target", "vllm", "--heads", "medusa1"], "vLLM does not run path-conditioned heads (medusa1)"),
@@ -153,8 +154,8 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
     assert two[0] != four[0] and len(set(two + four)) == len(two + four)
     assert again == two
     heads_only = [job for job in ran[:5] if "heads-only" in job.study]
-    assert len(heads_only) == 2 and all(job.max_lookup == 0 for job in heads_only)
-    assert all(job.max_lookup > 0 for job in ran[:5] if job not in heads_only)
+    assert len(heads_only) == 2 and all(job.lookup == 0 for job in heads_only)
+    assert all(job.lookup > 0 for job in ran[:5] if job not in heads_only)
 
 
 def test_an_engine_target_searches_what_it_runs_with_heads_it_runs(tmp_path, monkeypatch):

@@ -223,7 +223,7 @@ def test_trtllm_refuses_trees_past_the_draft_limit_or_deeper_than_the_heads():
         export_tree(tree, "trtllm", max_draft_len=32)
     with pytest.raises(TreeError, match="4 levels deep; the engine has 3 Medusa heads"):
         export_tree(tree, "trtllm-config", num_heads=3)
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export", "mc_sim_7b_63", "--format", "trtllm",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "export", "--tree", "mc_sim_7b_63", "--format", "trtllm",
                            "--max-draft-len", "16"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().startswith("medusa-bench: error: tree 'mc_sim_7b_63' has 63 draft nodes")

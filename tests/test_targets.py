@@ -145,7 +145,7 @@ def _cli(*args, timeout=600):
                                            ("tgi", "text-generation-inference")])
 def test_export_refuses_in_one_line_what_the_target_cannot_run(tmp_path, target, engine):
     tree = _tree_file(tmp_path, [[0], [0, 0]], "default", lookup=4)
-    proc = _cli("export", tree, "--target", target, "--out", tmp_path / "out")
+    proc = _cli("export", "--tree", tree, "--target", target, "--out", tmp_path / "out")
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"medusa-bench: error: {engine} cannot run")
@@ -158,7 +158,7 @@ def test_export_refuses_heads_that_changed_since_the_search(tmp_path):
     obj = json.loads(tree.read_text())
     obj["heads"]["digest"] = "0" * 16
     tree.write_text(json.dumps(obj))
-    proc = _cli("export", tree, "--target", "vllm", "--out", tmp_path / "out")
+    proc = _cli("export", "--tree", tree, "--target", "vllm", "--out", tmp_path / "out")
     assert proc.returncode == 2 and "differ from the ones the configuration was searched with" in proc.stderr
 
 
@@ -167,7 +167,7 @@ def test_vllm_export_of_a_final_tree_is_a_folder_vllms_loader_reads(tmp_path):
 
     tree = _tree_file(tmp_path, [[0], [0, 0]], "unconditioned", target="vllm")
     out = tmp_path / "vllm"
-    proc = _cli("export", tree, "--target", "vllm", "--out", out, "--json")
+    proc = _cli("export", "--tree", tree, "--target", "vllm", "--out", out, "--json")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     spec = json.loads((out / "speculative_config.json").read_text())
@@ -185,7 +185,7 @@ def test_trtllm_export_holds_what_its_loader_reads_with_the_heads_count_not_the_
 
     tree = _tree_file(tmp_path, [[0], [1], [0, 0]], "unconditioned", target="trtllm")
     out = tmp_path / "trt"
-    proc = _cli("export", tree, "--target", "trtllm", "--out", out, "--dtype", "float32")
+    proc = _cli("export", "--tree", tree, "--target", "trtllm", "--out", out, "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((out / TRTLLM_OPTIONS).read_text())["speculative_config"]
     assert spec["decoding_type"] == "Medusa" and spec["medusa_choices"] == [[0], [1], [0, 0]]
@@ -219,11 +219,11 @@ def heads_reference_path(name: str) -> str:
 
 
 def test_export_without_target_keeps_printing_and_out_needs_a_target(tmp_path):
-    proc = _cli("export", "chain:2", "--format", "vllm")
+    proc = _cli("export", "--tree", "chain:2", "--format", "vllm")
     assert proc.returncode == 0 and json.loads(proc.stdout)["num_speculative_tokens"] == 2
-    proc = _cli("export", "chain:2", "--out", tmp_path / "x")
+    proc = _cli("export", "--tree", "chain:2", "--out", tmp_path / "x")
     assert proc.returncode == 2 and "name its --target" in proc.stderr
-    proc = _cli("export", "chain:2", "--format", "trtllm-config")
+    proc = _cli("export", "--tree", "chain:2", "--format", "trtllm-config")
     assert proc.returncode == 2 and "num_medusa_heads is the heads checkpoint's head count" in proc.stderr
 
 
@@ -278,7 +278,7 @@ def test_own_target_deploys_the_recommendation_even_without_heads(tmp_path, fitt
                                       "tree_nodes": None, "lookup": 4, "gate": 0.0}
     pred = predict_decoding(Decoding(None, 4), stats, latency)
     assert final["prediction"]["speedup_vs_plain"] == pytest.approx(pred.speedup, abs=1e-6)
-    proc = _cli("export", tmp_path / "tree.json", "--target", "own", "--out", tmp_path / "own")
+    proc = _cli("export", "--tree", tmp_path / "tree.json", "--target", "own", "--out", tmp_path / "own")
     assert proc.returncode == 0 and "medusa-bench serve --heads none --lookup 4" in proc.stdout
-    proc = _cli("export", tmp_path / "tree.json", "--target", "vllm", "--out", tmp_path / "v")
+    proc = _cli("export", "--tree", tmp_path / "tree.json", "--target", "vllm", "--out", tmp_path / "v")
     assert proc.returncode == 2 and "uses no heads: there is nothing to export to vLLM" in proc.stderr

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.commands import flags
 from bench.commands.common import _adapted, _base_name, _log, _model_and_heads, _result, builtin_split, show
 from bench.jobs import CalibrateJob, ProfileJob
 
@@ -39,9 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     accept_cfg = AcceptConfig(rule=args.accept, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, topk=args.candidates, seed=args.seed,
+    config = DecodeConfig(max_new_tokens=flags.new_tokens(args.max_new_tokens), topk=args.candidates, seed=args.seed,
                           engine=args.engine, lookup=LookupConfig(args.lookup))
     tree = load_tree(args.tree) if args.heads not in (None, "none") else None  # validate before loading a model
     loaded, heads = _model_and_heads(args)
@@ -71,7 +70,7 @@ def calibrate_stage(job: CalibrateJob) -> tuple[dict, str]:
     from medusa_runtime.prompts import load_prompt_source
     from treesearch.stats import save_stats
 
-    cfg = CalibrationConfig(max_new_tokens=job.max_new_tokens, topk=job.candidates,
+    cfg = CalibrationConfig(max_new_tokens=flags.new_tokens(job.max_new_tokens), topk=job.candidates,
                             heldout_fraction=job.heldout, batch_size=job.batch_size, limit=job.limit,
                             seed=job.seed, typical_temperature=job.typical_temperature, rollouts=job.rollouts)
     prompts = builtin_split(load_prompt_source(job.data), job.data, "calibration")
@@ -116,10 +115,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     limit = meta.get("config", {}).get("limit")
     prompts = prompts[:limit] if limit else prompts
     held = [prompts[i] for i in meta["heldout_prompts"]]
-    loaded = load_model(args.model or _base_name(meta.get("model", "default")), args.dtype or meta.get("dtype", "float32"),
-                        args.device, log=_log)
-    loaded = _adapted(loaded, args.heads or meta.get("heads"))
-    heads = resolve_heads(args.heads or meta.get("heads"), loaded.hidden_size, loaded.vocab_size)
+    dtype = meta.get("dtype", "float32") if args.dtype in (None, "auto") else args.dtype
+    spec = meta.get("heads") if args.heads in (None, "auto") else args.heads
+    loaded = load_model(args.model or _base_name(meta.get("model", "default")), dtype, args.device, log=_log)
+    loaded = _adapted(loaded, spec)
+    heads = resolve_heads(spec, loaded.hidden_size, loaded.vocab_size)
     n = int(meta.get("config", {}).get("max_new_tokens", 128))
     encoded = [encode_prompt(loaded, p.turns[0], chat=True) for p in held]
     accept, typical = AcceptConfig(), None
@@ -133,8 +133,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
              f"{typical.posterior_threshold}, delta {typical.posterior_alpha} (sampled: seed {args.seed})")
     rows = ["| tree | nodes | predicted tau (replay) | measured tau (runtime) | error |", "|---|---:|---:|---:|---:|"]
     results = []
-    for spec in args.trees:
-        tree = load_tree(spec)
+    for name in args.tree:
+        tree = load_tree(name)
         dec = MedusaDecoder(loaded, heads, tree, accept,
                             config=DecodeConfig(max_new_tokens=n, topk=stats.topk, seed=args.seed))
         lengths = [length for ids in encoded for length in dec.generate(ids).stats.accept_lengths]

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.commands import flags
 from bench.commands.common import _adapted, _log, _model_and_heads, show
 from bench.jobs import JudgeJob, ReplayJob, SpeedJob, read_replay_config
 
@@ -83,6 +84,7 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int, engines: dict |
     from medusa_runtime.model import load_model
     from treesearch.tree import write_json_atomic
 
+    args = dataclasses.replace(args, max_new_tokens=flags.new_tokens(args.max_new_tokens))
     questions = select_questions(args)
     loaded, heads = _model_and_heads(args)
     # 'auto' resolved: the records' key names the real dtype
@@ -144,7 +146,7 @@ def _replay_shared(args, configs, questions, cfg, loaded, heads, variants) -> li
         raise ValueError("--profile-like prices one machine's replay: it does not combine with --storage")
     matrix = {**_replay_inputs(args, configs), "configs": [c.digest for c in configs], "repeats": args.repeats,
               "turns": cfg.turns, "question_ids": [q.question_id for q in questions]}
-    qcfg = QueueConfig(args.storage, args.study_name, args.machine or socket.gethostname(), worker_id(),
+    qcfg = QueueConfig(args.storage, args.study, args.machine or socket.gethostname(), worker_id(),
                        args.heartbeat, args.grace_period)
     queue = ReplayQueue(qcfg, [q.question_id for q in questions], StageCache.key_of(matrix))
     by_id, out_dir = {q.question_id: q for q in questions}, Path(args.out)
@@ -245,6 +247,7 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     from medusa_runtime.bandwidth import floor_line, floor_pairs
     from medusa_runtime.engine import c_forward_status
 
+    args = dataclasses.replace(args, max_new_tokens=flags.new_tokens(args.max_new_tokens))
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
                                   torch_path=args.torch_path)
     if args.only:
@@ -281,9 +284,10 @@ FILE_FLAGS = ("model", "heads", "dtype", "max_new_tokens", "repeats")
 def replay_stage(job: ReplayJob) -> tuple[dict, str]:
     """The replay stage: the configuration file's matrix on the job's questions (resumable records)."""
     from bench.runner import MethodConfig
+    from medusa_runtime.heads import auto_heads
 
     spec = read_replay_config(job.config)
-    defaults = ReplayJob.defaults()
+    defaults = {**ReplayJob.defaults(), "heads": auto_heads(flags.HEADS, job.model)}
     job = dataclasses.replace(job, **{k: spec[k] for k in FILE_FLAGS
                                       if k in spec and getattr(job, k) in (None, defaults.get(k))})
     configs = [MethodConfig(**c) for c in spec.get("configurations", [])]
@@ -315,7 +319,7 @@ def judge_stage(args: JudgeJob) -> tuple[dict, str]:
     missing = {r["question_id"] for r in records} - {q.question_id for q in questions}
     if missing:
         raise ValueError(f"the records answer questions that {args.questions or 'MT-Bench'} lacks: {sorted(missing)[:5]}")
-    spec = {"none": None, "openai": args.judge_model, "local": f"local:{args.judge_local}"}[args.backend]
+    spec = None if args.judge in ("none", "") else flags.judge_name(args.judge)
     backend = backend_for(spec, args.dtype, args.device) if spec else None  # a bad judge fails before the long part
     loaded = load_model(args.model, args.dtype, args.device, log=_log)  # the base the answers are scored under
     frame = answer_quality(loaded, every, questions, progress=args.progress)  # every sample
@@ -328,7 +332,7 @@ def judge_stage(args: JudgeJob) -> tuple[dict, str]:
     text = "answer quality under the base model (proxies, not a judge):\n" + "\n".join(lines)
     obj = {"quality": quality["configs"], "distribution_checks": quality["distribution_checks"]}
     if backend is None:
-        return obj, text + "\n\nno judge backend selected (--backend openai|local grades with an LLM judge)"
+        return obj, text + "\n\nno judge selected (--judge MODEL or --judge local:MODEL grades with an LLM judge)"
     scores = json.loads(run_judge(out, records, questions, backend, progress=args.progress,
                                   guided=args.guided_rating).read_text())
     table = pd_frame_of_scores(scores)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import random
 
+from bench.commands import flags
 from bench.commands.common import _adapted, _log, _result, builtin_split, show
 from bench.jobs import TrainJob
 from medusa_runtime.train_profiles import TRAIN_PROFILES
@@ -44,7 +45,7 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
     prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.gen_batch,
+    dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.batch_size,
                          follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
     examples, cache = build_distill_data(loaded, prompts, dcfg)
     if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
@@ -85,15 +86,16 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     # the retrained model: a folder (Medusa-2 on the whole base), or --model with --heads' adapter merged in
     trained = _adapted(load_model(args.model, args.dtype, args.device, log=_log), args.heads)
     prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
-    res = fidelity(original, trained, prompts, args.max_new_tokens, args.batch_size)
+    n = flags.new_tokens(args.max_new_tokens)
+    res = fidelity(original, trained, prompts, n, args.batch_size)
     obj = {"schema": "medusa-fidelity/1", "model": trained.name, "reference": args.reference, "dtype": args.dtype,
            "heads": args.heads,
-           "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+           "question_ids": [q.question_id for q in questions], "max_new_tokens": n,
            "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
            "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
     write_json_atomic(args.out, obj)
     _result(args, {**obj, "file": str(args.out)},
-            f"{res.prompts} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:\n"
+            f"{res.prompts} MT-Bench first turns, greedy, {n} tokens:\n"
             f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers "
             f"{res.identical:.2f})\n  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, "
             f"trained {res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)\nwritten: {args.out}")

@@ -30,7 +30,7 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
                        study_name=job.study, seed=job.seed, joint=joint, min_budget=job.min_budget,
                        heartbeat=job.heartbeat, grace=job.grace_period,
                        context=job.context, baseline=job.baseline, accept=job.accept,
-                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.max_lookup,
+                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.lookup,
                        target=job.target, engine_costs=job.engine_costs)
     result = run_search(stats, cfg, latency, show_progress=not job.quiet)
     path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
@@ -77,6 +77,11 @@ def format_search_table(result) -> str:
     return "\n".join(lines)
 
 
+def write_dtype(dtype: str) -> str:
+    """--dtype of what an export writes: auto is bfloat16, the dtype the engines serve the model in."""
+    return "bfloat16" if dtype == "auto" else dtype
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from treesearch.export import export_tree
     from treesearch.tree import load_tree
@@ -95,7 +100,7 @@ def _export_target(args: argparse.Namespace) -> int:
 
     if args.out is None:
         raise ValueError(f"--target {args.target} writes a folder: name it with --out DIR")
-    res = export(args.tree, args.target, args.out, model=args.model, dtype=args.dtype, base_model=args.base_model,
+    res = export(args.tree, args.target, args.out, model=args.model, dtype=write_dtype(args.dtype), base_model=args.base_model,
                  log=_log)
     lines = [f"written: {res['out']} (for {args.target})"] + [f"note: {n}" for n in res.get("notes", [])]
     if "speculative_config" in res and args.target == "vllm":
@@ -122,7 +127,7 @@ def cmd_export_heads(args: argparse.Namespace) -> int:
     adapted = _adapted(loaded, args.heads)
     base = adapted if adapted is not loaded else None  # Medusa-2 heads: the engine must serve the adapted base
     lm = adapted.model.get_output_embeddings().weight
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, write_dtype(args.dtype))
     base_line = (f"the adapted base (Medusa-2 heads): {args.out}/{serving.BASE_DIR}" if base is not None
                  else "the base: BASE_MODEL, the model the heads were trained on")
     if args.format == "vllm":

@@ -1,0 +1,166 @@
+"""The command line's one vocabulary: every concept that several commands take (model, heads, tree, lookup,
+dtype, device, new tokens, storage and study, judge) is added by one helper here, with one flag name, one
+default and one help text, in every subcommand of ``medusa-bench`` and in ``python -m bench.pipeline``.
+
+The defaults are the job dataclasses' (``bench.jobs``), which name these constants. The spellings that an
+earlier release used still parse, into the same field, with one deprecation line on stderr; they are hidden
+from ``--help`` and go in the next release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+MODEL = "default"
+HEADS = "auto"  # the shipped heads on the default model, none on any other (medusa_runtime.heads.auto_heads)
+TREE = "chain:2"  # the preset the shipped heads run fastest of (docs/results.md: 1.35x plain on a CPU)
+LOOKUP = 4  # prompt-lookup draft tokens beside the heads' tree; 0: off
+DTYPE = "auto"
+DEVICE = "auto"
+MAX_NEW_TOKENS = None  # auto: NEW_TOKENS, or the --profile's where the command has one
+NEW_TOKENS = 128
+JUDGE = "none"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+MODEL_HELP = ("'default' (offline SmolLM2-135M-Instruct), 'gemma3-270m' (offline Gemma 3 270M), a transformers "
+              "causal LM folder or a hub id")
+HEADS_HELP = ("heads: a folder (either checkpoint format), 'default' (the shipped Medusa-2 heads), 'medusa1', "
+              "'unconditioned' (what engines load), fresh:K[:L], none, or auto (the shipped heads on the default "
+              "model, none on another)")
+DTYPE_HELP = "auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)"
+DEVICE_HELP = "cpu, cuda, cuda:1 ... (auto: cuda when present)"
+TREE_HELP = "the heads' candidate tree: a preset (mc_sim_7b_63, chain:N, ...) or a tree JSON (a search's tree.json)"
+JUDGE_HELP = ("grade answers FastChat's way (single mode) with this judge: a model behind an OpenAI-compatible "
+              "endpoint (OPENAI_BASE_URL, OPENAI_API_KEY), local:MODEL (a model loaded here; local:default), or none "
+              "(the log-likelihood proxy only)")
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: stores like the new one (or through ``convert``) and says so on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, convert=None, nargs=None, **kwargs):
+        self.new, self.convert = new, convert
+        kwargs["help"] = argparse.SUPPRESS
+        kwargs["default"] = argparse.SUPPRESS  # never overwrites the new flag's default
+        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string or self.dest} is deprecated, use {self.new} "
+              "(the old spelling goes in the next release)", file=sys.stderr)
+        if self.convert is not None:
+            values = self.convert(values, namespace)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated(p: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:
+    """``old`` parses into ``dest`` (the field ``new`` fills), with a deprecation line."""
+    p.add_argument(old, dest=dest, action=_Deprecated, new=new, **kwargs)
+
+
+def add_model(p: argparse.ArgumentParser, default: str | None = MODEL, help: str = MODEL_HELP) -> None:
+    p.add_argument("--model", default=default, help=help)
+
+
+def add_dtype(p: argparse.ArgumentParser, help: str = DTYPE_HELP) -> None:
+    p.add_argument("--dtype", default=DTYPE, choices=DTYPES, help=help)
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=DEVICE, help=DEVICE_HELP)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The base model and where it runs: --model, --dtype, --device."""
+    add_model(p)
+    add_dtype(p)
+    add_device(p)
+
+
+def add_heads(p: argparse.ArgumentParser, role: str = "") -> None:
+    p.add_argument("--heads", default=HEADS, help=HEADS_HELP + (f"; {role}" if role else ""))
+
+
+def add_tree(p: argparse.ArgumentParser, many: bool = False, role: str = "") -> None:
+    """--tree: one tree, or with ``many`` several (a list, the default one tree)."""
+    help = (TREE_HELP + ("; several may follow" if many else "") + (f"; {role}" if role else ""))
+    if many:
+        p.add_argument("--tree", nargs="+", default=[TREE], help=help)
+    else:
+        p.add_argument("--tree", default=TREE, help=help)
+
+
+def add_lookup(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--lookup", type=int, default=LOOKUP, metavar="N",
+                   help=f"prompt-lookup draft tokens: {role} (0: none)")
+
+
+def add_new_tokens(p: argparse.ArgumentParser, auto: str = f"{NEW_TOKENS}") -> None:
+    """--max-new-tokens; unset (auto) it is ``auto`` (NEW_TOKENS, or what the command's profile says)."""
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N",
+                   help=f"new tokens per answer at most (default: auto, {auto})")
+
+
+def new_tokens(value: int | None, auto: int = NEW_TOKENS) -> int:
+    """--max-new-tokens resolved: ``auto`` when unset; at least 1."""
+    n = auto if value is None else value
+    if n < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {n}")
+    return n
+
+
+def add_judge(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--judge", default=JUDGE, metavar="JUDGE", help=JUDGE_HELP)
+    p.add_argument("--guided-rating", action="store_true",
+                   help="with --judge: a judgment without [[rating]] gets one more turn whose reply is constrained to "
+                        "1-10 (vLLM's guided_choice, medusa-bench serve, or a local judge); not FastChat's rule, "
+                        "counted per configuration as 'guided'")
+
+
+def judge_name(value: str) -> str:
+    """A --judge value as the judge stage reads it: ``local:`` alone is the local default model."""
+    return "local:default" if value == "local:" else value
+
+
+def add_storage(p: argparse.ArgumentParser, default: str | None, study: str, role: str) -> None:
+    """--storage and --study-name: an Optuna storage URL shared by workers, and the study (queue) they share."""
+    p.add_argument("--storage", default=default, metavar="URL",
+                   help=f"{role}: an Optuna storage URL (postgresql://USER@HOST:PORT/DB, mysql://..., sqlite:///FILE)")
+    p.add_argument("--study-name", dest="study", default=study, help="the study workers sharing --storage share")
+    deprecated(p, "--study", "--study-name", "study")
+
+
+def judge_spec(backend: str | None, model: str | None, local: str | None) -> str:
+    """The --judge value of the old --backend / --judge-model / --judge-local flags."""
+    if backend in (None, "none"):
+        return JUDGE
+    return f"local:{local or 'default'}" if backend == "local" else (model or "gpt-4")
+
+
+def add_old_judge_flags(p: argparse.ArgumentParser) -> None:
+    """judge's --backend, --judge-model, --judge-local: kept aside, folded into --judge by ``fold_old_judge``."""
+    deprecated(p, "--backend", "--judge", "old_backend", choices=["none", "openai", "local"])
+    deprecated(p, "--judge-model", "--judge MODEL", "old_judge_model")
+    deprecated(p, "--judge-local", "--judge local:MODEL", "old_judge_local")
+
+
+def fold_old_judge(args: argparse.Namespace) -> None:
+    old = [getattr(args, k, None) for k in ("old_backend", "old_judge_model", "old_judge_local")]
+    if any(v is not None for v in old):
+        args.judge = judge_spec(*old)
+    for k in ("old_backend", "old_judge_model", "old_judge_local"):
+        if hasattr(args, k):
+            delattr(args, k)
+
+
+CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": "--lookup", "dtype": "--dtype",
+            "device": "--device", "max_new_tokens": "--max-new-tokens", "judge": "--judge", "storage": "--storage",
+            "study": "--study-name"}
+# old spellings (hidden, still parsed) of the concepts above, for the test that walks the parsers
+OLD_SPELLINGS = ("--trees", "--max-tokens", "--max-lookup", "--study", "--backend", "--judge-model", "--judge-local",
+                 "--gen-batch")
+
+
+def visible_flags(p: argparse.ArgumentParser) -> Sequence[argparse.Action]:
+    return [a for a in p._actions if a.help != argparse.SUPPRESS]
