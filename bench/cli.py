@@ -29,7 +29,22 @@ from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-ex
 from bench.commands.replay import _replay_inputs, cmd_judge, cmd_replay, cmd_speed  # noqa: F401
 from bench.commands.training import cmd_fidelity, cmd_train
 from bench.commands.trees import cmd_export, cmd_export_heads, cmd_search
-from bench.jobs import CalibrateJob, JudgeJob, ProfileJob, ReplayJob, SearchJob, SpeedJob, TrainJob
+from bench.jobs import (
+    CalibrateJob,
+    DraftVocabJob,
+    ExportHeadsJob,
+    ExportJob,
+    FidelityJob,
+    GenerateJob,
+    JudgeJob,
+    ModelInfoJob,
+    ProfileJob,
+    ReplayJob,
+    SearchJob,
+    SpeedJob,
+    TrainJob,
+    ValidateJob,
+)
 from medusa_runtime.train_profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
@@ -95,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     flags.add_heads(p, "the base is described as they decode with it (Medusa-2 heads: their adapter merged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_model)
+    p.set_defaults(func=cmd_model, **ModelInfoJob.defaults())
 
     p = sub.add_parser("draft-vocab", help="copy a heads folder with its draft vocabulary cut to the S most "
                                            "frequent tokens of some replies (a smaller projection per step)")
@@ -108,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="read only its first N replies")
     p.add_argument("--max-len", type=int, default=768, help="count reply tokens up to this position, as training does")
     p.add_argument("--out", required=True, help="new folder for the copy")
-    p.set_defaults(func=cmd_draft_vocab)
+    p.set_defaults(func=cmd_draft_vocab, **DraftVocabJob.defaults())
 
     p = sub.add_parser("generate", help="decode one prompt with Medusa heads on a candidate tree")
     _add_model_args(p)
@@ -131,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, **GenerateJob.defaults())
 
     p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
     _add_model_args(p)
@@ -224,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out", default="results/fidelity.json")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_fidelity)
+    p.set_defaults(func=cmd_fidelity, **FidelityJob.defaults())
 
     p = sub.add_parser("validate", help="replay-predicted tau vs measured tau on held-out calibration prompts")
     p.add_argument("--acceptance", required=True)
@@ -240,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--posterior-alpha", type=float, default=POSTERIOR_ALPHA, help="typical: delta")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (typical)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_validate)
+    p.set_defaults(func=cmd_validate, **ValidateJob.defaults())
 
     p = sub.add_parser("profile", help="measure verify time vs tree nodes on this machine -> latency.json")
     _add_model_args(p)
@@ -374,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
     p.add_argument("--draft-model", default=None,
                    help="vllm: the heads folder written by export-heads (the speculative config's 'model')")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, **ExportJob.defaults())
 
     p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM, TGI)")
     p.add_argument("--format", default="vllm", choices=["vllm", "tgi"])
@@ -388,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the adapted base the export writes to OUT/base)")
     flags.add_dtype(p, help=WRITE_DTYPE_HELP)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.set_defaults(func=cmd_export_heads)
+    p.set_defaults(func=cmd_export_heads, **ExportHeadsJob.defaults())
 
     from bench import serve
 

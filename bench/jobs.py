@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.commands import flags
+from treesearch.export import TRTLLM_MAX_DRAFT_LEN
+from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 J = TypeVar("J", bound="Job")
 
@@ -327,5 +329,125 @@ class JudgeJob(ModelJob):
         return {"endpoint": os.environ.get("OPENAI_BASE_URL")} if remote else {}
 
 
+# The commands that run no cached stage: their flags and defaults, as the stages' jobs hold theirs.
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfoJob(ModelJob):
+    """``medusa-bench model``: prepare and describe a base model (as the heads decode with it)."""
+
+    heads: str = flags.HEADS
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftVocabJob(ModelJob):
+    """``medusa-bench draft-vocab``: a heads folder copied with its draft vocabulary cut to ``size`` tokens."""
+
+    heads: str = flags.HEADS
+    size: int
+    replies: str
+    limit: int | None = None
+    max_len: int = 768
+    out: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateJob(ModelJob):
+    """``medusa-bench generate``: one prompt decoded with the heads on a tree."""
+
+    heads: str = flags.HEADS
+    tree: str = flags.TREE
+    accept: str = "greedy"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
+    candidates: int = 10
+    seed: int | None = None
+    max_new_tokens: int | None = flags.MAX_NEW_TOKENS
+    engine: str = "auto"
+    lookup: int = flags.LOOKUP
+    prompt: str
+    chat: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityJob(ModelJob):
+    """``medusa-bench fidelity``: how far a retrained model drifted from the original on MT-Bench."""
+
+    reference: str = flags.MODEL
+    heads: str = flags.HEADS
+    questions: str | None = None
+    limit: int = 20
+    max_new_tokens: int | None = flags.MAX_NEW_TOKENS
+    batch_size: int = 8
+    out: str = "results/fidelity.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateJob(Job):
+    """``medusa-bench validate``: replay-predicted tau against measured tau; model, heads and dtype default to
+    those the statistics name."""
+
+    acceptance: str
+    tree: tuple[str, ...] = (flags.TREE,)
+    model: str | None = None
+    heads: str = flags.HEADS
+    dtype: str = flags.DTYPE
+    device: str = flags.DEVICE
+    accept: str = "greedy"
+    posterior_threshold: float = POSTERIOR_THRESHOLD
+    posterior_alpha: float = POSTERIOR_ALPHA
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportJob(Job):
+    """``medusa-bench export``: a tree printed for a server (``format``), or deployed to a ``target``."""
+
+    tree: str = flags.TREE
+    target: str | None = None
+    out: str | None = None
+    model: str = flags.MODEL
+    dtype: str = flags.DTYPE
+    base_model: str | None = None
+    format: str = "python"
+    num_heads: int | None = None
+    max_draft_len: int = TRTLLM_MAX_DRAFT_LEN
+    draft_model: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportHeadsJob(Job):
+    """``medusa-bench export-heads``: heads written as a model folder a serving engine loads."""
+
+    format: str = "vllm"
+    model: str = flags.MODEL
+    heads: str = flags.HEADS
+    out: str
+    num_speculative_tokens: int | None = None
+    base_model: str | None = None
+    dtype: str = flags.DTYPE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeJob(ModelJob):
+    """``medusa-bench serve``: the runtime behind an OpenAI-compatible chat endpoint."""
+
+    heads: str = flags.HEADS
+    tree: str = flags.TREE
+    lookup: int = flags.LOOKUP
+    gate: float = 0.0
+    name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_new_tokens: int | None = flags.MAX_NEW_TOKENS
+
+
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,
                               "search": SearchJob, "replay": ReplayJob, "speed": SpeedJob, "judge": JudgeJob}
+# every subcommand's job: its flags are the job's fields, its defaults the job's
+COMMAND_JOBS: dict[str, type[Job]] = {**JOBS, "model": ModelInfoJob, "draft-vocab": DraftVocabJob, "generate": GenerateJob,
+                                      "fidelity": FidelityJob, "validate": ValidateJob, "export": ExportJob,
+                                      "export-heads": ExportHeadsJob, "serve": ServeJob}

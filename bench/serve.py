@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from bench.commands import flags
+from bench.jobs import ServeJob
 
 
 def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     flags.add_new_tokens(p, f"{flags.NEW_TOKENS}; a request's max_tokens may ask for fewer; as a judge, 1024 or more")
     flags.deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, **ServeJob.defaults())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

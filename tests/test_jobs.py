@@ -13,7 +13,7 @@ import pytest
 
 from bench import pipeline
 from bench.cli import build_parser
-from bench.jobs import JOBS, CalibrateJob, ProfileJob, ReplayJob, SearchJob, stage_key
+from bench.jobs import COMMAND_JOBS, JOBS, CalibrateJob, ProfileJob, ReplayJob, SearchJob, stage_key
 from bench.stages import StageCache
 
 from .conftest import fake_stage_runs, search_inputs
@@ -21,7 +21,10 @@ from .conftest import fake_stage_runs, search_inputs
 # the flags each command needs, with example values of the right type
 REQUIRED = {"calibrate": {"heads": "fresh:2"}, "profile": {"heads": "fresh:2"},
             "search": {"acceptance": "acc.json", "budget": 8}, "replay": {"config": "matrix.json"},
-            "judge": {"records": "records.jsonl"}, "train": {}, "speed": {}}
+            "judge": {"records": "records.jsonl"}, "train": {}, "speed": {},
+            "model": {}, "draft-vocab": {"size": 64, "replies": "r.jsonl", "out": "o"}, "generate": {"prompt": "Hi"},
+            "fidelity": {}, "validate": {"acceptance": "acc.json"}, "export": {}, "export-heads": {"out": "o"},
+            "serve": {}}
 NOT_FIELDS = {"func", "command", "json"}  # argparse's bookkeeping and the output format
 
 
@@ -35,9 +38,14 @@ def _argv(name: str) -> list[str]:
     return [name, *(x for k, v in REQUIRED[name].items() for x in (f"--{k.replace('_', '-')}", str(v)))]
 
 
-@pytest.mark.parametrize("name", sorted(JOBS))
+def test_every_subcommand_has_a_job():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(COMMAND_JOBS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_JOBS))
 def test_a_jobs_fields_are_its_commands_flags_and_its_defaults_the_command_lines(name):
-    job_cls = JOBS[name]
+    job_cls = COMMAND_JOBS[name]
     shown = [a for a in _subparser(name)._actions if a.help != argparse.SUPPRESS]  # old spellings: hidden
     dests = {a.dest for a in shown if a.dest != "help"} - NOT_FIELDS
     fields = {f.name for f in dataclasses.fields(job_cls)}
