@@ -45,7 +45,7 @@ from bench.jobs import (
     TrainJob,
     ValidateJob,
 )
-from medusa_runtime.train_profiles import TRAIN_PROFILES
+from medusa_runtime.training.profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
 from treesearch.targets import TARGETS

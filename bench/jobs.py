@@ -143,7 +143,7 @@ class TrainJob(ModelJob):
         return {**_file("data", self.data), **({"init": init["heads"]} if init else {})}
 
     def depends(self) -> dict[str, Any]:
-        from medusa_runtime.train_profiles import TRAIN_PROFILES
+        from medusa_runtime.training.profiles import TRAIN_PROFILES
 
         return {"profile": TRAIN_PROFILES.get(self.profile), **_prompts_revision(self.data)}
 

@@ -1,5 +1,5 @@
 """A heads folder's base adapter, on the inference side: Medusa-2 heads were trained with a LoRA adapter on the
-base's top layers (``medusa_runtime.medusa2``), which is merged into the base once at load, so that decoding
+base's top layers (``medusa_runtime.training.medusa2``), which is merged into the base once at load, so that decoding
 verifies against the base the heads were trained with. Refused in one line when the base is another one (a
 digest of the adapted layers' stored weights). Imports nothing of training.
 """

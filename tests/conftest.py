@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from medusa_runtime.distill import DistillConfig, build_distill_data
 from medusa_runtime.model import LoadedModel, load_model
 from medusa_runtime.prompts import builtin_prompts
+from medusa_runtime.training.distill import DistillConfig, build_distill_data
 
 DATA = Path(__file__).resolve().parent / "data"  # vendored reference data, see data/README.md
 

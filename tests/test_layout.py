@@ -117,9 +117,24 @@ def test_loading_the_shipped_heads_imports_nothing_of_training():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     loaded = set(proc.stdout.split())
-    training = {"medusa_runtime.train", "medusa_runtime.train_loop", "medusa_runtime.medusa2", "medusa_runtime.distill",
-                "medusa_runtime.hidden_cache", "medusa_runtime.losses", "medusa_runtime.train_profiles"}
-    assert "medusa_runtime.adapter" in loaded and not loaded & training, loaded & training
+    training = {m for m in loaded if m == "medusa_runtime.training" or m.startswith("medusa_runtime.training.")}
+    assert "medusa_runtime.adapter" in loaded and "medusa_runtime.heads" in loaded and not training, training
+
+
+def test_inference_imports_nothing_of_the_training_package():
+    """No module of medusa_runtime outside training/ imports it (read from their import statements)."""
+    import ast
+
+    runtime = ROOT / "medusa_runtime"
+    offenders = []
+    for path in sorted(runtime.rglob("*.py")):
+        if "training" in path.relative_to(runtime).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [("." * node.level) + (node.module or "")] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names if "training" in n.split(".")]
+    assert (runtime / "training" / "train.py").is_file() and offenders == []
 
 
 def test_readme_is_a_short_users_guide_with_the_two_commands_first():

@@ -1,4 +1,4 @@
-"""Medusa-2 on the top layers (medusa_runtime/medusa2.py): the cached-prefix student against the full
+"""Medusa-2 on the top layers (medusa_runtime/training/medusa2.py): the cached-prefix student against the full
 forward, the distillation loss against a direct computation, training and resume, the adapter that ships
 beside the heads (merged at load, refused when missing or for another base), and exact decoding on it."""
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime import adapter, medusa2
+from medusa_runtime import adapter
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.heads import HeadsError, load_heads
 from medusa_runtime.model import LoadedModel
-from medusa_runtime.train import TrainConfig, head_targets, ids_and_labels
+from medusa_runtime.training import medusa2
+from medusa_runtime.training.train import TrainConfig, head_targets, ids_and_labels
 
 from .conftest import hf_greedy, tiny_llama
 
@@ -44,7 +45,7 @@ def test_top_layers_on_cached_inputs_equal_the_full_forward(tiny_examples, monke
     again = medusa2.layer_states(loaded, examples[:5], 768, layers[0], progress=False, log=said.append)
     assert "reloaded" in said[0] and all(torch.equal(a, b) for a, b in zip(again[0], prefix))
     # the last hidden states are where Medusa-1 training keeps them: either trainer reuses the other's
-    from medusa_runtime.train import base_hidden_states
+    from medusa_runtime.training.train import base_hidden_states
 
     said.clear()
     m1 = base_hidden_states(loaded, examples[:5], 768, progress=False, log=said.append)

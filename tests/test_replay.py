@@ -257,8 +257,8 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
     with plain decoding of that same base."""
     from medusa_runtime.adapter import apply_heads_adapter
     from medusa_runtime.heads import load_heads
-    from medusa_runtime.medusa2 import train_medusa2_top
-    from medusa_runtime.train import TrainConfig
+    from medusa_runtime.training.medusa2 import train_medusa2_top
+    from medusa_runtime.training.train import TrainConfig
 
     from .conftest import hf_greedy
 

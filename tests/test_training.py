@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.distill import DistillConfig, Example, build_distill_data
 from medusa_runtime.heads import fresh_heads, load_heads
 from medusa_runtime.model import LoadedModel
 from medusa_runtime.prompts import (
@@ -25,7 +24,8 @@ from medusa_runtime.prompts import (
     builtin_split,
     load_prompt_source,
 )
-from medusa_runtime.train import (
+from medusa_runtime.training.distill import DistillConfig, Example, build_distill_data
+from medusa_runtime.training.train import (
     HeadTrainer,
     TrainConfig,
     evaluate_heads,
@@ -120,7 +120,7 @@ def test_medusa1_learns_and_resumes(tiny_examples, tmp_path):
 def test_base_hidden_states_kept_on_disk(tiny_examples, monkeypatch):
     """Medusa-1's base hidden states are written once (atomically) and reloaded unchanged; other data,
     another max_len or a damaged file means the backbone runs again."""
-    import medusa_runtime.hidden_cache as train_mod  # the cache's own module (train re-exports it)
+    import medusa_runtime.training.hidden_cache as train_mod  # the cache's own module (train re-exports it)
 
     loaded, _, examples, _ = tiny_examples
     exs = examples[:6]
@@ -178,7 +178,7 @@ def _tensors(folder):
 def test_interrupted_training_resumes_to_the_uninterrupted_result(tiny_examples, tmp_path, monkeypatch, method):
     """Ctrl-C mid-run keeps the last checkpoint; --resume then ends with exactly the heads (and, for
     Medusa-2, the base) of a run that was never interrupted, having trained on the same batches."""
-    import medusa_runtime.train as train_mod
+    import medusa_runtime.training.train as train_mod
 
     loaded, _, examples, _ = tiny_examples
     if method == "medusa1":
@@ -407,7 +407,7 @@ def test_medusa2_joint_loss_at_start_is_heads_plus_next_token_ce(tiny_examples):
     unpadded single forwards plus the teacher's own next-token cross-entropy on the replies (KL = 0)."""
     import copy
 
-    from medusa_runtime.train import _medusa2_loss, padded_batch
+    from medusa_runtime.training.train import _medusa2_loss, padded_batch
 
     loaded, _, examples, _ = tiny_examples
     cfg = TrainConfig(method="medusa2", num_heads=2)

@@ -184,9 +184,9 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     """A copy of a heads folder whose draft vocabulary is cut to the S tokens most frequent in some replies."""
     import shutil
 
-    from medusa_runtime.distill import reply_token_counts
     from medusa_runtime.heads import DRAFT_VOCAB_FILE, frequent_draft_vocab, heads_folder, resolve_heads
     from medusa_runtime.model import load_model
+    from medusa_runtime.training.distill import reply_token_counts
     from treesearch.fsutil import atomic_dir
 
     src = heads_folder(args.heads)

@@ -9,7 +9,7 @@ import random
 from bench.commands import flags
 from bench.commands.common import _adapted, _log, _result, builtin_split, show
 from bench.jobs import TrainJob
-from medusa_runtime.train_profiles import TRAIN_PROFILES
+from medusa_runtime.training.profiles import TRAIN_PROFILES
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -18,13 +18,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def train_stage(args: TrainJob) -> tuple[dict, str]:
     """The heads stage of ``--retrain``: self-distilled data, then Medusa-1 or Medusa-2 training (resumable)."""
-    from medusa_runtime.distill import DistillConfig, build_distill_data
     from medusa_runtime.model import load_model
     from medusa_runtime.prompts import load_prompt_source
-    from medusa_runtime.train import TrainConfig, train_medusa1, train_medusa2
+    from medusa_runtime.training.distill import DistillConfig, build_distill_data
+    from medusa_runtime.training.train import TrainConfig, train_medusa1, train_medusa2
 
     prof = TRAIN_PROFILES[args.profile]
-    top = args.method == "medusa2" and args.train_layers > 0  # Medusa-2 on the top layers (medusa_runtime.medusa2)
+    top = args.method == "medusa2" and args.train_layers > 0  # Medusa-2 on the top layers (medusa_runtime.training.medusa2)
     if args.init is not None and args.method != "medusa1" and not top:
         raise SystemExit("--init (go on training heads trained before) is for --method medusa1, or medusa2 with "
                          "--train-layers")
@@ -53,7 +53,7 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
     provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
-    from medusa_runtime.medusa2 import train_medusa2_top
+    from medusa_runtime.training.medusa2 import train_medusa2_top
 
     train = train_medusa1 if cfg.method == "medusa1" else train_medusa2_top if top else train_medusa2
     extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else \

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .calibrate import greedy_rollouts
-from .model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
-from .prompts import Prompt
+from ..calibrate import greedy_rollouts
+from ..model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
+from ..prompts import Prompt
 
 
 @dataclass(frozen=True)

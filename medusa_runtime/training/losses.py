@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .heads import MedusaHeads
+    from ..heads import MedusaHeads
 
 TOPK_LOGGED = 5  # top-k accuracies kept per head
 

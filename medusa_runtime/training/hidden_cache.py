@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from treesearch.fsutil import atomic_file
 
+from ..model import LoadedModel, cache_root, weights_fingerprint
 from .distill import Example
-from .model import LoadedModel, cache_root, weights_fingerprint
 
 
 @torch.inference_mode()

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from treesearch.fsutil import atomic_dir
 
+from ..heads import MedusaHeads, load_heads, save_heads
 from .distill import Example
-from .heads import MedusaHeads, load_heads, save_heads
 
 # configuration fields a resumed run may change: a longer run continues a shorter one's checkpoint
 RESUMABLE_CHANGES = ("epochs", "checkpoint_every", "eval_every")

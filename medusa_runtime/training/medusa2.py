@@ -30,10 +30,10 @@ from tqdm.auto import tqdm
 from treesearch.fsutil import atomic_dir
 from treesearch.tree import write_json_atomic
 
-from .adapter import ADAPTER_DIR, _peft, _quiet_peft, base_digest, decoder_layers
+from ..adapter import ADAPTER_DIR, _peft, _quiet_peft, base_digest, decoder_layers
+from ..heads import ADAPTER_KEY, save_heads
+from ..model import LoadedModel
 from .distill import Example
-from .heads import ADAPTER_KEY, save_heads
-from .model import LoadedModel
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

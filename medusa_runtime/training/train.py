@@ -27,14 +27,25 @@ import torch.nn.functional as F
 
 from treesearch.tree import write_json_atomic
 
+from ..heads import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
+from ..model import LoadedModel
 from .distill import Example
-from .heads import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
 from .hidden_cache import (  # noqa: F401 (re-exported)
     base_hidden_states,
     cache_hidden_states,
     hidden_cache_file,
     read_hidden_cache,
     write_hidden_cache,
+)
+from .loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew from here)
+    RESUMABLE_CHANGES,
+    Method,
+    TrainResult,
+    batch_stream,
+    cosine_schedule,
+    token_batches,
+    total_steps,
+    train_loop,
 )
 from .losses import (  # noqa: F401 (re-exported)
     TOPK_LOGGED,
@@ -46,17 +57,6 @@ from .losses import (  # noqa: F401 (re-exported)
     evaluate_heads,
     head_targets,
     medusa_loss,
-)
-from .model import LoadedModel
-from .train_loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew from here)
-    RESUMABLE_CHANGES,
-    Method,
-    TrainResult,
-    batch_stream,
-    cosine_schedule,
-    token_batches,
-    total_steps,
-    train_loop,
 )
 
 CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
