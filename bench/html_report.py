@@ -121,25 +121,9 @@ def _verdict(report: dict) -> str:
     v = report.get("verdict") or {}
     if not v:
         return "<p>No predictions in this run (no workload file): measured figures only.</p>"
-    items = [f"Fastest measured: <b>{_esc(v['fastest'])}</b> ({v['fastest_tokens_per_s']:.1f} tokens/s)."]
-    if "searched" in v:
-        items.append(f"The search's pick runs at <b>{v['searched_vs_fastest']:.3f}x</b> the fastest"
-                     + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
-    if v.get("fastest_engine"):
-        items.append(f"Fastest engine beside the runtime: <b>{_esc(v['fastest_engine'])}</b> "
-                     f"({v['fastest_engine_tokens_per_s']:.1f} tokens/s); the runtime's fastest, "
-                     f"{_esc(v['fastest_own'])}, runs at <b>{v['own_vs_fastest_engine']:.2f}x</b> it.")
-    if v.get("fastest_heads_only"):
-        items.append(f"Medusa alone (heads, no lookup chain): <b>{_esc(v['fastest_heads_only'])}</b>, "
-                     f"{v['fastest_heads_only_speedup']:.3f}x plain.")
-    if not v.get("predictions"):
-        items.append("No predictions in this run (nothing calibrated or searched, as in a run without heads): measured figures only.")
-    else:
-        items.append(f"Predicted tau within {100 * v['tau_tolerance']:.0f} % for all {v['predictions']} checked "
-                     f"configurations: <b>{'yes' if v['tau_within_tolerance'] else 'no'}</b> (worst "
-                     f"{100 * (v['worst_tau_error'] or 0):.1f} %); predicted speed-up within "
-                     f"{100 * v['speedup_tolerance']:.0f} %: <b>{'yes' if v['speedup_within_tolerance'] else 'no'}"
-                     f"</b> (worst {100 * (v['worst_speedup_error'] or 0):.1f} %).")
+    from bench.scorecard import verdict_sentences
+
+    items = verdict_sentences(v, strong=lambda text: f"<b>{text}</b>", esc=_esc)
     if report.get("deploy"):
         from bench.deploy import deploy_line
 

@@ -347,32 +347,19 @@ def scorecard_section(card: pd.DataFrame, summary: dict) -> str:
     shown = card[[c for c in cols if c in card.columns]].copy()
     for col in ("speedup_vs_plain_ci", "predicted_tau_ci"):  # intervals as lo-hi
         shown[col] = shown[col].map(lambda c: f"{c[0]:.3f}-{c[1]:.3f}" if isinstance(c, tuple) else "-")
-    lines = [f"Fastest measured: {summary['fastest']} ({summary['fastest_tokens_per_s']:.2f} tokens/s)."]
+    from bench.scorecard import NO_PREDICTIONS, verdict_sentences
+
+    sentences = verdict_sentences(summary)
+    lines = sentences[:1]
     thin = card[card["fit_positions"].notna() & (card["fit_positions"] < MIN_POSITIONS)]
     for _, r in thin.iterrows():  # too few positions: the prediction's interval says how little it knows
         lo, hi = r["predicted_tau_ci"]
         lines.append(f"Few calibration positions behind {r['config']} ({int(r['fit_positions'])} < {MIN_POSITIONS}): "
                      f"predicted tau {r['predicted_tau']:.3f}, 95 % interval {lo:.3f}-{hi:.3f}.")
-    if "searched" in summary:
-        lines.append(f"The search's pick: {summary['searched_vs_fastest']:.3f}x the fastest"
-                     + (" (it is the fastest)." if summary["searched_is_fastest"] else "."))
-    if summary.get("fastest_engine"):
-        lines.append(f"Engines (same questions, greedy, batch 1): fastest {summary['fastest_engine']} "
-                     f"({summary['fastest_engine_tokens_per_s']:.1f} tokens/s); the runtime's fastest, "
-                     f"{summary['fastest_own']}, is {summary['own_vs_fastest_engine']:.2f}x it.")
-    if summary.get("fastest_heads_only"):
-        lines.append(f"Medusa alone (heads, no lookup chain): fastest {summary['fastest_heads_only']}, "
-                     f"{summary['fastest_heads_only_speedup']:.3f}x plain.")
-    if not summary["predictions"]:
-        lines.append("No predictions in this run (nothing calibrated or searched, as in a run without heads); measured figures only.")
+    lines += sentences[1:]
+    if sentences[-1] == NO_PREDICTIONS:
         return "\n## Configurations: measured (this replay)\n\n" + to_markdown(shown.round(3)) + "\n\n" + \
             "\n".join(lines) + "\n"
-    lines.append(f"Predictions checked ({summary['predictions']} configurations measured on every replayed question, "
-                 "cross-fitted; those run on a subset are shown, not checked): tau within "
-                 f"{100 * summary['tau_tolerance']:.0f} % for all: {'yes' if summary['tau_within_tolerance'] else 'no'} "
-                 f"(worst {100 * (summary['worst_tau_error'] or 0):.1f} %); speed-up within "
-                 f"{100 * summary['speedup_tolerance']:.0f} %: {'yes' if summary['speedup_within_tolerance'] else 'no'} "
-                 f"(worst {100 * (summary['worst_speedup_error'] or 0):.1f} %).")
     return ("\n## Configurations: measured (this replay) and predicted (cross-fitted replay of calibration rollouts "
             "+ latency profile)\n\n" + to_markdown(shown.round(3)) + "\n\n" + "\n".join(lines) + "\n")
 

@@ -254,3 +254,37 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
     if meta.get("deploy"):
         obj["deploy"] = meta["deploy"]
     return write_json_atomic(out, obj)
+
+
+NO_PREDICTIONS = ("No predictions in this run (nothing calibrated or searched, as in a run without heads): measured "
+                  "figures only.")
+
+
+def verdict_sentences(v: dict, strong=lambda text: text, esc=lambda text: text) -> list[str]:
+    """The verdict in sentences, written once for the Markdown and the HTML report: ``strong`` marks the
+    figures that answer the question (bold in HTML), ``esc`` escapes configuration names."""
+    def pct(x):
+        return f"{100 * (x or 0):.1f} %"
+
+    lines = [f"Fastest measured: {strong(esc(v['fastest']))} ({v['fastest_tokens_per_s']:.1f} tokens/s)."]
+    if "searched" in v:
+        ratio = f"{v['searched_vs_fastest']:.3f}x"
+        lines.append(f"The search's pick runs at {strong(ratio)} the fastest"
+                     + (" (it is the fastest)." if v["searched_is_fastest"] else "."))
+    if v.get("fastest_engine"):
+        ratio = f"{v['own_vs_fastest_engine']:.2f}x"
+        lines.append(f"Fastest engine beside the runtime (same questions, greedy, batch 1): "
+                     f"{strong(esc(v['fastest_engine']))} ({v['fastest_engine_tokens_per_s']:.1f} tokens/s); the "
+                     f"runtime's fastest, {esc(v['fastest_own'])}, runs at {strong(ratio)} it.")
+    if v.get("fastest_heads_only"):
+        lines.append(f"Medusa alone (heads, no lookup chain): {strong(esc(v['fastest_heads_only']))}, "
+                     f"{v['fastest_heads_only_speedup']:.3f}x plain.")
+    if not v.get("predictions"):
+        lines.append(NO_PREDICTIONS)
+    else:
+        lines.append(f"Predictions checked on the {v['predictions']} configurations measured on every replayed question "
+                     f"(cross-fitted; those run on a subset are shown, not checked): tau within "
+                     f"{100 * v['tau_tolerance']:.0f} % for all: {strong('yes' if v['tau_within_tolerance'] else 'no')} "
+                     f"(worst {pct(v['worst_tau_error'])}); speed-up within {100 * v['speedup_tolerance']:.0f} %: "
+                     f"{strong('yes' if v['speedup_within_tolerance'] else 'no')} (worst {pct(v['worst_speedup_error'])}).")
+    return lines

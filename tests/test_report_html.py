@@ -98,3 +98,27 @@ def test_markdown_tables_show_missing_values_as_dashes_and_counts_as_integers():
     lines = to_markdown(table).splitlines()
     assert lines[2] == "| plain | - | 1.000 | 1.000 |"
     assert lines[3] == "| medusa | 4 | 1.654 | - |"
+
+
+def test_the_verdict_is_written_once_for_markdown_and_html():
+    """summary.md and report.html say the same sentences: the HTML's, tags removed, are the Markdown's."""
+    import html as html_mod
+
+    import pandas as pd
+
+    from bench.html_report import _verdict
+    from bench.report import scorecard_section
+
+    v = {"fastest": "searched <a&b>", "fastest_tokens_per_s": 165.8, "searched": "searched", "searched_vs_fastest": 1.0,
+         "searched_is_fastest": True, "fastest_engine": "vllm plain", "fastest_engine_tokens_per_s": 28.4,
+         "fastest_own": "searched", "own_vs_fastest_engine": 5.84, "fastest_heads_only": "medusa chain:2",
+         "fastest_heads_only_speedup": 1.35, "predictions": 7, "tau_tolerance": 0.05, "tau_within_tolerance": True,
+         "worst_tau_error": 0.006, "speedup_tolerance": 0.1, "speedup_within_tolerance": False,
+         "worst_speedup_error": 0.134}
+    card = pd.DataFrame([{"config": "plain", "tokens_per_s": 100.0, "fit_positions": None, "speedup_vs_plain_ci": None,
+                          "predicted_tau_ci": None}])
+    markdown = scorecard_section(card, v)
+    page = _verdict({"verdict": v})
+    sentences = [html_mod.unescape(re.sub(r"<[^>]+>", "", li)) for li in re.findall(r"<li>(.*?)</li>", page)]
+    assert len(sentences) == 5 and all(s in markdown for s in sentences)
+    assert "<b>5.84x</b>" in page and "&lt;a&amp;b&gt;" in page and "speed-up within 10 %: no (worst 13.4 %)" in markdown
