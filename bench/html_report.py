@@ -29,14 +29,18 @@ class Figure:
 
 
 FIGURES = (
+    Figure("tokens_per_s_headline", "Tokens/s per configuration",
+           "Every greedy configuration, batch 1, on the same questions, fastest first; whiskers: 95 % bootstrap "
+           "interval over the questions; diamonds: the tokens/s the search predicted (plain decoding's measured "
+           "tokens/s times the cross-fitted predicted speed-up); outlined: the search's pick. One colour per engine."),
     Figure("tokens_per_s_by_engine", "Engines side by side",
            "Tokens/s of each engine's plain decoding and its fastest speculative configuration on the same questions, "
            "greedy, batch 1, the same chat template and new-token budget, interleaved question by question (the "
            "engines' start-up excluded); whiskers: 95 % bootstrap interval over the questions. Red: this runtime."),
     Figure("speedup_by_category_vs_plain", "Speed-up per category over the runtime's plain decoding",
            "Tokens/s of each configuration over plain decoding in the same engine (the paper's baseline), per "
-           "question category and overall; whiskers: 95 % paired bootstrap interval over the questions. Grey lines: "
-           "the Medusa paper's overall figures, for Vicuna-7B on a GPU, a different model and hardware."),
+           "question category and overall; whiskers: 95 % paired bootstrap interval over the questions. The Medusa "
+           "paper's figures (another model and machine) are in a table above, not on this chart."),
     Figure("speedup_by_category_vs_generate", "Speed-up per category over transformers generate",
            "Tokens/s over transformers' own greedy generate on the same model, dtype and threads."),
     Figure("tau_by_category", "Accepted length per category",

@@ -27,6 +27,15 @@ def _save(fig, out_dir: str | Path, name: str) -> list[Path]:
     return paths
 
 
+def distinct_colours(n: int) -> list:
+    """``n`` colours no two of which are the same: tab10, tab20 up to 20, then evenly spaced on turbo."""
+    if n <= 10:
+        return [plt.cm.tab10(i) for i in range(n)]
+    if n <= 20:
+        return [plt.cm.tab20(i) for i in range(n)]
+    return [plt.cm.turbo(x) for x in np.linspace(0.03, 0.97, n)]
+
+
 def plot_acceptance_heatmap(stats: AcceptanceStats, out_dir: str | Path) -> list[Path]:
     """Head x rank acceptance probability (the ``marginal`` matrix)."""
     m = stats.marginal
@@ -201,6 +210,42 @@ def headline_rows(rows: list[dict]) -> list[dict]:
         best = [max(rest, key=lambda r: r["tokens_per_s"])] if rest else []
         out += sorted(plain + best, key=lambda r: -r["tokens_per_s"])
     return out
+
+
+def plot_headline(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """The headline: tokens/s of every greedy configuration (batch 1, the same questions), fastest first, with
+    its 95 % interval over questions and, where the search predicted it, the predicted tokens/s marked (plain's
+    measured tokens/s times the predicted speed-up). One colour per engine."""
+    greedy = sorted((r for r in rows if not (r.get("temperature") or 0) and r.get("tokens_per_s")),
+                    key=lambda r: -r["tokens_per_s"])
+    if not greedy:
+        return []
+    plain = next((r["tokens_per_s"] for r in greedy if r["config"] == "plain" and r.get("engine", "own") == "own"),
+                 None)
+    engines = [e for e in ENGINE_ORDER if any(r.get("engine", "own") == e for r in greedy)]
+    colour = dict(zip(engines, distinct_colours(len(engines))))
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(greedy) + 1.6))
+    y = np.arange(len(greedy))[::-1]
+    predicted_shown = False
+    for yi, r in zip(y, greedy):
+        engine = r.get("engine", "own")
+        lo, hi = r.get("tokens_per_s_ci") or (r["tokens_per_s"], r["tokens_per_s"])
+        ax.barh(yi, r["tokens_per_s"], color=colour[engine], xerr=[[r["tokens_per_s"] - lo], [hi - r["tokens_per_s"]]],
+                capsize=2, error_kw={"lw": 0.8}, edgecolor="black" if r.get("searched") else "none")
+        ax.text(max(hi, r["tokens_per_s"]), yi, f"  {r['tokens_per_s']:.0f}", va="center", fontsize=7)
+        if plain and r.get("predicted_speedup_vs_plain") is not None:
+            ax.plot([plain * r["predicted_speedup_vs_plain"]], [yi], marker="D", ms=5, color="black",
+                    label=None if predicted_shown else "predicted (cross-fitted search)", ls="none")
+            predicted_shown = True
+    for engine in engines:  # one legend entry per engine
+        ax.barh([np.nan], [np.nan], color=colour[engine], label=ENGINE_LABELS.get(engine, engine))
+    ax.set_yticks(y)
+    ax.set_yticklabels([r["config"] for r in greedy], fontsize=7)
+    ax.set_xlabel("tokens/s (greedy, batch 1; 95 % interval over questions)")
+    ax.set_title("Tokens/s per configuration (outlined: the search's pick)")
+    ax.set_xlim(0, max(max(r.get("tokens_per_s_ci") or [0, r["tokens_per_s"]]) for r in greedy) * 1.15)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, out_dir, "tokens_per_s_headline")
 
 
 def plot_engines_headline(rows: list[dict], out_dir: str | Path) -> list[Path]:

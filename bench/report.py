@@ -15,10 +15,19 @@ import pandas as pd  # noqa: E402
 
 from bench.analyze import greedy_equality, records_frame, summary, to_markdown  # noqa: E402
 from bench.mtbench import CATEGORIES  # noqa: E402
-from bench.plots import _save  # noqa: E402
+from bench.plots import _save, distinct_colours  # noqa: E402
 from bench.runner import load_records  # noqa: E402
 
-PAPER_OVERALL = {"Medusa-1 (paper, Vicuna-7B, GPU)": 2.18, "Medusa-2 (paper, Vicuna-7B, GPU)": 2.83}
+# the Medusa paper's overall MT-Bench speed-ups (Cai et al. 2024, Vicuna-7B on an A100, batch 1)
+PAPER_OVERALL = {"Medusa-1": 2.18, "Medusa-2": 2.83}
+PAPER_TITLE = "For reference: the Medusa paper's overall speed-ups"
+PAPER_NOTE = ("Vicuna-7B on an A100 GPU, over its own plain decoding on MT-Bench: another model, another machine, "
+              "not comparable with this run's figures.")
+
+
+def paper_table() -> pd.DataFrame:
+    return pd.DataFrame([{"method": k, "model": "Vicuna-7B", "hardware": "A100 GPU", "speedup_vs_plain": v}
+                         for k, v in PAPER_OVERALL.items()])
 
 
 def category_intervals(df: pd.DataFrame, baseline: str) -> dict[tuple[str, str], tuple[float, float]]:
@@ -45,6 +54,7 @@ def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path,
     cats = [c for c in CATEGORIES if c in set(table["category"])] + ["overall"]
     fig, ax = plt.subplots(figsize=(13, 4))
     width = 0.8 / max(1, len(configs))
+    colours = distinct_colours(len(configs))
     for i, cfg in enumerate(configs):
         sub = table[table["config"] == cfg].set_index("category")[col]
         heights = np.array([sub.get(c, np.nan) for c in cats], dtype=float)
@@ -53,9 +63,7 @@ def plot_speedup_by_category(table: pd.DataFrame, baseline: str, out_dir: Path,
             ci = [intervals.get((cfg, c), (h, h)) for c, h in zip(cats, heights)]
             err = np.abs(np.array([[h - lo for (lo, _), h in zip(ci, heights)], [hi - h for (_, hi), h in zip(ci, heights)]]))
         ax.bar(np.arange(len(cats)) + i * width, heights, width, label=cfg, yerr=err, capsize=2,
-               error_kw={"lw": 0.7})
-    for j, (label, value) in enumerate(PAPER_OVERALL.items()):
-        ax.axhline(value, color="grey", ls=[":", "--"][j % 2], lw=1, label=label)
+               error_kw={"lw": 0.7}, color=colours[i])
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(np.arange(len(cats)) + width * (len(configs) - 1) / 2)
     ax.set_xticklabels(cats, rotation=20)
@@ -74,9 +82,11 @@ def plot_tau_by_category(table: pd.DataFrame, out_dir: Path) -> list[Path]:
     cats = [c for c in CATEGORIES if c in set(table["category"])] + ["overall"]
     fig, ax = plt.subplots(figsize=(10, 3.5))
     width = 0.8 / max(1, len(medusa))
+    colours = distinct_colours(len(medusa))
     for i, cfg in enumerate(medusa):
         sub = table[table["config"] == cfg].set_index("category")["tau"]
-        ax.bar(np.arange(len(cats)) + i * width, [sub.get(c, np.nan) for c in cats], width, label=cfg)
+        ax.bar(np.arange(len(cats)) + i * width, [sub.get(c, np.nan) for c in cats], width, label=cfg,
+               color=colours[i])
     ax.set_xticks(np.arange(len(cats)) + width * (len(medusa) - 1) / 2)
     ax.set_xticklabels(cats, rotation=20)
     ax.set_ylabel("tau (tokens per step)")
@@ -167,9 +177,10 @@ def report(out: Path) -> list[Path]:
                                                     "deploy": deploy},
                                     out / "report.json"))
     if any(p.name == "report.json" for p in written):  # the headline: every engine's plain and fastest speculative configuration
-        from bench.plots import plot_engines_headline
+        from bench.plots import plot_engines_headline, plot_headline
 
-        written += plot_engines_headline(json.loads((out / "report.json").read_text())["configs"], plots)
+        configs = json.loads((out / "report.json").read_text())["configs"]
+        written += plot_headline(configs, plots) + plot_engines_headline(configs, plots)
     written += _typical_measured(out, df, quality, plots)
     trained = out / "heads-trained"
     (plots / "training_curves.png").unlink(missing_ok=True)  # an earlier run's: shown only for a run that trained
@@ -186,14 +197,15 @@ def report(out: Path) -> list[Path]:
           + "\n\n## Speedup over transformers generate, per category\n\n"
           + to_markdown(by_category)
           + "\n\n## Greedy outputs identical to generate (identical) and to the runtime's plain decoding "
-            "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out))
+            "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out)
+          + f"\n## {PAPER_TITLE}\n\n{PAPER_NOTE}\n\n" + to_markdown(paper_table()) + "\n")
     (out / "summary.md").write_text(md)
     print(md)
     from bench.html_report import write_html
 
     page = write_html(out, {"Overall": overall, "Speed-up over transformers generate, per category": by_category,
                             "Greedy outputs identical to generate and to the runtime's plain decoding (proxies)":
-                            eq_both}, _records_meta(records), judge=judged, quality=quality)
+                            eq_both, PAPER_TITLE: paper_table()}, _records_meta(records), judge=judged, quality=quality)
     return [out / "summary.md", page, *[p for p in written if p.suffix in (".png", ".json")]]
 
 

@@ -224,6 +224,10 @@ def test_peer_rows_of_report_json(tmp_path):
     assert shown == ["plain", "plain, original base", "llama.cpp bf16 +lookup4", "vllm medusa chain:2", "vllm plain"]
     assert [p.name for p in plot_engines_headline(list(rows.values()), tmp_path)] == \
         ["tokens_per_s_by_engine.png", "tokens_per_s_by_engine.svg"]
+    from bench.plots import plot_headline
+
+    assert [p.name for p in plot_headline(list(rows.values()), tmp_path)] == \
+        ["tokens_per_s_headline.png", "tokens_per_s_headline.svg"]
 
 
 def test_pipeline_refuses_bad_engines_in_one_line_before_any_stage(tmp_path):

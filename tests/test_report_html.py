@@ -41,6 +41,10 @@ def test_report_page_is_self_contained_and_every_figure_loads_in_chromium(tmp_pa
             "speedup_vs_quality"} <= set(expected)
     assert "python -m bench.pipeline --questions tiny" in text and "tiny-chat" in text
     assert "No judge in this run" in text  # proxies labelled as such
+    # the paper's figures: a labelled table in both renderings, not lines on this run's chart
+    summary_md = (out / "summary.md").read_text()
+    assert "the Medusa paper's overall speed-ups" in summary_md and "| Medusa-2 | Vicuna-7B | A100 GPU | 2.830 |" in summary_md
+    assert "Vicuna-7B" in text and "A100 GPU" in text
 
     shot = tmp_path / "report.png"
     check = check_page(page, screenshot=shot)
@@ -122,3 +126,11 @@ def test_the_verdict_is_written_once_for_markdown_and_html():
     sentences = [html_mod.unescape(re.sub(r"<[^>]+>", "", li)) for li in re.findall(r"<li>(.*?)</li>", page)]
     assert len(sentences) == 5 and all(s in markdown for s in sentences)
     assert "<b>5.84x</b>" in page and "&lt;a&amp;b&gt;" in page and "speed-up within 10 %: no (worst 13.4 %)" in markdown
+
+
+def test_distinct_colours_never_repeat():
+    from bench.plots import distinct_colours
+
+    for n in (1, 9, 10, 11, 17, 20, 21, 40):
+        colours = [tuple(round(c, 4) for c in rgba) for rgba in distinct_colours(n)]
+        assert len(colours) == n and len(set(colours)) == n
