@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 MODEL = "default"
 HEADS = "auto"  # the shipped heads on the default model, none on any other (medusa_runtime.heads.auto_heads)
@@ -160,7 +159,3 @@ CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": 
 # old spellings (hidden, still parsed) of the concepts above, for the test that walks the parsers
 OLD_SPELLINGS = ("--trees", "--max-tokens", "--max-lookup", "--study", "--backend", "--judge-model", "--judge-local",
                  "--gen-batch")
-
-
-def visible_flags(p: argparse.ArgumentParser) -> Sequence[argparse.Action]:
-    return [a for a in p._actions if a.help != argparse.SUPPRESS]
