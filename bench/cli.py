@@ -27,7 +27,7 @@ from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-ex
     replay_rows,
 )
 from bench.commands.replay import _replay_inputs, cmd_judge, cmd_replay, cmd_speed  # noqa: F401
-from bench.commands.training import cmd_fidelity, cmd_train
+from bench.commands.training import cmd_fidelity, cmd_self_prompts, cmd_train
 from bench.commands.trees import cmd_export, cmd_export_heads, cmd_search
 from bench.jobs import (
     CalibrateJob,
@@ -41,6 +41,7 @@ from bench.jobs import (
     ProfileJob,
     ReplayJob,
     SearchJob,
+    SelfPromptsJob,
     SpeedJob,
     TrainJob,
     ValidateJob,
@@ -208,6 +209,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_train, **TrainJob.defaults())
+
+    p = sub.add_parser("self-prompts", help="training prompts the model writes itself (its chat template's user turn "
+                                            "left open, sampled), filtered and kept apart from replayed questions")
+    _add_model_args(p)
+    p.add_argument("--count", type=int, help="prompts to keep")
+    p.add_argument("--shard-size", type=int, help="prompts sampled per shard (a stopped run resumes per shard)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--max-prompt-tokens", type=int, help="a sampled user turn's length cap (longer ones are dropped)")
+    p.add_argument("--batch-size", type=int, help="sequences sampled together")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--exclude", nargs="+", metavar="SUITE",
+                   help="question sets no prompt may share a word 8-gram with: mt-bench, humaneval, or JSONL files")
+    p.add_argument("--out", help="folder: shards, manifest.json, prompts.jsonl")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_self_prompts, **SelfPromptsJob.defaults())
 
     p = sub.add_parser("calibrate", help="measure head x rank acceptance on greedy rollouts -> acceptance.json")
     _add_model_args(p)

@@ -447,7 +447,22 @@ class ServeJob(ModelJob):
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,
                               "search": SearchJob, "replay": ReplayJob, "speed": SpeedJob, "judge": JudgeJob}
+@dataclass(frozen=True, kw_only=True)
+class SelfPromptsJob(ModelJob):
+    """``medusa-bench self-prompts``: training prompts the model writes itself, filtered (resumable shards)."""
+
+    count: int = 1000
+    shard_size: int = 256
+    temperature: float = 1.0
+    top_p: float = 0.99
+    max_prompt_tokens: int = 96
+    batch_size: int = 64
+    seed: int = 0
+    exclude: tuple[str, ...] = ("mt-bench", "humaneval")
+    out: str = "results/self-prompts"
+
+
 # every subcommand's job: its flags are the job's fields, its defaults the job's
 COMMAND_JOBS: dict[str, type[Job]] = {**JOBS, "model": ModelInfoJob, "draft-vocab": DraftVocabJob, "generate": GenerateJob,
                                       "fidelity": FidelityJob, "validate": ValidateJob, "export": ExportJob,
-                                      "export-heads": ExportHeadsJob, "serve": ServeJob}
+                                      "export-heads": ExportHeadsJob, "serve": ServeJob, "self-prompts": SelfPromptsJob}

@@ -73,6 +73,24 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
              "validation_topk": last, "out": str(args.out), "plots": plots}, "\n".join(lines))
 
 
+def cmd_self_prompts(args: argparse.Namespace) -> int:
+    """Prompts the model writes itself (Magpie), none overlapping a replayed suite -> OUT/prompts.jsonl."""
+    from bench.suites import load_suite
+    from medusa_runtime.model import load_model
+    from medusa_runtime.training.selfprompts import SelfPromptConfig, generate_prompts, model_sampler
+
+    cfg = SelfPromptConfig(count=args.count, shard_size=args.shard_size, temperature=args.temperature,
+                           top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
+                           seed=args.seed)
+    reference = [t for suite in args.exclude for q in load_suite(suite, log=_log) for t in q.turns]
+    loaded = load_model(args.model, args.dtype, args.device, log=_log)
+    kept = generate_prompts(model_sampler(loaded, cfg), args.out, cfg, reference, log=_log)
+    out = f"{args.out}/prompts.jsonl"
+    _result(args, {"prompts": len(kept), "file": out, "excluded_suites": list(args.exclude)},
+            f"{len(kept)} prompts -> {out} (train on them: medusa-bench train --data {out})")
+    return 0
+
+
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from bench.quality import fidelity
     from bench.suites import load_suite
