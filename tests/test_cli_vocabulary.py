@@ -110,6 +110,11 @@ def test_old_spellings_still_parse_with_a_deprecation_line(argv, dest, value, ne
     assert not any(k.startswith("old_") for k in vars(args))
 
 
+def test_an_old_judge_model_alone_leaves_the_new_judge_flag_as_given(capsys):
+    args = resolve_args(build_parser().parse_args(["judge", "--records", "r", "--judge", "m2", "--judge-model", "m"]))
+    assert args.judge == "m2" and "deprecated" in capsys.readouterr().err
+
+
 def test_new_spellings_parse_silently(capsys):
     args = resolve_args(build_parser().parse_args(["judge", "--records", "r", "--judge", "local:mine"]))
     assert args.judge == "local:mine" and capsys.readouterr().err == ""

@@ -37,10 +37,10 @@ JUDGE_HELP = ("grade answers FastChat's way (single mode) with this judge: a mod
 
 
 class _Deprecated(argparse.Action):
-    """An old spelling of a flag: stores like the new one (or through ``convert``) and says so on stderr."""
+    """An old spelling of a flag: stores into the new one's field and says so on stderr."""
 
-    def __init__(self, option_strings, dest, new: str, convert=None, nargs=None, **kwargs):
-        self.new, self.convert = new, convert
+    def __init__(self, option_strings, dest, new: str, nargs=None, **kwargs):
+        self.new = new
         kwargs["help"] = argparse.SUPPRESS
         kwargs["default"] = argparse.SUPPRESS  # never overwrites the new flag's default
         super().__init__(option_strings, dest, nargs=nargs, **kwargs)
@@ -48,8 +48,6 @@ class _Deprecated(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog}: warning: {option_string or self.dest} is deprecated, use {self.new} "
               "(the old spelling goes in the next release)", file=sys.stderr)
-        if self.convert is not None:
-            values = self.convert(values, namespace)
         setattr(namespace, self.dest, values)
 
 
@@ -145,8 +143,10 @@ def add_old_judge_flags(p: argparse.ArgumentParser) -> None:
 
 
 def fold_old_judge(args: argparse.Namespace) -> None:
+    """The old judge flags as --judge: only --backend chose a judge (--judge-model and --judge-local alone did
+    nothing, and they leave --judge as given)."""
     old = [getattr(args, k, None) for k in ("old_backend", "old_judge_model", "old_judge_local")]
-    if any(v is not None for v in old):
+    if old[0] is not None:
         args.judge = judge_spec(*old)
     for k in ("old_backend", "old_judge_model", "old_judge_local"):
         if hasattr(args, k):
