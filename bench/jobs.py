@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.commands import flags
+from medusa_runtime.training.selfprompts import SelfPromptConfig
 from treesearch.export import TRTLLM_MAX_DRAFT_LEN
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
@@ -447,17 +448,23 @@ class ServeJob(ModelJob):
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,
                               "search": SearchJob, "replay": ReplayJob, "speed": SpeedJob, "judge": JudgeJob}
+
+
+_SELF = SelfPromptConfig()
+
+
 @dataclass(frozen=True, kw_only=True)
 class SelfPromptsJob(ModelJob):
-    """``medusa-bench self-prompts``: training prompts the model writes itself, filtered (resumable shards)."""
+    """``medusa-bench self-prompts``: training prompts the model writes itself, filtered (resumable shards);
+    the sampling defaults are SelfPromptConfig's."""
 
-    count: int = 1000
-    shard_size: int = 256
-    temperature: float = 1.0
-    top_p: float = 0.99
-    max_prompt_tokens: int = 96
-    batch_size: int = 64
-    seed: int = 0
+    count: int = _SELF.count
+    shard_size: int = _SELF.shard_size
+    temperature: float = _SELF.temperature
+    top_p: float = _SELF.top_p
+    max_prompt_tokens: int = _SELF.max_prompt_tokens
+    batch_size: int = _SELF.batch_size
+    seed: int = _SELF.seed
     exclude: tuple[str, ...] = ("mt-bench", "humaneval")
     out: str = "results/self-prompts"
 
