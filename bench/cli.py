@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="residual blocks per head")
     p.add_argument("--data", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
                                    "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
-                                   "or a hub dataset id")
+                                   "or a hub dataset id; A+B mixes sources, spread evenly (training.json records the mix)")
     p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
     p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
     flags.add_new_tokens(p, "the --profile's: " + ", ".join(f"{k} {v['max_new_tokens']}"

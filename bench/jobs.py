@@ -141,12 +141,18 @@ class TrainJob(ModelJob):
 
     def reads(self) -> dict[str, Path]:
         init = _heads_path(self.init)
-        return {**_file("data", self.data), **({"init": init["heads"]} if init else {})}
+        from medusa_runtime.prompts import mix_parts
+
+        files = {f"data:{s}" if s != self.data else "data": p for s in mix_parts(self.data)
+                 for p in _file("data", s).values()}
+        return {**files, **({"init": init["heads"]} if init else {})}
 
     def depends(self) -> dict[str, Any]:
+        from medusa_runtime.prompts import mix_parts
         from medusa_runtime.training.profiles import TRAIN_PROFILES
 
-        return {"profile": TRAIN_PROFILES.get(self.profile), **_prompts_revision(self.data)}
+        builtin = [r for s in mix_parts(self.data) if (r := _prompts_revision(s))]
+        return {"profile": TRAIN_PROFILES.get(self.profile), **(builtin[0] if builtin else {})}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -149,3 +149,23 @@ def load_prompt_source(source: str, limit: int | None = None) -> list[Prompt]:
         if not prompts:
             raise ValueError(f"no prompts found in {source}")
     return prompts[:limit] if limit else prompts
+
+
+def mix_parts(spec: str) -> list[str]:
+    """The sources of a mix ``A+B+...`` (``builtin-all+results/self-prompts/prompts.jsonl``); a spec that
+    names an existing file is that file alone, whatever its name holds."""
+    if Path(spec).is_file() or "+" not in spec:
+        return [spec]
+    parts = [p for p in spec.split("+") if p]
+    if not parts:
+        raise ValueError(f"empty prompt mix {spec!r}")
+    return parts
+
+
+def mixed_prompts(spec: str, part: str = "train") -> tuple[list[Prompt], dict[str, int]]:
+    """A mix's prompts, each source's ``part`` (built-in tiers: their split; other sources whole), spread
+    evenly over one another (any prefix holds every source in proportion), and how many each gave."""
+    sources = mix_parts(spec)
+    loaded = [builtin_split(load_prompt_source(s), part) if s in BUILTIN_NAMES else load_prompt_source(s)
+              for s in sources]
+    return _interleave([p for p in loaded if p]), {s: len(p) for s, p in zip(sources, loaded)}

@@ -94,3 +94,23 @@ def test_the_model_writes_a_user_turn_from_the_open_template(default_model):
     finished = [t for t in first if t]
     assert finished and sample(1, 4) != first
     assert all("<|im_end|>" not in t and "<|im_start|>" not in t for t in first)
+
+
+def test_a_mix_spreads_its_sources_and_keys_the_train_stage_on_each_file(tmp_path):
+    from bench.jobs import TrainJob, stage_key
+    from medusa_runtime.prompts import builtin_split, load_prompt_source, mix_parts, mixed_prompts
+
+    own = tmp_path / "prompts.jsonl"
+    own.write_text("".join(json.dumps({"turns": [f"Self question {i} about gardens"]}) + "\n" for i in range(30)))
+    builtin = builtin_split(load_prompt_source("builtin"), "train")
+    prompts, available = mixed_prompts(f"builtin+{own}")
+    assert available == {"builtin": len(builtin), str(own): 30} and len(prompts) == len(builtin) + 30
+    head = prompts[: len(prompts) // 3]  # any prefix holds both sources in proportion
+    share = sum(p.source == str(own) for p in head) / len(head)
+    assert abs(share - 30 / len(prompts)) < 0.02
+    assert [p for p in prompts if p.source != str(own)] == builtin  # each source keeps its order
+    assert mixed_prompts("builtin")[0] == builtin and mix_parts(str(own)) == [str(own)]
+    key = stage_key(TrainJob(data=f"builtin+{own}"))
+    assert f"data:{own}" in key["reads"] and key["depends"]["builtin_prompts"]
+    own.write_text(own.read_text() + json.dumps({"turns": ["One more self question here"]}) + "\n")
+    assert stage_key(TrainJob(data=f"builtin+{own}")) != key  # the file's contents key the stage

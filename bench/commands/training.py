@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections import Counter
 
 from bench.commands import flags
-from bench.commands.common import _adapted, _log, _result, builtin_split, show
+from bench.commands.common import _adapted, _log, _result, show
 from bench.jobs import TrainJob
 from medusa_runtime.training.profiles import TRAIN_PROFILES
 
@@ -19,7 +20,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def train_stage(args: TrainJob) -> tuple[dict, str]:
     """The heads stage of ``--retrain``: self-distilled data, then Medusa-1 or Medusa-2 training (resumable)."""
     from medusa_runtime.model import load_model
-    from medusa_runtime.prompts import load_prompt_source
+    from medusa_runtime.prompts import mixed_prompts
     from medusa_runtime.training.distill import DistillConfig, build_distill_data
     from medusa_runtime.training.train import TrainConfig, train_medusa1, train_medusa2
 
@@ -42,8 +43,9 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
                       head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
                       vocab=args.vocab or prof["vocab"], draft_size=args.draft_size,
                       condition=args.condition or prof["condition"])
-    prompts = builtin_split(load_prompt_source(args.data), args.data, "train")
+    prompts, available = mixed_prompts(args.data, "train")
     prompts = prompts[:n_prompts] if n_prompts else prompts
+    used = Counter(p.source for p in prompts)
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.batch_size,
                          follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
@@ -51,6 +53,7 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
     if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
         examples = random.Random(args.seed).sample(examples, min(args.max_examples, len(examples)))
     provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
+                                                "mix": {"available": available, "used_by_source": dict(used)},
                                                 "examples": len(examples), "cache": str(cache),
                                                 "distill": dcfg.__dict__}, "profile": args.profile}
     from medusa_runtime.training.medusa2 import train_medusa2_top
