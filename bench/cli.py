@@ -48,9 +48,7 @@ from bench.jobs import (
 )
 from medusa_runtime.training.profiles import TRAIN_PROFILES
 from treesearch.export import FORMATS as EXPORT_FORMATS
-from treesearch.export import TRTLLM_MAX_DRAFT_LEN
 from treesearch.targets import TARGETS
-from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 
@@ -121,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replies", required=True,
                    help="self-distillation cache (JSONL: turns, input_ids, reply_start), as 'train' writes under "
                         "the model cache's distill/ folder; never the workload you measure on")
-    p.add_argument("--limit", type=int, default=None, help="read only its first N replies")
-    p.add_argument("--max-len", type=int, default=768, help="count reply tokens up to this position, as training does")
+    p.add_argument("--limit", type=int, help="read only its first N replies")
+    p.add_argument("--max-len", type=int, help="count reply tokens up to this position, as training does")
     p.add_argument("--out", required=True, help="new folder for the copy")
     p.set_defaults(func=cmd_draft_vocab, **DraftVocabJob.defaults())
 
@@ -130,17 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     flags.add_heads(p, "none: plain decoding")
     flags.add_tree(p)
-    p.add_argument("--accept", default="greedy", choices=["greedy", "typical", "sample"])
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="top-k filter of the target distribution (0: off)")
-    p.add_argument("--posterior-threshold", type=float, default=POSTERIOR_THRESHOLD, help="typical: epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=POSTERIOR_ALPHA, help="typical: delta")
-    p.add_argument("--candidates", type=int, default=10, help="candidates read from each head's top-k (the tree's "
-                                                               "ranks must stay below it); --top-k filters sampling")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--accept", choices=["greedy", "typical", "sample"])
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int, help="top-k filter of the target distribution (0: off)")
+    p.add_argument("--posterior-threshold", type=float, help="typical: epsilon")
+    p.add_argument("--posterior-alpha", type=float, help="typical: delta")
+    p.add_argument("--candidates", type=int, help="candidates read from each head's top-k (the tree's "
+                                                  "ranks must stay below it); --top-k filters sampling")
+    p.add_argument("--seed", type=int)
     flags.add_new_tokens(p)
-    p.add_argument("--engine", default="auto", choices=["auto", "lean", "lean-torch", "hf"],
+    p.add_argument("--engine", choices=["auto", "lean", "lean-torch", "hf"],
                    help="forward engine: lean (Llama family, fast; its C forward in bf16 on AVX-512 BF16 CPUs), "
                         "lean-torch (the lean engine on PyTorch ops only) or hf (transformers, any model); auto picks")
     flags.add_lookup(p, "a chain laid beside the heads' tree (measured to pay on MT-Bench)")
@@ -248,13 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
     _add_model_args(p)
-    p.add_argument("--reference", default="default", help="the original model")
+    p.add_argument("--reference", help="the original model")
     flags.add_heads(p, "Medusa-2 heads have their base adapter merged into --model first")
-    p.add_argument("--questions", default=None, help="question JSONL (default: MT-Bench, offline)")
-    p.add_argument("--limit", type=int, default=20, help="first turns, spread over the categories")
+    p.add_argument("--questions", help="question JSONL (default: MT-Bench, offline)")
+    p.add_argument("--limit", type=int, help="first turns, spread over the categories")
     flags.add_new_tokens(p)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", default="results/fidelity.json")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_fidelity, **FidelityJob.defaults())
 
@@ -266,11 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_heads(p, "here auto: the heads the statistics name")
     flags.add_dtype(p, help="auto: the dtype the statistics were measured in")
     flags.add_device(p)
-    p.add_argument("--accept", default="greedy", choices=["greedy", "typical"],
+    p.add_argument("--accept", choices=["greedy", "typical"],
                    help="typical: sample at the calibration's typical temperature and replay typical acceptance")
-    p.add_argument("--posterior-threshold", type=float, default=POSTERIOR_THRESHOLD, help="typical: epsilon")
-    p.add_argument("--posterior-alpha", type=float, default=POSTERIOR_ALPHA, help="typical: delta")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (typical)")
+    p.add_argument("--posterior-threshold", type=float, help="typical: epsilon")
+    p.add_argument("--posterior-alpha", type=float, help="typical: delta")
+    p.add_argument("--seed", type=int, help="sampling seed (typical)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_validate, **ValidateJob.defaults())
 
@@ -387,35 +385,35 @@ def build_parser() -> argparse.ArgumentParser:
                                       "for a server (--format)")
     flags.add_tree(p, role="the bench's final one is results/bench/tree.json")
     p.add_argument("old_tree", nargs="?", default=None, help=argparse.SUPPRESS)  # the positional of an earlier release
-    p.add_argument("--target", choices=list(TARGETS), default=None,
+    p.add_argument("--target", choices=list(TARGETS),
                    help="write everything this target loads into --out (heads, speculative config / medusa_choices / "
                         "LLM API options / TGI speculate); refused in one line where it cannot run the configuration")
-    p.add_argument("--out", default=None, help="with --target: the folder to write (replaced atomically)")
+    p.add_argument("--out", help="with --target: the folder to write (replaced atomically)")
     flags.add_model(p, help="with --target: the base model the heads belong to")
     flags.add_dtype(p, help=WRITE_DTYPE_HELP)
-    p.add_argument("--base-model", default=None,
+    p.add_argument("--base-model",
                    help="with --target trtllm / tgi: the base the engine loads (default: --model)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
-    p.add_argument("--format", default="python", choices=list(EXPORT_FORMATS),
+    p.add_argument("--format", choices=list(EXPORT_FORMATS),
                    help="trtllm: the --medusa_choices argument; trtllm-config: the LLM API / trtllm-serve "
                         "speculative_config (JSON, also YAML); vllm: --speculative-config (its Medusa drafts a "
                         "top-1 chain: a tree is exported as its chain, with a note)")
-    p.add_argument("--num-heads", type=int, default=None, help="trtllm-config: the heads in the checkpoint "
+    p.add_argument("--num-heads", type=int, help="trtllm-config: the heads in the checkpoint "
                    "(TensorRT-LLM's num_medusa_heads, required); a deeper tree is refused")
-    p.add_argument("--max-draft-len", type=int, default=TRTLLM_MAX_DRAFT_LEN,
+    p.add_argument("--max-draft-len", type=int,
                    help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
-    p.add_argument("--draft-model", default=None,
+    p.add_argument("--draft-model",
                    help="vllm: the heads folder written by export-heads (the speculative config's 'model')")
     p.set_defaults(func=cmd_export, **ExportJob.defaults())
 
     p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM, TGI)")
-    p.add_argument("--format", default="vllm", choices=["vllm", "tgi"])
+    p.add_argument("--format", choices=["vllm", "tgi"])
     flags.add_model(p, help="the base model the heads belong to")
     flags.add_heads(p)
     p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
+    p.add_argument("--num-speculative-tokens", type=int,
                    help="the top-1 chain's length the engine drafts (default: every head)")
-    p.add_argument("--base-model", default=None,
+    p.add_argument("--base-model",
                    help="tgi: the base TGI loads, written into config.json (default: --model; Medusa-2 heads: "
                         "the adapted base the export writes to OUT/base)")
     flags.add_dtype(p, help=WRITE_DTYPE_HELP)
@@ -436,8 +434,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
     flags.fold_old_judge(args)
     if getattr(args, "old_tree", None) is not None:
-        print("medusa-bench: warning: the tree as a positional argument is deprecated, use --tree (the old spelling "
-              "goes in the next release)", file=sys.stderr)
+        flags.warn_deprecated("medusa-bench export", "the tree as a positional argument", "--tree")
         args.tree = args.old_tree
     if hasattr(args, "old_tree"):
         del args.old_tree

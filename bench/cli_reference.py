@@ -60,10 +60,10 @@ def _default_cell(parser: argparse.ArgumentParser, action: argparse.Action) -> s
     if action.required:
         return "required"
     value = default_of(parser, action)
-    if isinstance(action, argparse._StoreTrueAction) or value is None or value == argparse.SUPPRESS:
-        return "-" if value in (None, False, argparse.SUPPRESS) else f"`{value}`"
+    if value is None or value is False or value == argparse.SUPPRESS:
+        return "-"
     if isinstance(value, (list, tuple)):
-        value = " ".join(map(str, value)) if value else "-"
+        value = " ".join(map(str, value)) or "-"
     return f"`{value}`"
 
 

@@ -568,8 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.heads == "auto":  # the shipped heads on the default model (or the trained ones), else none
-            args.heads = "default" if args.model == "default" or args.retrain else "none"
+        from medusa_runtime.heads import auto_heads
+
+        # auto: the shipped heads on the default model, else none; with --retrain, the trained ones
+        args.heads = "default" if args.retrain and args.heads == "auto" else auto_heads(args.heads, args.model)
         args.heads = _target_heads(args.target, args.heads, args.retrain)
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,

@@ -16,11 +16,11 @@ def add_parser(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -
     flags.add_heads(p, "none: plain decoding")
     flags.add_tree(p)
     flags.add_lookup(p, "a chain laid beside the heads' tree")
-    p.add_argument("--gate", type=float, default=0.0,
+    p.add_argument("--gate", type=float,
                    help="confidence gate on the tree's levels (0: off; a search's pick may carry one)")
-    p.add_argument("--name", default=None, help="the model id clients send (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--name", help="the model id clients send (default: --model)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, help="0: any free port (printed)")
     flags.add_new_tokens(p, f"{flags.NEW_TOKENS}; a request's max_tokens may ask for fewer; as a judge, 1024 or more")
     flags.deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int)
     p.set_defaults(func=cmd_serve, **ServeJob.defaults())

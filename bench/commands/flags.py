@@ -46,9 +46,13 @@ class _Deprecated(argparse.Action):
         super().__init__(option_strings, dest, nargs=nargs, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string or self.dest} is deprecated, use {self.new} "
-              "(the old spelling goes in the next release)", file=sys.stderr)
+        warn_deprecated(parser.prog, option_string or self.dest, self.new)
         setattr(namespace, self.dest, values)
+
+
+def warn_deprecated(prog: str, old: str, new: str) -> None:
+    print(f"{prog}: warning: {old} is deprecated, use {new} (the old spelling goes in the next release)",
+          file=sys.stderr)
 
 
 def deprecated(p: argparse.ArgumentParser, old: str, new: str, dest: str, **kwargs) -> None:

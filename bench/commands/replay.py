@@ -247,7 +247,6 @@ def speed_stage(args: SpeedJob) -> tuple[dict, str]:
     from medusa_runtime.bandwidth import floor_line, floor_pairs
     from medusa_runtime.engine import c_forward_status
 
-    args = dataclasses.replace(args, max_new_tokens=flags.new_tokens(args.max_new_tokens))
     configs = _configs_from_trees(args.tree, hf_engine=args.hf_engine, lookup=args.lookup, gates=args.gate,
                                   torch_path=args.torch_path)
     if args.only:
