@@ -27,10 +27,11 @@ from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-ex
     replay_rows,
 )
 from bench.commands.replay import _replay_inputs, cmd_judge, cmd_replay, cmd_speed  # noqa: F401
-from bench.commands.training import cmd_fidelity, cmd_self_prompts, cmd_train
+from bench.commands.training import cmd_distill, cmd_fidelity, cmd_self_prompts, cmd_train
 from bench.commands.trees import cmd_export, cmd_export_heads, cmd_search
 from bench.jobs import (
     CalibrateJob,
+    DistillJob,
     DraftVocabJob,
     ExportHeadsJob,
     ExportJob,
@@ -99,6 +100,25 @@ JSON_HELP = "print one JSON object with the result (logs and progress stay on st
 WRITE_DTYPE_HELP = "dtype of the written weights (auto: bfloat16, what the engines serve)"
 
 
+def _add_distill_args(p: argparse.ArgumentParser) -> None:
+    """The training data's flags (distill and train): prompts, reply length and where the replies are kept."""
+    p.add_argument("--data", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
+                                   "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
+                                   "or a hub dataset id; A+B mixes sources, spread evenly (training.json records the mix)")
+    p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
+    p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
+    flags.add_new_tokens(p, "the --profile's: " + ", ".join(f"{k} {v['max_new_tokens']}"
+                                                        for k, v in TRAIN_PROFILES.items()))
+    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction)
+    p.add_argument("--batch-size", type=int, help="prompts generated together while distilling")
+    flags.deprecated(p, "--gen-batch", "--batch-size", "batch_size", type=int)
+    p.add_argument("--shard-size", type=int, help="replies per shard of the answer store (a stopped run keeps every "
+                                                 "finished shard)")
+    p.add_argument("--answers", metavar="DIR",
+                   help="the answer store's folder (default: one in the cache, named by model, weights, dtype and reply "
+                        "length); a store made elsewhere, a GPU machine say, is reused where its settings match")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="medusa-bench", description="Medusa speculative decoding: run, tune, benchmark. "
                      "Set MEDUSA_BENCH_DEBUG=1 for a full traceback instead of the one-line error.")
@@ -117,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_heads(p, "the heads to copy")
     p.add_argument("--size", type=int, required=True, help="tokens to keep (S)")
     p.add_argument("--replies", required=True,
-                   help="self-distillation cache (JSONL: turns, input_ids, reply_start), as 'train' writes under "
-                        "the model cache's distill/ folder; never the workload you measure on")
+                   help="self-distilled replies: an answer store folder (what 'distill' and 'train' write, under the "
+                        "model cache's distill/ folder by default) or one JSONL of replies (turns, input_ids, "
+                        "reply_start); never the workload you measure on")
     p.add_argument("--limit", type=int, help="read only its first N replies")
     p.add_argument("--max-len", type=int, help="count reply tokens up to this position, as training does")
     p.add_argument("--out", required=True, help="new folder for the copy")
@@ -147,21 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate, **GenerateJob.defaults())
 
+    p = sub.add_parser("distill", help="the model's own replies to the training prompts (self-distillation), in an "
+                                       "answer store of resumable shards with a manifest; train reuses them")
+    _add_model_args(p)
+    _add_distill_args(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_distill, **DistillJob.defaults())
+
     p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
     _add_model_args(p)
     p.add_argument("--method", choices=["medusa1", "medusa2"])
     p.add_argument("--num-heads", type=int, help="number of heads K")
     p.add_argument("--layers", type=int, help="residual blocks per head")
-    p.add_argument("--data", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
-                                   "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
-                                   "or a hub dataset id; A+B mixes sources, spread evenly (training.json records the mix)")
-    p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
-    p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
-    flags.add_new_tokens(p, "the --profile's: " + ", ".join(f"{k} {v['max_new_tokens']}"
-                                                        for k, v in TRAIN_PROFILES.items()))
-    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction)
-    p.add_argument("--batch-size", type=int, help="prompts generated together while distilling")
-    flags.deprecated(p, "--gen-batch", "--batch-size", "batch_size", type=int)
+    _add_distill_args(p)
     p.add_argument("--max-examples", type=int,
                    help="train on a random subset of this many examples of the (cached) data")
     p.add_argument("--epochs", type=float)

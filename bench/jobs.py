@@ -106,18 +106,41 @@ class ModelJob(Job):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainJob(ModelJob):
-    """``medusa-bench train``: heads (Medusa-1 or Medusa-2) on self-distilled replies. None: the profile's."""
+class DistillJob(ModelJob):
+    """``medusa-bench distill``: the model's own replies to the training prompts, in an answer store (resumable
+    shards and a manifest); exactly the replies ``train`` with the same flags trains on. None: the profile's."""
 
-    method: str = "medusa1"
-    num_heads: int = 4
-    layers: int = 1
     data: str = "builtin"
     profile: str = "quick"
     prompts: int | None = None
     max_new_tokens: int | None = None
     follow_ups: bool | None = None
-    batch_size: int = 32  # prompts generated together while distilling
+    batch_size: int = 32  # prompts generated together
+    shard_size: int = 256  # replies per shard file
+    answers: str | None = None  # the answer store's folder (None: the cache's)
+
+    def reads(self) -> dict[str, Path]:
+        from medusa_runtime.prompts import mix_parts
+
+        data = {f"data:{s}" if s != self.data else "data": p for s in mix_parts(self.data)
+                for p in _file("data", s).values()}
+        return {**data, **(_file("answers", str(Path(self.answers) / "manifest.json")) if self.answers else {})}
+
+    def depends(self) -> dict[str, Any]:
+        from medusa_runtime.prompts import mix_parts
+        from medusa_runtime.training.profiles import TRAIN_PROFILES
+
+        builtin = [r for s in mix_parts(self.data) if (r := _prompts_revision(s))]
+        return {"profile": TRAIN_PROFILES.get(self.profile), **(builtin[0] if builtin else {})}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob(DistillJob):
+    """``medusa-bench train``: heads (Medusa-1 or Medusa-2) on self-distilled replies. None: the profile's."""
+
+    method: str = "medusa1"
+    num_heads: int = 4
+    layers: int = 1
     max_examples: int | None = None
     epochs: float | None = None
     lr: float | None = None
@@ -141,18 +164,7 @@ class TrainJob(ModelJob):
 
     def reads(self) -> dict[str, Path]:
         init = _heads_path(self.init)
-        from medusa_runtime.prompts import mix_parts
-
-        files = {f"data:{s}" if s != self.data else "data": p for s in mix_parts(self.data)
-                 for p in _file("data", s).values()}
-        return {**files, **({"init": init["heads"]} if init else {})}
-
-    def depends(self) -> dict[str, Any]:
-        from medusa_runtime.prompts import mix_parts
-        from medusa_runtime.training.profiles import TRAIN_PROFILES
-
-        builtin = [r for s in mix_parts(self.data) if (r := _prompts_revision(s))]
-        return {"profile": TRAIN_PROFILES.get(self.profile), **(builtin[0] if builtin else {})}
+        return {**super().reads(), **({"init": init["heads"]} if init else {})}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -478,4 +490,5 @@ class SelfPromptsJob(ModelJob):
 # every subcommand's job: its flags are the job's fields, its defaults the job's
 COMMAND_JOBS: dict[str, type[Job]] = {**JOBS, "model": ModelInfoJob, "draft-vocab": DraftVocabJob, "generate": GenerateJob,
                                       "fidelity": FidelityJob, "validate": ValidateJob, "export": ExportJob,
-                                      "export-heads": ExportHeadsJob, "serve": ServeJob, "self-prompts": SelfPromptsJob}
+                                      "export-heads": ExportHeadsJob, "serve": ServeJob, "self-prompts": SelfPromptsJob,
+                                      "distill": DistillJob}

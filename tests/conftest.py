@@ -119,9 +119,9 @@ def tiny_examples(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MEDUSA_BENCH_CACHE", str(tmp_path_factory.mktemp("cache")))  # distill cache of this test only
     prompts = builtin_prompts()[:24]
-    examples, path = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8),
-                                        progress=False)
-    yield loaded, prompts, examples, path
+    examples, store = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8),
+                                         progress=False)
+    yield loaded, prompts, examples, store
     mp.undo()
 
 

@@ -61,21 +61,22 @@ def test_loss_alignment_worked_example():
 
 
 def test_self_distillation_data_is_the_models_own_greedy_reply(tiny_examples):
-    loaded, prompts, examples, path = tiny_examples
-    assert path.is_file()
+    loaded, prompts, examples, store = tiny_examples
+    assert (store.root / "manifest.json").is_file()
     n_follow = sum(len(p.turns) > 1 for p in prompts)
     assert len(examples) == len(prompts) + n_follow
     ex = next(e for e in examples if e.turn == 0)
     context = list(ex.input_ids[: ex.reply_start])
     assert list(ex.input_ids[ex.reply_start:]) == hf_greedy(loaded, context, 24)
-    # a rerun reuses the cache: no generation needed, same examples
-    again, path2 = build_distill_data(loaded, prompts, DistillConfig(max_new_tokens=24, batch_size=8), progress=False)
-    assert path2 == path and again == examples
-    # replies are cached per conversation: another prompt set reuses them and generates only what is new
-    lines = len(path.read_text().splitlines())
+    # a rerun reuses the store: no generation needed, same examples
+    cfg = DistillConfig(max_new_tokens=24, batch_size=8)
+    again, store2 = build_distill_data(loaded, prompts, cfg, progress=False)
+    assert store2.root == store.root and again == examples and len(store2.shards) == len(store.shards)
+    # replies are kept per conversation: another prompt set reuses them and generates only what is new
     other = [prompts[5], prompts[2], Prompt(("Name three colours.",), "writing")]
-    subset, path3 = build_distill_data(loaded, other, DistillConfig(max_new_tokens=24, batch_size=8), progress=False)
-    assert path3 == path and len(path.read_text().splitlines()) == lines + 1
+    subset, store3 = build_distill_data(loaded, other, cfg, progress=False)
+    assert store3.root == store.root and len(store3.replies) == len(store2.replies) + 1
+    assert store3.shards[-1]["replies"] == 1
     by_turns = {(prompts[e.prompt_index].turns, e.turn): e.input_ids for e in examples}
     reused = [e for e in subset if e.prompt_index < 2]
     assert len(reused) == len(other[0].turns) + len(other[1].turns)

@@ -1,27 +1,68 @@
-"""Commands that train heads: train (Medusa-1 / Medusa-2, resumable) and fidelity (the adapted base against
-the original)."""
+"""Commands that train heads: distill (the training replies, resumable shards), train (Medusa-1 / Medusa-2,
+resumable), self-prompts, and fidelity (the adapted base against the original)."""
 
 from __future__ import annotations
 
 import argparse
 import random
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from bench.commands import flags
 from bench.commands.common import _adapted, _log, _result, show
-from bench.jobs import TrainJob
+from bench.jobs import DistillJob, TrainJob
 from medusa_runtime.training.profiles import TRAIN_PROFILES
+
+if TYPE_CHECKING:
+    from medusa_runtime.training.distill import DistillConfig
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     return show(args, train_stage, TrainJob.from_namespace(args))
 
 
+def distill_setup(job: DistillJob) -> tuple[list, dict[str, int], DistillConfig]:
+    """The training prompts of a distill or train job (its mix, cut to ``--prompts``), how many each source
+    offered, and the self-distillation settings (the ``--profile``'s where a flag is unset)."""
+    from medusa_runtime.prompts import mixed_prompts
+    from medusa_runtime.training.distill import DistillConfig
+
+    prof = TRAIN_PROFILES[job.profile]
+    n_prompts = job.prompts if job.prompts is not None else prof["prompts"]
+    prompts, available = mixed_prompts(job.data, "train")
+    prompts = prompts[:n_prompts] if n_prompts else prompts
+    dcfg = DistillConfig(max_new_tokens=job.max_new_tokens or prof["max_new_tokens"], batch_size=job.batch_size,
+                         follow_ups=prof["follow_ups"] if job.follow_ups is None else job.follow_ups,
+                         shard_size=job.shard_size)
+    return prompts, available, dcfg
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    return show(args, distill_stage, DistillJob.from_namespace(args))
+
+
+def distill_stage(job: DistillJob) -> tuple[dict, str]:
+    """The model's own replies to the training prompts, generated where missing from the answer store."""
+    from medusa_runtime.model import load_model
+    from medusa_runtime.training.distill import build_distill_data
+
+    prompts, _, dcfg = distill_setup(job)
+    loaded = load_model(job.model, job.dtype, job.device, log=_log)
+    examples, store = build_distill_data(loaded, prompts, dcfg, store=job.answers, log=_log)
+    tokens = sum(len(e.input_ids) - e.reply_start for e in examples)
+    summary = store.summary()
+    made = ", ".join(f"{n} on {dev}" for dev, n in summary["made_on"].items()) or "none yet"
+    return ({**summary, "prompts": len(prompts), "examples": len(examples), "example_reply_tokens": tokens,
+             "distill": dcfg.__dict__},
+            f"{len(examples)} replies to {len(prompts)} prompts ({tokens} reply tokens); the store {store.root} "
+            f"holds {summary['replies']} replies, {summary['reply_tokens']} reply tokens, in {summary['shards']} "
+            f"shards (made: {made})")
+
+
 def train_stage(args: TrainJob) -> tuple[dict, str]:
     """The heads stage of ``--retrain``: self-distilled data, then Medusa-1 or Medusa-2 training (resumable)."""
     from medusa_runtime.model import load_model
-    from medusa_runtime.prompts import mixed_prompts
-    from medusa_runtime.training.distill import DistillConfig, build_distill_data
+    from medusa_runtime.training.distill import build_distill_data
     from medusa_runtime.training.train import TrainConfig, train_medusa1, train_medusa2
 
     prof = TRAIN_PROFILES[args.profile]
@@ -29,7 +70,6 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
     if args.init is not None and args.method != "medusa1" and not top:
         raise SystemExit("--init (go on training heads trained before) is for --method medusa1, or medusa2 with "
                          "--train-layers")
-    n_prompts = args.prompts if args.prompts is not None else prof["prompts"]
     # Medusa-2 on the top layers follows the paper's recipe: the next-token loss replaced by KL to the original
     defaults = {"base_lr": 2e-4, "lm_weight": 0.0} if top else {"base_lr": 2e-5, "lm_weight": 1.0}
     cfg = TrainConfig(method=args.method, num_heads=args.num_heads, num_layers=args.layers,
@@ -43,19 +83,17 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
                       head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
                       vocab=args.vocab or prof["vocab"], draft_size=args.draft_size,
                       condition=args.condition or prof["condition"])
-    prompts, available = mixed_prompts(args.data, "train")
-    prompts = prompts[:n_prompts] if n_prompts else prompts
+    prompts, available, dcfg = distill_setup(args)
     used = Counter(p.source for p in prompts)
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    dcfg = DistillConfig(max_new_tokens=args.max_new_tokens or prof["max_new_tokens"], batch_size=args.batch_size,
-                         follow_ups=prof["follow_ups"] if args.follow_ups is None else args.follow_ups)
-    examples, cache = build_distill_data(loaded, prompts, dcfg)
+    examples, store = build_distill_data(loaded, prompts, dcfg, store=args.answers, log=_log)
     if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
         examples = random.Random(args.seed).sample(examples, min(args.max_examples, len(examples)))
     provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
                                                 "mix": {"available": available, "used_by_source": dict(used)},
-                                                "examples": len(examples), "cache": str(cache),
-                                                "distill": dcfg.__dict__}, "profile": args.profile}
+                                                "examples": len(examples), "cache": str(store.root),
+                                                "answers": store.summary(), "distill": dcfg.__dict__},
+                  "profile": args.profile}
     from medusa_runtime.training.medusa2 import train_medusa2_top
 
     train = train_medusa1 if cfg.method == "medusa1" else train_medusa2_top if top else train_medusa2
