@@ -27,7 +27,7 @@ from bench.commands.measure import (  # noqa: F401 (format_*, replay_rows: re-ex
     replay_rows,
 )
 from bench.commands.replay import _replay_inputs, cmd_judge, cmd_replay, cmd_speed  # noqa: F401
-from bench.commands.training import cmd_distill, cmd_fidelity, cmd_self_prompts, cmd_train
+from bench.commands.training import cmd_distill, cmd_fidelity, cmd_learning_curve, cmd_self_prompts, cmd_train
 from bench.commands.trees import cmd_export, cmd_export_heads, cmd_search
 from bench.jobs import (
     CalibrateJob,
@@ -38,6 +38,7 @@ from bench.jobs import (
     FidelityJob,
     GenerateJob,
     JudgeJob,
+    LearningCurveJob,
     ModelInfoJob,
     ProfileJob,
     ReplayJob,
@@ -98,6 +99,56 @@ def _version() -> str:
 
 JSON_HELP = "print one JSON object with the result (logs and progress stay on stderr)"
 WRITE_DTYPE_HELP = "dtype of the written weights (auto: bfloat16, what the engines serve)"
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    """The training recipe's flags (train and learning-curve): method, head shape, data, optimisation."""
+    p.add_argument("--method", choices=["medusa1", "medusa2"])
+    p.add_argument("--num-heads", type=int, help="number of heads K")
+    p.add_argument("--layers", type=int, help="residual blocks per head")
+    _add_distill_args(p)
+    p.add_argument("--max-examples", type=int,
+                   help="train on a random subset of this many examples of the (cached) data")
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--lr", type=float, help="heads' peak learning rate (default: the profile's, "
+                                            "3e-3 for both)")
+    p.add_argument("--batch-tokens", type=int)
+    p.add_argument("--lora-rank", type=int, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--train-layers", type=int,
+                   help="medusa2: adapt only the top L decoder layers with LoRA (--lora-rank), their inputs computed "
+                        "once and cached; the heads ship with the adapter (0: the whole base, written whole)")
+    p.add_argument("--base-lr", type=float,
+                   help="medusa2: the base's learning rate (default 2e-4 with --train-layers, else 2e-5)")
+    p.add_argument("--lm-weight", type=float,
+                   help="medusa2: weight of the next-token loss (default 0 with --train-layers: the paper's "
+                        "self-distillation replaces it; else 1)")
+    p.add_argument("--distill-weight", type=float, help="medusa2: weight of KL(original || trained)")
+    p.add_argument("--heads-warmup", type=float,
+                   help="medusa2: share of the steps that train only the heads (0 when --init heads are a warm-up)")
+    p.add_argument("--head-grad-to-base", type=float,
+                   help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
+    p.add_argument("--vocab", choices=["full", "replies"],
+                   help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
+                        "heads' draft vocabulary (default: profile)")
+    p.add_argument("--draft-size", type=int,
+                   help="with --vocab replies: only the S most frequent reply tokens (a smaller projection per tree "
+                        "level at decode time; 0: all the replies' tokens)")
+    p.add_argument("--soft-targets", type=float,
+                   help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
+                        "the hard label of the self-distilled data")
+    p.add_argument("--condition", choices=["none", "root", "path"],
+                   help="root: heads also read the embedding of the step's root token (the base's own next "
+                        "token); path: and each head that of its parent in the tree; both shared format only "
+                        "(default: profile)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--init", metavar="HEADS",
+                   help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
+                        "train them on this data; they must have the shape --num-heads/--layers/--condition give; "
+                        "their draft vocabulary grows by this data's reply tokens")
+    p.add_argument("--no-hidden-cache", action="store_true",
+                   help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
+                        "about 1.2 MB per 1000 tokens for the default model)")
 
 
 def _add_distill_args(p: argparse.ArgumentParser) -> None:
@@ -177,55 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
     _add_model_args(p)
-    p.add_argument("--method", choices=["medusa1", "medusa2"])
-    p.add_argument("--num-heads", type=int, help="number of heads K")
-    p.add_argument("--layers", type=int, help="residual blocks per head")
-    _add_distill_args(p)
-    p.add_argument("--max-examples", type=int,
-                   help="train on a random subset of this many examples of the (cached) data")
-    p.add_argument("--epochs", type=float)
-    p.add_argument("--lr", type=float, help="heads' peak learning rate (default: the profile's, "
-                                            "3e-3 for both)")
-    p.add_argument("--batch-tokens", type=int)
-    p.add_argument("--lora-rank", type=int, help="medusa2: LoRA rank (0: full fine-tuning)")
-    p.add_argument("--train-layers", type=int,
-                   help="medusa2: adapt only the top L decoder layers with LoRA (--lora-rank), their inputs computed "
-                        "once and cached; the heads ship with the adapter (0: the whole base, written whole)")
-    p.add_argument("--base-lr", type=float,
-                   help="medusa2: the base's learning rate (default 2e-4 with --train-layers, else 2e-5)")
-    p.add_argument("--lm-weight", type=float,
-                   help="medusa2: weight of the next-token loss (default 0 with --train-layers: the paper's "
-                        "self-distillation replaces it; else 1)")
-    p.add_argument("--distill-weight", type=float, help="medusa2: weight of KL(original || trained)")
-    p.add_argument("--heads-warmup", type=float,
-                   help="medusa2: share of the steps that train only the heads (0 when --init heads are a warm-up)")
-    p.add_argument("--head-grad-to-base", type=float,
-                   help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
-    p.add_argument("--vocab", choices=["full", "replies"],
-                   help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
-                        "heads' draft vocabulary (default: profile)")
-    p.add_argument("--draft-size", type=int,
-                   help="with --vocab replies: only the S most frequent reply tokens (a smaller projection per tree "
-                        "level at decode time; 0: all the replies' tokens)")
-    p.add_argument("--soft-targets", type=float,
-                   help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
-                        "the hard label of the self-distilled data")
-    p.add_argument("--condition", choices=["none", "root", "path"],
-                   help="root: heads also read the embedding of the step's root token (the base's own next "
-                        "token); path: and each head that of its parent in the tree; both shared format only "
-                        "(default: profile)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--init", metavar="HEADS",
-                   help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
-                        "train them on this data; they must have the shape --num-heads/--layers/--condition give; "
-                        "their draft vocabulary grows by this data's reply tokens")
-    p.add_argument("--no-hidden-cache", action="store_true",
-                   help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
-                        "about 1.2 MB per 1000 tokens for the default model)")
+    _add_train_args(p)
     p.add_argument("--out")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=cmd_train, **TrainJob.defaults())
+
+    p = sub.add_parser("learning-curve", help="heads trained on nested prefixes of the training prompts, each measured "
+                                              "on a question set: head top-1 and tau@32 against training tokens")
+    _add_model_args(p)
+    _add_train_args(p)
+    p.add_argument("--points", type=int, nargs="+", metavar="N",
+                   help="prompt counts, one trained set each (nested prefixes of the --data mix)")
+    p.add_argument("--questions", help="question set each set is measured on: mt-bench, humaneval or a question JSONL")
+    p.add_argument("--eval-tokens", type=int, help="greedy rollout length per question for the measurement")
+    p.add_argument("--out", help="folder: one sub-folder per point, learning_curve.json, .md and the plot")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.set_defaults(func=cmd_learning_curve, **LearningCurveJob.defaults())
 
     p = sub.add_parser("self-prompts", help="training prompts the model writes itself (its chat template's user turn "
                                             "left open, sampled), filtered and kept apart from replayed questions")

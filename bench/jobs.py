@@ -168,6 +168,24 @@ class TrainJob(DistillJob):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LearningCurveJob(TrainJob):
+    """``medusa-bench learning-curve``: the train recipe on nested prefixes of the prompt mix (``points``: prompt
+    counts), each set measured by calibration on ``questions`` (greedy rollouts of ``eval_tokens``)."""
+
+    points: tuple[int, ...] = (120, 360, 1080)
+    questions: str = "mt-bench"
+    eval_tokens: int = 128
+    out: str = "results/learning-curve"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.points or any(n < 1 for n in self.points) or len(set(self.points)) != len(self.points):
+            raise ValueError(f"--points must be distinct prompt counts >= 1, got {list(self.points)}")
+        if self.prompts is not None or self.max_examples is not None:
+            raise ValueError("--points sets each trained set's prompts; --prompts and --max-examples do not apply")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CalibrateJob(ModelJob):
     """``medusa-bench calibrate``: head x rank acceptance on greedy rollouts -> acceptance.json."""
 
@@ -491,4 +509,4 @@ class SelfPromptsJob(ModelJob):
 COMMAND_JOBS: dict[str, type[Job]] = {**JOBS, "model": ModelInfoJob, "draft-vocab": DraftVocabJob, "generate": GenerateJob,
                                       "fidelity": FidelityJob, "validate": ValidateJob, "export": ExportJob,
                                       "export-heads": ExportHeadsJob, "serve": ServeJob, "self-prompts": SelfPromptsJob,
-                                      "distill": DistillJob}
+                                      "distill": DistillJob, "learning-curve": LearningCurveJob}

@@ -146,14 +146,14 @@ def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path, fits: bool
     the folds' predictions then speaks for the replayed set as a whole, while no prediction reads the rollout of
     a question it is measured on (fitting on questions outside the replayed set would add their sampling
     difference from it, 5 % and more for 40 questions)."""
-    from bench.suites import load_suite
+    from bench.suites import load_suite, write_questions
     from bench.workload import check_disjoint, make_folds, sample_over_categories, spread_over_categories
 
     questions = load_suite(opts.questions, log=_log)
     replayed = sample_over_categories(questions, prof.questions)
     folds = make_folds(replayed, prof.folds)
-    qfile = _write_questions(out / "questions.jsonl", questions)
-    _write_questions(out / "calibration.jsonl", replayed)
+    qfile = write_questions(out / "questions.jsonl", questions)
+    write_questions(out / "calibration.jsonl", replayed)
     if opts.calibration is not None:  # another prompt set: it must not hold what is replayed
         from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
 
@@ -171,15 +171,6 @@ def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path, fits: bool
                 "allow_overlap": opts.allow_overlap, "max_new_tokens": prof.max_new_tokens, "turns": prof.turns}
     write_json_atomic(out / "workload.json", workload)
     return workload
-
-
-def _write_questions(path: Path, questions) -> Path:
-    """Questions as JSONL in MT-Bench's schema, rewritten only when they changed (its hash keys the stages)."""
-    text = "".join(json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}) + "\n"
-                   for q in questions)
-    if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
-    return path
 
 
 def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path,

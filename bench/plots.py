@@ -166,6 +166,39 @@ def plot_training(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     return _save(fig, out_dir, "training_curves")
 
 
+def plot_learning_curve(curve: dict, out_dir: str | Path) -> list[Path]:
+    """Head 0 top-1 and tau@32 (95 % interval) against training tokens (log scale), each with its log-linear
+    fit and the release target, from a ``learning_curve.json`` object."""
+    rows = curve["points"]
+    if not rows:
+        return []
+    tokens = np.array([r["train_tokens"] for r in rows], dtype=float)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, metric, label in ((axes[0], "head0_top1", "head 0 top-1"), (axes[1], "tau32", "tau@32 (best 32-node tree)")):
+        ys = np.array([r[metric] for r in rows])
+        if metric == "tau32":
+            lo, hi = np.array([r["tau32_interval"] for r in rows]).T
+            ax.errorbar(tokens, ys, yerr=[ys - lo, hi - ys], fmt="o", capsize=3, label="measured")
+        else:
+            ax.plot(tokens, ys, "o", label="measured")
+        fit = curve.get("fits", {}).get(metric, {})
+        if fit.get("per_10x") is not None:
+            reach = fit.get("tokens_at_target")
+            right = max(tokens.max(), min(reach, tokens.max() * 100)) if reach else tokens.max()
+            xs = np.geomspace(tokens.min(), right, 50)
+            ax.plot(xs, fit["intercept"] + fit["per_10x"] * np.log10(xs), "--", lw=1,
+                    label=f"log-linear fit ({fit['per_10x']:+.3f} per 10x)")
+        if fit.get("target") is not None:
+            ax.axhline(fit["target"], color="grey", lw=0.8, ls=":", label=f"target {fit['target']}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"learning curve on {curve.get('questions', '')} ({curve.get('eval_tokens', '')} tokens per rollout)",
+                 fontsize=9)
+    return _save(fig, out_dir, "learning_curve")
+
+
 def plot_typical_measured(front: list[dict], measured: list[dict], out_dir: str | Path) -> list[Path]:
     """The typical search's predicted front (speed-up over plain against regret per token) beside what the
     replay measured for the sampled configurations (``measured``: config, regret, speedup, lo, hi)."""

@@ -63,3 +63,12 @@ def load_suite(spec: str | None, log: Callable[[str], None] = print) -> list[Que
     if not path.is_file():
         raise FileNotFoundError(f"question set {spec!r} is neither {' nor '.join(SUITES)} nor a file")
     return load_questions(path, log=log)
+
+
+def write_questions(path: Path, questions: list[Question]) -> Path:
+    """Questions as JSONL in MT-Bench's schema, rewritten only when they changed (its hash keys the stages)."""
+    text = "".join(json.dumps({"question_id": q.question_id, "category": q.category, "turns": list(q.turns)}) + "\n"
+                   for q in questions)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path

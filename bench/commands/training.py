@@ -1,16 +1,20 @@
 """Commands that train heads: distill (the training replies, resumable shards), train (Medusa-1 / Medusa-2,
-resumable), self-prompts, and fidelity (the adapted base against the original)."""
+resumable), learning-curve (train at several data sizes, measure each), self-prompts, and fidelity (the
+adapted base against the original)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from collections import Counter
+from dataclasses import asdict, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.commands import flags
 from bench.commands.common import _adapted, _log, _result, show
-from bench.jobs import DistillJob, TrainJob
+from bench.jobs import CalibrateJob, DistillJob, LearningCurveJob, TrainJob
 from medusa_runtime.training.profiles import TRAIN_PROFILES
 
 if TYPE_CHECKING:
@@ -112,6 +116,62 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
     lines += [f"plot: {p}" for p in plots]
     return ({"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps, "seconds": result.seconds,
              "validation_topk": last, "out": str(args.out), "plots": plots}, "\n".join(lines))
+
+
+def cmd_learning_curve(args: argparse.Namespace) -> int:
+    return show(args, learning_curve_stage, LearningCurveJob.from_namespace(args))
+
+
+def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: Path) -> dict:
+    """One point of the curve: the recipe trained on the first ``prompts`` prompts of the mix (continued from its
+    checkpoint after a stop), then calibrated on the questions; a finished step is read back, not redone."""
+    from bench.commands.measure import calibrate_stage, replay_rows
+    from bench.learning_curve import TAU_NODES, point_row
+    from treesearch.stats import load_stats
+
+    if not (folder / "training.json").is_file():
+        train = TrainJob(**{f.name: getattr(job, f.name) for f in fields(TrainJob)})
+        train_stage(replace(train, prompts=prompts, out=str(folder), resume=(folder / "checkpoint").is_dir()))
+    acc = folder / "acceptance.json"
+    if not acc.is_file():
+        calibrate_stage(CalibrateJob(model=job.model, dtype=job.dtype, device=job.device, heads=str(folder / "heads"),
+                                     data=str(questions), heldout=0.0, max_new_tokens=job.eval_tokens, out=str(acc)))
+    stats = load_stats(acc)
+    topk = [[float(row[:r].sum()) for r in (1, stats.topk)] for row in stats.marginal]
+    return point_row(prompts, json.loads((folder / "training.json").read_text()), topk,
+                     replay_rows(stats, budgets=(TAU_NODES,)))
+
+
+def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
+    """Heads of one recipe trained on nested prefixes of the prompt mix, each measured on the questions; the
+    curve is written after every point (``--resume`` continues a stopped one)."""
+    from bench.learning_curve import SCHEMA, curve_fits, curve_table
+    from bench.plots import plot_learning_curve
+    from bench.suites import load_suite, write_questions
+    from treesearch.tree import write_json_atomic
+
+    out = Path(job.out)
+    record = out / "learning_curve.json"
+    recipe = json.loads(json.dumps({k: v for k, v in asdict(job).items() if k not in ("out", "resume")}))
+    if record.is_file():
+        if not job.resume:
+            raise ValueError(f"{out} holds a learning curve already: --resume continues it, or name another --out")
+        if json.loads(record.read_text()).get("recipe") != recipe:
+            raise ValueError(f"{record} was made with another recipe; name another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    questions = write_questions(out / "questions.jsonl", load_suite(job.questions, log=_log))
+    curve = {"schema": SCHEMA, "recipe": recipe, "questions": job.questions, "eval_tokens": job.eval_tokens,
+             "points": [], "fits": {}}
+    write_json_atomic(record, curve)
+    for n in sorted(job.points):
+        curve["points"].append(_curve_point(job, n, out / f"prompts-{n}", questions))
+        curve["fits"] = curve_fits(curve["points"])
+        write_json_atomic(record, curve)
+    table = curve_table(curve)
+    (out / "learning_curve.md").write_text(table + "\n")
+    plots = [str(p) for p in plot_learning_curve(curve, out)]
+    return ({**curve, "file": str(record), "plots": plots},
+            f"{table}\nwritten: {record}, {out / 'learning_curve.md'}" + "".join(f"\nplot: {p}" for p in plots))
 
 
 def cmd_self_prompts(args: argparse.Namespace) -> int:
