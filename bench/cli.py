@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_train_args(p)
     p.add_argument("--points", type=int, nargs="+", metavar="N",
-                   help="prompt counts, one trained set each (nested prefixes of the --data mix)")
+                   help="prompt counts, one trained set each (nested prefixes of the --data mix); with --resume, "
+                        "points added to a curve join those it has")
     p.add_argument("--questions", help="question set each set is measured on: mt-bench, humaneval or a question JSONL")
     p.add_argument("--eval-tokens", type=int, help="greedy rollout length per question for the measurement")
     p.add_argument("--out", help="folder: one sub-folder per point, learning_curve.json, .md and the plot")

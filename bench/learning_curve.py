@@ -1,5 +1,5 @@
 """A learning curve of Medusa heads: points (training tokens, head top-1, tau@32) from sets trained on nested
-prefixes of one prompt mix, a log-linear fit over them, and the tokens the fit puts at a target.
+prefixes of one prompt mix, a log-linear fit over them, and the tokens the fit puts at a target (also from the two largest sets alone, where a bend shows).
 
 ``learning_curve.json`` (schema ``medusa-learning-curve/1``): the recipe (the job's fields), the question set,
 and one row per point; ``learning_curve.md`` is its table. The fit, y = a + b log10(tokens), is the usual
@@ -43,8 +43,16 @@ def log_fit(tokens: Sequence[float], values: Sequence[float], target: float) -> 
 
 
 def curve_fits(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per metric, the fit over every point and (``last_pair``) the line through the two largest sets alone: a
+    curve that bends shows there as a smaller gain and a farther target."""
+    rows = sorted(rows, key=lambda r: r["train_tokens"])
     tokens = [r["train_tokens"] for r in rows]
-    return {metric: log_fit(tokens, [r[metric] for r in rows], target) for metric, target in TARGETS.items()}
+    fits = {}
+    for metric, target in TARGETS.items():
+        fits[metric] = log_fit(tokens, [r[metric] for r in rows], target)
+        if len(rows) > 2:
+            fits[metric]["last_pair"] = log_fit(tokens[-2:], [r[metric] for r in rows[-2:]], target)
+    return fits
 
 
 def _tokens(n: float) -> str:
@@ -70,4 +78,10 @@ def curve_table(curve: dict) -> str:
             f"does not rise towards {fit['target']}"
         lines.append(f"\n{metric}: {fit['per_10x']:+.3f} per tenfold data (log-linear fit over "
                      f"{len(curve['points'])} points; the line {where}).")
+        if fit.get("last_pair", {}).get("per_10x") is not None:
+            pair = fit["last_pair"]
+            reach = pair["tokens_at_target"]
+            lines[-1] += (f" Between the two largest sets alone: {pair['per_10x']:+.3f} per tenfold data, "
+                          + (f"reaching {pair['target']} near {_tokens(reach)} tokens." if reach else
+                             f"not reaching {pair['target']}."))
     return "\n".join(lines)

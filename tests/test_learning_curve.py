@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench.cli import main
-from bench.learning_curve import curve_table, log_fit, point_row
+from bench.learning_curve import curve_fits, curve_table, log_fit, point_row
 from bench.suites import load_suite, write_questions
 from treesearch.stats import load_stats
 
@@ -24,6 +24,17 @@ def test_the_fit_recovers_a_log_linear_curve_and_where_it_meets_the_target():
     slow = log_fit(tokens, [0.3, 0.3001, 0.3002], target=2.5)  # 1e4 decades away: out of reach, no overflow
     assert slow["per_10x"] > 0 and slow["tokens_at_target"] is None
     assert "does not reach 2.5 within 1e15 tokens" in curve_table({"points": [], "fits": {"tau32": slow}})
+
+
+def test_the_last_pair_shows_a_bend_the_overall_fit_averages_away():
+    rows = [{"train_tokens": t, "head0_top1": y, "tau32": 1.0 + y} for t, y in ((1e4, 0.2), (1e5, 0.3), (1e6, 0.35))]
+    fits = curve_fits(rows)
+    assert fits["head0_top1"]["per_10x"] == pytest.approx(0.075)
+    pair = fits["head0_top1"]["last_pair"]
+    assert pair["per_10x"] == pytest.approx(0.05) and pair["tokens_at_target"] == pytest.approx(1e9, rel=1e-3)
+    assert "Between the two largest sets alone: +0.050 per tenfold data, reaching 0.5 near 1.0e+09 tokens." in \
+        curve_table({"points": [], "fits": fits})
+    assert "last_pair" not in curve_fits(rows[:2])["tau32"]
 
 
 def test_a_point_reads_tau_of_the_best_32_node_tree():
@@ -68,4 +79,12 @@ def test_the_command_trains_nested_sets_measures_each_and_resumes(tmp_path, caps
     assert json.loads((out / "learning_curve.json").read_text())["points"] == curve["points"]
     capsys.readouterr()
     assert main([*argv, "--lr", "0.01", "--resume"]) == 2 and "another recipe" in capsys.readouterr().err
+    # a resumed curve may add a point: the others are kept as measured
+    more = [*argv, "--resume"]
+    more[more.index("--points") + 1:more.index("--points") + 3] = ["4"]
+    assert main(more) == 0
+    grown = json.loads((out / "learning_curve.json").read_text())
+    assert [p["prompts"] for p in grown["points"]] == [3, 4, 6]
+    assert [grown["points"][0], grown["points"][2]] == curve["points"]
     assert main([*argv[:-1], "--prompts", "5"]) == 2 and "do not apply" in capsys.readouterr().err
+    assert main([*argv, "--points", "99999", "--resume"]) == 2 and "exceeds the" in capsys.readouterr().err

@@ -144,7 +144,7 @@ def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: P
 
 def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
     """Heads of one recipe trained on nested prefixes of the prompt mix, each measured on the questions; the
-    curve is written after every point (``--resume`` continues a stopped one)."""
+    curve is written after every point (``--resume`` continues a stopped one, or adds points to it)."""
     from bench.learning_curve import SCHEMA, curve_fits, curve_table
     from bench.plots import plot_learning_curve
     from bench.suites import load_suite, write_questions
@@ -152,19 +152,29 @@ def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
 
     out = Path(job.out)
     record = out / "learning_curve.json"
-    recipe = json.loads(json.dumps({k: v for k, v in asdict(job).items() if k not in ("out", "resume")}))
+    # the recipe every point shares: a resumed curve may add points, never change it
+    recipe = json.loads(json.dumps({k: v for k, v in asdict(job).items() if k not in ("out", "resume", "points")}))
+    done: list[dict] = []
     if record.is_file():
         if not job.resume:
             raise ValueError(f"{out} holds a learning curve already: --resume continues it, or name another --out")
-        if json.loads(record.read_text()).get("recipe") != recipe:
+        before = json.loads(record.read_text())
+        if {k: v for k, v in before.get("recipe", {}).items() if k != "points"} != recipe:
             raise ValueError(f"{record} was made with another recipe; name another --out")
+        done = [p for p in before.get("points", []) if p["prompts"] not in job.points]
+    from medusa_runtime.prompts import mixed_prompts
+
+    offered = len(mixed_prompts(job.data, "train")[0])
+    if max(job.points) > offered:
+        raise ValueError(f"--points {max(job.points)} exceeds the {offered} training prompts of --data {job.data}")
     out.mkdir(parents=True, exist_ok=True)
     questions = write_questions(out / "questions.jsonl", load_suite(job.questions, log=_log))
     curve = {"schema": SCHEMA, "recipe": recipe, "questions": job.questions, "eval_tokens": job.eval_tokens,
-             "points": [], "fits": {}}
+             "points": done, "fits": curve_fits(done)}
     write_json_atomic(record, curve)
     for n in sorted(job.points):
-        curve["points"].append(_curve_point(job, n, out / f"prompts-{n}", questions))
+        curve["points"] = sorted([*curve["points"], _curve_point(job, n, out / f"prompts-{n}", questions)],
+                                 key=lambda p: p["prompts"])
         curve["fits"] = curve_fits(curve["points"])
         write_json_atomic(record, curve)
     table = curve_table(curve)
