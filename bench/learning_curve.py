@@ -21,13 +21,16 @@ MAX_LOG10_TOKENS = 15  # a target the line meets beyond 10^15 tokens is reported
 
 def point_row(prompts: int, training: dict, topk: Sequence[Sequence[float]], trees: Sequence[dict]) -> dict:
     """One point: the trained set's ``training.json`` (sizes, steps, seconds), the calibration's top-k accuracy
-    per head (``topk[j][r]``: top-(r+1) of head j) and its replayed trees (``optimal-32`` gives tau@32)."""
+    per head (``topk[j][r]``: top-(r+1) of head j) and its replayed trees (``optimal-32`` gives tau@32, ``chain:2``
+    tau of the two-token chain engines run)."""
     best = next(t for t in trees if t["tree"] == f"optimal-{TAU_NODES}")
+    two = next(t for t in trees if t["tree"] == "chain:2")
     return {"prompts": prompts, "examples": training["examples"]["train"],
             "train_tokens": training["examples"]["train_tokens"], "steps": training["steps"],
             "train_seconds": round(training["train_seconds"], 1),
             "head_top1": [round(row[0], 4) for row in topk], "head0_top1": round(topk[0][0], 4),
-            "tau32": round(best["tau"], 4), "tau32_interval": [round(v, 4) for v in best["tau_interval"]]}
+            "tau32": round(best["tau"], 4), "tau32_interval": [round(v, 4) for v in best["tau_interval"]],
+            "tau_chain2": round(two["tau"], 4), "tau_chain2_interval": [round(v, 4) for v in two["tau_interval"]]}
 
 
 def log_fit(tokens: Sequence[float], values: Sequence[float], target: float) -> dict:
@@ -61,14 +64,14 @@ def _tokens(n: float) -> str:
 
 def curve_table(curve: dict) -> str:
     """The curve as Markdown: one row per point, then the fit's reading."""
-    lines = ["| prompts | examples | training tokens | steps | train s | head 0 top-1 | heads 1.. top-1 | tau@32 "
-             "(95 % interval) |", "|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| prompts | examples | training tokens | steps | train s | head 0 top-1 | heads 1.. top-1 | tau chain:2 "
+             "| tau@32 (95 % interval) |", "|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in curve["points"]:
         lo, hi = r["tau32_interval"]
         rest = " ".join(f"{v:.3f}" for v in r["head_top1"][1:])
         lines.append(f"| {r['prompts']} | {r['examples']} | {r['train_tokens']:,} | {r['steps']} | "
-                     f"{r['train_seconds']:.0f} | {r['head0_top1']:.3f} | {rest} | {r['tau32']:.3f} "
-                     f"({lo:.3f}-{hi:.3f}) |")
+                     f"{r['train_seconds']:.0f} | {r['head0_top1']:.3f} | {rest} | {r['tau_chain2']:.3f} | "
+                     f"{r['tau32']:.3f} ({lo:.3f}-{hi:.3f}) |")
     for metric, fit in curve.get("fits", {}).items():
         if fit["per_10x"] is None:
             continue

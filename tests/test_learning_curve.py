@@ -39,13 +39,14 @@ def test_the_last_pair_shows_a_bend_the_overall_fit_averages_away():
 
 def test_a_point_reads_tau_of_the_best_32_node_tree():
     training = {"examples": {"train": 10, "train_tokens": 1234}, "steps": 7, "train_seconds": 3.21}
-    trees = [{"tree": "chain-4", "tau": 1.2, "tau_interval": (1.1, 1.3)},
-             {"tree": "optimal-32", "tau": 1.7, "tau_interval": (1.6, 1.8)}]
+    trees = [{"tree": "chain:4", "tau": 1.2, "tau_interval": (1.1, 1.3)},
+             {"tree": "optimal-32", "tau": 1.7, "tau_interval": (1.6, 1.8)},
+             {"tree": "chain:2", "tau": 1.3, "tau_interval": (1.25, 1.35)}]
     row = point_row(50, training, [[0.4, 0.9], [0.2, 0.6]], trees)
-    assert row["tau32"] == 1.7 and row["tau32_interval"] == [1.6, 1.8]
+    assert row["tau32"] == 1.7 and row["tau32_interval"] == [1.6, 1.8] and row["tau_chain2"] == 1.3
     assert row["head0_top1"] == 0.4 and row["head_top1"] == [0.4, 0.2] and row["train_tokens"] == 1234
     table = curve_table({"points": [row], "fits": {}})
-    assert "| 50 | 10 | 1,234 | 7 | 3 | 0.400 | 0.200 | 1.700 (1.600-1.800) |" in table
+    assert "| 50 | 10 | 1,234 | 7 | 3 | 0.400 | 0.200 | 1.300 | 1.700 (1.600-1.800) |" in table
 
 
 def test_the_command_trains_nested_sets_measures_each_and_resumes(tmp_path, capsys):
@@ -61,6 +62,15 @@ def test_the_command_trains_nested_sets_measures_each_and_resumes(tmp_path, caps
     for row in curve["points"]:
         stats = load_stats(out / f"prompts-{row['prompts']}" / "acceptance.json")
         assert row["head0_top1"] == pytest.approx(float(stats.marginal[0, 0]), abs=1e-4)
+        # a two-token chain commits 1 + (head 0's top guess right) + (and head 1's) tokens a step, walked along
+        # each rollout's ranks
+        steps = tokens = 0
+        for ranks in stats.rollouts:
+            t = 0
+            while t < len(ranks):
+                depth = 0 if ranks[t][0] != 0 else 1 if ranks[t][1] != 0 else 2
+                steps, tokens, t = steps + 1, tokens + 1 + depth, t + 1 + depth
+        assert row["tau_chain2"] == pytest.approx(tokens / steps, abs=1e-4)
         assert len(stats.rollouts) == 3
         training = json.loads((out / f"prompts-{row['prompts']}" / "training.json").read_text())
         assert row["train_tokens"] == training["examples"]["train_tokens"]

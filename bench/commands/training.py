@@ -127,7 +127,8 @@ def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: P
     checkpoint after a stop), then calibrated on the questions; a finished step is read back, not redone."""
     from bench.commands.measure import calibrate_stage, replay_rows
     from bench.learning_curve import TAU_NODES, point_row
-    from treesearch.stats import load_stats
+    from treesearch.stats import load_stats, step_walk_interval, tau_step_walk
+    from treesearch.tree import chain
 
     if not (folder / "training.json").is_file():
         train = TrainJob(**{f.name: getattr(job, f.name) for f in fields(TrainJob)})
@@ -138,8 +139,31 @@ def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: P
                                      data=str(questions), heldout=0.0, max_new_tokens=job.eval_tokens, out=str(acc)))
     stats = load_stats(acc)
     topk = [[float(row[:r].sum()) for r in (1, stats.topk)] for row in stats.marginal]
-    return point_row(prompts, json.loads((folder / "training.json").read_text()), topk,
-                     replay_rows(stats, budgets=(TAU_NODES,)))
+    two = chain(2)
+    trees = [*replay_rows(stats, budgets=(TAU_NODES,)), {"tree": two.name, "tau": tau_step_walk(two, stats.rollouts).tau,
+                                                         "tau_interval": step_walk_interval(two, stats.rollouts)}]
+    return point_row(prompts, json.loads((folder / "training.json").read_text()), topk, trees)
+
+
+def _curve_points(job: LearningCurveJob, out: Path, record: Path, recipe: dict) -> list[int]:
+    """The prompt counts to measure: the job's, and with ``--resume`` those the folder's curve has (finished or
+    stopped). One-line refusals: a curve there without ``--resume``, another recipe, more prompts than the mix."""
+    from medusa_runtime.prompts import mixed_prompts
+
+    points = set(job.points)
+    if record.is_file():
+        if not job.resume:
+            raise ValueError(f"{out} holds a learning curve already: --resume continues it, or name another --out")
+        before = json.loads(record.read_text())
+        if {k: v for k, v in before.get("recipe", {}).items() if k != "points"} != recipe:
+            raise ValueError(f"{record} was made with another recipe; name another --out")
+        points |= {p["prompts"] for p in before.get("points", [])}
+        points |= {int(d.name.split("-", 1)[1]) for d in out.glob("prompts-*") if (d / "training.json").is_file()
+                   or (d / "checkpoint").is_dir()}
+    offered = len(mixed_prompts(job.data, "train")[0])
+    if max(points) > offered:
+        raise ValueError(f"--points {max(points)} exceeds the {offered} training prompts of --data {job.data}")
+    return sorted(points)
 
 
 def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
@@ -154,27 +178,15 @@ def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
     record = out / "learning_curve.json"
     # the recipe every point shares: a resumed curve may add points, never change it
     recipe = json.loads(json.dumps({k: v for k, v in asdict(job).items() if k not in ("out", "resume", "points")}))
-    done: list[dict] = []
-    if record.is_file():
-        if not job.resume:
-            raise ValueError(f"{out} holds a learning curve already: --resume continues it, or name another --out")
-        before = json.loads(record.read_text())
-        if {k: v for k, v in before.get("recipe", {}).items() if k != "points"} != recipe:
-            raise ValueError(f"{record} was made with another recipe; name another --out")
-        done = [p for p in before.get("points", []) if p["prompts"] not in job.points]
-    from medusa_runtime.prompts import mixed_prompts
-
-    offered = len(mixed_prompts(job.data, "train")[0])
-    if max(job.points) > offered:
-        raise ValueError(f"--points {max(job.points)} exceeds the {offered} training prompts of --data {job.data}")
+    points = _curve_points(job, out, record, recipe)
     out.mkdir(parents=True, exist_ok=True)
     questions = write_questions(out / "questions.jsonl", load_suite(job.questions, log=_log))
     curve = {"schema": SCHEMA, "recipe": recipe, "questions": job.questions, "eval_tokens": job.eval_tokens,
-             "points": done, "fits": curve_fits(done)}
-    write_json_atomic(record, curve)
-    for n in sorted(job.points):
-        curve["points"] = sorted([*curve["points"], _curve_point(job, n, out / f"prompts-{n}", questions)],
-                                 key=lambda p: p["prompts"])
+             "points": [], "fits": {}}
+    if not record.is_file():  # the folder now holds this recipe's curve
+        write_json_atomic(record, curve)
+    for n in points:  # a finished point's training and calibration are read back, not redone
+        curve["points"].append(_curve_point(job, n, out / f"prompts-{n}", questions))
         curve["fits"] = curve_fits(curve["points"])
         write_json_atomic(record, curve)
     table = curve_table(curve)
