@@ -1,5 +1,6 @@
 """A learning curve of Medusa heads: points (training tokens, head top-1, tau@32) from sets trained on nested
-prefixes of one prompt mix, a log-linear fit over them, and the tokens the fit puts at a target (also from the two largest sets alone, where a bend shows).
+prefixes of one prompt mix, a log-linear fit over them, and the tokens the fit puts at a target (also from the
+two largest sets alone, where a bend shows).
 
 ``learning_curve.json`` (schema ``medusa-learning-curve/1``): the recipe (the job's fields), the question set,
 and one row per point; ``learning_curve.md`` is its table. The fit, y = a + b log10(tokens), is the usual

@@ -152,9 +152,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def replay_rows(stats, budgets=(16, 32, 64)) -> list[dict]:
+def replay_rows(stats, budgets=(16, 32, 64), extra=()) -> list[dict]:
     """tau of a few trees replayed on these rollouts (step walk, with a bootstrap interval over the
-    rollouts), on the held-out ones, and under independence."""
+    rollouts), on the held-out ones, and under independence; ``extra`` trees after the usual ones."""
     from treesearch.optimal import model_for, optimal_tree
     from treesearch.stats import step_walk_interval, tau_independent, tau_step_walk
     from treesearch.tree import chain, load_tree
@@ -163,6 +163,7 @@ def replay_rows(stats, budgets=(16, 32, 64)) -> list[dict]:
     trees += [optimal_tree(model_for(stats), b, name=f"optimal-{b}")[0] for b in budgets]
     if stats.num_heads >= 4 and stats.topk >= 10:
         trees.append(load_tree("mc_sim_7b_63"))
+    trees += list(extra)
     return [{"tree": t.name, "nodes": t.num_nodes - 1, "tau": tau_step_walk(t, stats.rollouts).tau,
              "tau_interval": step_walk_interval(t, stats.rollouts),
              "tau_heldout": tau_step_walk(t, stats.heldout).tau if stats.heldout else None,

@@ -127,7 +127,7 @@ def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: P
     checkpoint after a stop), then calibrated on the questions; a finished step is read back, not redone."""
     from bench.commands.measure import calibrate_stage, replay_rows
     from bench.learning_curve import TAU_NODES, point_row
-    from treesearch.stats import load_stats, step_walk_interval, tau_step_walk
+    from treesearch.stats import load_stats
     from treesearch.tree import chain
 
     if not (folder / "training.json").is_file():
@@ -139,9 +139,7 @@ def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: P
                                      data=str(questions), heldout=0.0, max_new_tokens=job.eval_tokens, out=str(acc)))
     stats = load_stats(acc)
     topk = [[float(row[:r].sum()) for r in (1, stats.topk)] for row in stats.marginal]
-    two = chain(2)
-    trees = [*replay_rows(stats, budgets=(TAU_NODES,)), {"tree": two.name, "tau": tau_step_walk(two, stats.rollouts).tau,
-                                                         "tau_interval": step_walk_interval(two, stats.rollouts)}]
+    trees = replay_rows(stats, budgets=(TAU_NODES,), extra=(chain(2),))
     return point_row(prompts, json.loads((folder / "training.json").read_text()), topk, trees)
 
 
