@@ -8,6 +8,7 @@ inside the heads. ``make_drafter`` picks the one for the heads at hand:
   tree's tokens in node order (``nodes``): a whole tree in one C call where the C forward runs, else PyTorch
   level by level.
 - ``ModuleDrafter``: any module with the heads' call signature ``heads(hidden, lm_head[, root_embedding])``.
+- ``GraphedDrafter``: a stacked or path drafter replayed from a CUDA graph, where the engine replays its steps so.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from treesearch.tree import Tree
 
+from .graphs import capture
 from .heads import Int8Projection, MedusaHeads
 from .heads_native import NativeHeadLevels, native_support
 from .tree_compiler import PathLevel, path_plan
@@ -134,6 +136,36 @@ class PathDrafter(StackedDrafter):
         return nodes, chain
 
 
+class GraphedDrafter(Drafter):
+    """A stacked or path drafter's PyTorch ops on CUDA, captured once as a CUDA graph and replayed: the step's
+    hidden state and root token are copied into tensors of its own first, and its outputs are overwritten by the
+    next replay. Gated steps go to the drafter itself (a gate reads probabilities on the host between levels)."""
+
+    def __init__(self, inner: StackedDrafter, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.inner, self.in_node_order, self.device = inner, inner.in_node_order, device
+        with torch.inference_mode(False):  # written in place before each replay, in inference mode or out of it
+            self.hidden = torch.zeros(hidden_size, dtype=dtype, device=device)
+            self.root = torch.zeros((), dtype=torch.long, device=device)
+        self.graph = self.out = None
+
+    def _replay(self, hidden: torch.Tensor, root: int, body):
+        self.hidden.copy_(hidden)
+        self.root.fill_(root)
+        if self.graph is None:
+            self.graph, self.out = capture(body, self.device)
+        self.graph.replay()
+        return self.out
+
+    def top(self, hidden: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._replay(hidden, root, lambda: self.inner.top(self.hidden, self.root))
+
+    def nodes(self, hidden: torch.Tensor, root: int, gate: float, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[float]]:
+        if gate > 0:
+            return self.inner.nodes_torch(hidden, root, gate)
+        return self._replay(hidden, root, lambda: self.inner.nodes_torch(self.hidden, self.root, 0.0)[0]), []
+
+
 def make_drafter(heads: nn.Module, model: nn.Module, engine, tree: Tree, topk: int, device: torch.device,
                  draft_vocab: bool = True, native: bool = True) -> Drafter:
     """The drafter for these heads on ``tree`` (``draft_vocab``: score the heads' draft vocabulary where they
@@ -145,5 +177,9 @@ def make_drafter(heads: nn.Module, model: nn.Module, engine, tree: Tree, topk: i
         return ModuleDrafter(heads, model, tree.depth, topk)
     if path:
         plan = [level.to(device) for level in path_plan(tree)]
-        return PathDrafter(heads, model, engine, tree.depth, topk, draft_vocab, device, plan, tree.num_nodes, native)
-    return StackedDrafter(heads, model, engine, tree.depth, topk, draft_vocab, device)
+        drafter = PathDrafter(heads, model, engine, tree.depth, topk, draft_vocab, device, plan, tree.num_nodes, native)
+    else:
+        drafter = StackedDrafter(heads, model, engine, tree.depth, topk, draft_vocab, device)
+    if getattr(engine, "graphs", False):  # the engine replays CUDA graphs of its steps: the heads' ops too
+        return GraphedDrafter(drafter, heads.config.hidden_size, engine.dtype, device)
+    return drafter

@@ -17,6 +17,9 @@ Both engines answer the same three calls the decode loop makes::
   fused element-wise stages, its own GEMV, attention over the cache); there a tree row is bit-for-bit
   the one-row step of the same token, so bf16 Medusa decoding equals the runtime's bf16 plain decoding.
   The prompt forward stays on PyTorch (oneDNN), and ``lean-torch`` keeps every forward there.
+  On CUDA the lean engine's decode steps have every shape fixed (graphs.py: attention over the whole cache
+  under a mask built on the device) and each is captured once as a CUDA graph and replayed; ``lean-static``
+  runs those fixed-shape steps eagerly, on any device (the check of their maths on a CPU).
 
 ``tree`` is ``None`` for causal rows (prefill, plain decoding) or the tree's ``[N, N]`` bool
 ancestor mask (row i may see column j).
@@ -35,11 +38,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from . import kernels
+from .graphs import CacheStorage, bucket, one_row, storage_for
 from .kernels import hugepages
 from .logit_screen import build_screen
 from .model import LoadedModel
 
-ENGINES = ("auto", "lean", "lean-torch", "hf")
+ENGINES = ("auto", "lean", "lean-torch", "lean-static", "hf")
 
 
 class EngineError(ValueError):
@@ -196,6 +200,7 @@ class LeanCache:
     values: torch.Tensor
     visible: torch.Tensor
     native: _StepBuffers | None = None  # the C decode step's buffers for this cache (LeanEngine.decode_step)
+    storage: CacheStorage | None = None  # a static cache's pooled tensors and captured steps (graphs.py)
 
     @property
     def capacity(self) -> int:
@@ -384,9 +389,12 @@ class LeanEngine:
 
     name = "lean"
 
-    def __init__(self, loaded: LoadedModel, max_nodes: int = 1, use_kernels: bool | None = None):
+    def __init__(self, loaded: LoadedModel, max_nodes: int = 1, use_kernels: bool | None = None,
+                 static_steps: bool | None = None):
         """``use_kernels``: decode steps (one row, or a tree) through the C forward of kernels/lean_cpu.c;
-        None = where it pays (bf16 on a CPU with AVX-512 BF16 and a C compiler), False = PyTorch only."""
+        None = where it pays (bf16 on a CPU with AVX-512 BF16 and a C compiler), False = PyTorch only.
+        ``static_steps``: decode steps with every shape fixed (graphs.py), captured as CUDA graphs on CUDA and
+        run eagerly elsewhere; None = on CUDA."""
         why = lean_support(loaded)
         if why:
             raise EngineError(f"the lean engine cannot run {loaded.name}: {why}; use engine 'hf'")
@@ -403,8 +411,13 @@ class LeanEngine:
         self.embed, self.norm, self.lm_head, self._logits, self.layers = _fused_weights(model, self.packed)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
-        self.lib = self._kernel_library(use_kernels)
+        if static_steps and use_kernels:
+            raise EngineError("static steps and the C forward exclude each other")
+        self.lib = None if static_steps else self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
+        self.static = self.device.type == "cuda" and self.lib is None if static_steps is None else static_steps
+        self.graphs = self.static and self.device.type == "cuda"
+        self._model = weakref.ref(model)  # the static caches' pool is per model
         self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
             packed, self._logits_kernel, self.logit_screen = _kernel_weights(model, self.layers, self.lm_head,
@@ -450,11 +463,29 @@ class LeanEngine:
         self._rope_len = length
 
     def new_cache(self, capacity: int) -> LeanCache:
+        """An empty cache of ``capacity`` positions; with static steps a pooled one of ``bucket(capacity)``
+        positions, free since its last user was dropped, whose captured steps it keeps."""
+        storage = None
+        if self.static:
+            capacity = bucket(capacity)
+            storage = storage_for(self._model(), capacity, self._kv_tensors)
+            keys, values = storage.keys, storage.values
+        else:
+            keys, values = self._kv_tensors(capacity)
         self._rope(capacity)
-        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         visible = torch.ones(self.max_nodes, capacity, dtype=torch.bool, device=self.device)
-        return LeanCache(keys, torch.zeros_like(keys), visible)
+        cache = LeanCache(keys, values, visible, storage=storage)
+        if storage is not None:
+            storage.user = weakref.ref(cache)
+        return cache
+
+    def _kv_tensors(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values [layers, kv_heads, capacity, head_dim]; plain tensors even when made in
+        inference mode (a pooled cache is written by in-place ops in and out of it)."""
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        with torch.inference_mode(False):
+            return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     # -------------------------------------------------------------- the forward
 
@@ -495,7 +526,7 @@ class LeanEngine:
                 raise EngineError("causal multi-token forwards are only supported from an empty cache")
             causal = True
         try:
-            hidden = self._layers(ids, start, end, cos, sin, cache, mask, causal)
+            hidden = self._layers(ids, cos, sin, cache.keys, cache.values, mask, causal, start=start)
         finally:
             if mask is not None:
                 cache.visible[:n, start:end] = True
@@ -541,8 +572,26 @@ class LeanEngine:
 
     @property
     def fused_steps(self) -> bool:
-        """Whether ``decode_step`` runs here (the C forward)."""
-        return self.lib is not None
+        """Whether ``decode_step`` runs here (the C forward, or the static steps)."""
+        return self.lib is not None or self.static
+
+    def _static_step(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None,
+                     offsets: torch.Tensor | None, argmax_only: bool) -> DecodeStep:
+        """``decode_step`` as a fixed-shape step of graphs.py, found (or captured) for this cache's storage and
+        this layout; its outputs are the step's own buffers, overwritten by its next replay."""
+        n = ids.shape[0]
+        if cache.storage is None:
+            raise EngineError("static steps need a cache from this engine's new_cache")
+        if start + n > cache.capacity:
+            raise EngineError(f"cache of {cache.capacity} positions cannot take {start + n}")
+        if tree is None:
+            tree, offsets = one_row(self.device) if n == 1 else (None, None)
+        if tree is None or offsets is None or tuple(tree.shape) != (n, n) or tuple(offsets.shape) != (n,) or \
+                tree.dtype != torch.bool or offsets.dtype != torch.int64:
+            raise EngineError(f"a static step of {n} rows needs its bool [{n}, {n}] tree mask and int64 [{n}] offsets")
+        self._rope(cache.capacity)  # no-op unless the cache came from an engine with longer tables
+        hidden, logits, pred = cache.storage.step(self, tree, offsets)(ids, start)
+        return DecodeStep(None if argmax_only else logits, hidden, pred.tolist(), hidden)
 
     def decode_step(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
                     offsets: torch.Tensor | None = None, argmax_only: bool = False) -> DecodeStep:
@@ -553,8 +602,10 @@ class LeanEngine:
         views of buffers the cache keeps, overwritten by its next step. ``argmax_only``: the step's logits are None
         and ``pred`` the same argmax, taken through the int8 screen of the lm_head (``logit_screen``) where the
         engine has one."""
+        if self.static:
+            return self._static_step(ids, start, cache, tree, offsets, argmax_only)
         if self.lib is None:
-            raise EngineError("decode_step needs the C forward (bf16 on a CPU with the kernels)")
+            raise EngineError("decode_step needs the C forward (bf16 on a CPU with the kernels) or static steps")
         n = ids.shape[0]
         if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or ids.device.type != "cpu":
             raise EngineError(f"ids must be a contiguous int64 CPU vector, got {ids.dtype} {list(ids.shape)}")
@@ -575,17 +626,26 @@ class LeanEngine:
         logits_n, hidden_n, rows = buf.view(n)
         return DecodeStep(None if argmax_only else logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
 
-    def _layers(self, ids, start, end, cos, sin, cache, mask, causal) -> torch.Tensor:
+    def _layers(self, ids, cos, sin, keys, values, mask, causal=False, start=0, slots=None) -> torch.Tensor:
+        """The layers on ids [n] -> final-normed hidden [n, H]: each layer's keys/values written at cache slots
+        start..start+n-1 and attention over slots ..start+n-1; with ``slots`` (an int64 tensor [n], the static
+        step of graphs.py) written there by index and attention over the whole capacity under ``mask``."""
         n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        end = keys.shape[2] if slots is not None else start + n
         x = F.embedding(ids, self.embed)  # [n, H]
         for i, w in enumerate(self.layers):
             qkv = w.qkv(self._rms(x, w.ln1)).view(n, h + 2 * kv, d)
             qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin (sign in the table)
             qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            cache.keys[i, :, start:end] = qk[:, h:].transpose(0, 1)  # [kv, n, D]
-            cache.values[i, :, start:end] = qkv[:, h + kv:].transpose(0, 1)
+            k, v = qk[:, h:].transpose(0, 1), qkv[:, h + kv:].transpose(0, 1)  # [kv, n, D]
+            if slots is None:
+                keys[i, :, start:end] = k
+                values[i, :, start:end] = v
+            else:
+                keys[i].index_copy_(1, slots, k)
+                values[i].index_copy_(1, slots, v)
             q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, n, D]
-            att = F.scaled_dot_product_attention(q, cache.keys[i: i + 1, :, :end], cache.values[i: i + 1, :, :end],
+            att = F.scaled_dot_product_attention(q, keys[i: i + 1, :, :end], values[i: i + 1, :, :end],
                                                  attn_mask=mask, is_causal=causal, enable_gqa=True)
             x = x + w.o(att[0].transpose(0, 1).reshape(n, h * d))
             gate, up = w.gate_up(self._rms(x, w.ln2)).chunk(2, dim=-1)
@@ -650,9 +710,15 @@ def c_forward_status(loaded: LoadedModel) -> str:
 
 def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> HFEngine | LeanEngine:
     """``auto``: the lean engine where it supports the model, else transformers'. ``lean`` takes the C
-    forward for decode steps where it pays (bf16 CPU); ``lean-torch`` keeps the lean engine on PyTorch ops."""
+    forward for decode steps where it pays (bf16 CPU) and CUDA graphs of fixed-shape steps on CUDA;
+    ``lean-torch`` keeps the lean engine on eager PyTorch ops; ``lean-static`` runs the fixed-shape steps
+    eagerly."""
     if name not in ENGINES:
         raise EngineError(f"unknown engine {name!r}; use one of {ENGINES}")
     if name == "hf" or (name == "auto" and lean_support(loaded)):
         return HFEngine(loaded)
-    return LeanEngine(loaded, max_nodes, use_kernels=False if name == "lean-torch" else None)
+    if name == "lean-torch":
+        return LeanEngine(loaded, max_nodes, use_kernels=False, static_steps=False)
+    if name == "lean-static":
+        return LeanEngine(loaded, max_nodes, use_kernels=False, static_steps=True)
+    return LeanEngine(loaded, max_nodes)

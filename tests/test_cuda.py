@@ -1,7 +1,8 @@
 """The runtime on a CUDA device (``nox -s gpu``; marker ``gpu``, so the default run, which has no GPU, deselects
 them): tree attention against sequential forwards, greedy Medusa against transformers' generate, both engines,
-and a short timing of plain decoding against trees on a model of the default model's shape (random weights: a
-GPU machine reaches no package registry, and a step's time does not depend on the weights' values).
+the lean engine's CUDA graphs (its steps and the heads') against the same ops run eagerly, and a short timing
+of plain decoding against trees on a model of the default model's shape (random weights: a GPU machine reaches
+no package registry, and a step's time does not depend on the weights' values).
 
 Without a CUDA device these tests fail (they are never skipped): the session exists to run them on one."""
 
@@ -59,7 +60,8 @@ def test_tree_rows_equal_sequential_forwards_on_cuda(cuda, build, engine):
             torch.testing.assert_close(got[i], want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("build,engine", [(tiny_llama, "lean"), (tiny_llama, "hf"), (tiny_gemma3, "hf")])
+@pytest.mark.parametrize("build,engine", [(tiny_llama, "lean"), (tiny_llama, "lean-static"), (tiny_llama, "lean-torch"),
+                                          (tiny_llama, "hf"), (tiny_gemma3, "hf")])
 @pytest.mark.parametrize("tree", ["chain:3", "mc_sim_7b_63"])
 def test_greedy_medusa_is_generate_on_cuda(cuda, build, engine, tree):
     loaded = _to(build(), cuda, torch.float32)
@@ -68,6 +70,85 @@ def test_greedy_medusa_is_generate_on_cuda(cuda, build, engine, tree):
     heads = fresh_heads(5, 1, loaded.hidden_size, loaded.vocab_size)
     res = MedusaDecoder(loaded, heads, load_tree(tree), config=DecodeConfig(max_new_tokens=40, engine=engine)).generate(prompt)
     assert res.token_ids == hf_greedy(loaded, prompt, 40)
+
+
+def test_graphed_steps_equal_eager_static_steps_on_cuda(cuda):
+    """The same fixed-shape steps replayed from CUDA graphs (engine lean) and run eagerly (lean-static): equal
+    logits, each step on new inputs (a replay that read stale inputs would repeat the last step's values)."""
+    loaded = _to(tiny_llama(), cuda, torch.float32)
+    rng = random.Random(2)
+    tree = random_tree(rng, 20, 4, 3)
+    heads = fresh_heads(tree.depth, 1, loaded.hidden_size, loaded.vocab_size)
+    decs = [MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1, engine=e))
+            for e in ("lean", "lean-static")]
+    assert decs[0].engine.graphs and not decs[1].engine.graphs
+    prompt = torch.tensor([rng.randrange(loaded.vocab_size) for _ in range(30)], device=cuda)
+    caches = [d.new_cache(200) for d in decs]
+    with torch.inference_mode():
+        for d, c in zip(decs, caches):
+            d.prefill(prompt, c)
+        start, last = 30, None
+        for _ in range(5):
+            tokens = torch.randint(0, loaded.vocab_size, (tree.num_nodes,), device=cuda)
+            got, want = (d.engine.decode_step(tokens, start, c, d.buffers.attn_mask, d.buffers.position_offsets)
+                         for d, c in zip(decs, caches))
+            torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=1e-4)
+            assert got.pred == want.pred
+            assert last is None or not torch.equal(got.logits, last)
+            last = got.logits.clone()
+            path = [0, *decs[0].buffers.children[0][:1]]
+            for d, c in zip(decs, caches):
+                d.compact(c, start, path)
+            start += len(path)
+
+
+@pytest.mark.parametrize("condition", ["none", "root", "path"])
+def test_graphed_heads_equal_their_eager_ops_on_cuda(cuda, condition):
+    from medusa_runtime.drafter import GraphedDrafter
+    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+
+    loaded = _to(tiny_llama(), cuda, torch.float32)
+    torch.manual_seed(4)
+    heads = MedusaHeads(HeadsConfig(3, 1, loaded.hidden_size, loaded.vocab_size, True, root_conditioned=condition != "none",
+                                    path_conditioned=condition == "path"))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    tree = random_tree(random.Random(1), 20, 3, 3)
+    dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=4))
+    assert isinstance(dec.drafter, GraphedDrafter)
+    with torch.inference_mode():
+        for root in (0, 17, 63, 5):
+            hidden = torch.randn(loaded.hidden_size, device=cuda)
+            if dec.drafter.in_node_order:
+                got, _ = dec.drafter.nodes(hidden, root, 0.0)
+                want, _ = dec.drafter.inner.nodes_torch(hidden, root, 0.0)
+            else:
+                got, want = dec.drafter.top(hidden, root)[0], dec.drafter.inner.top(hidden, root)[0]
+            assert torch.equal(got, want)
+
+
+def test_default_model_plain_step_within_two_ms_on_cuda(cuda, capsys):
+    """Issue 53's bar: a plain decode step of the default model's shape (30 layers, 576 wide, 49,152 tokens) in
+    float16 at most 2 ms with the lean engine's CUDA graphs; eager PyTorch (lean-torch) printed beside it."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    loaded = _to(LoadedModel(LlamaForCausalLM(cfg).eval().requires_grad_(False), None, "smollm2-shape",
+                             torch.float32, torch.device("cpu")), cuda, torch.float16)
+    loaded.model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, cfg.vocab_size, (200,)).tolist()
+    ms, outputs = {}, {}
+    for engine in ("lean", "lean-torch", "lean", "lean-torch"):  # interleaved, the later pair counts
+        dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=256, engine=engine))
+        res = dec.generate(prompt)
+        ms[engine], outputs[engine] = res.stats.step_ms, res.token_ids
+    with capsys.disabled():
+        print(f"\n{torch.cuda.get_device_name(cuda)}, float16, plain step ms: CUDA graphs {ms['lean']:.3f}, "
+              f"eager {ms['lean-torch']:.3f}")
+    assert ms["lean"] <= 2.0
+    assert ms["lean"] < ms["lean-torch"]
 
 
 def test_decode_steps_on_cuda_timed(cuda, capsys):

@@ -18,8 +18,9 @@ from .test_tree import random_tree
 
 # model x engine: the lean engine runs Llama-family models, transformers' engine runs everything
 # (gemma3: sliding-window layers, whose window every test sequence runs past)
-VARIANTS = {"llama-lean": (tiny_llama, "lean"), "llama-hf": (tiny_llama, "hf"), "gpt2-hf": (tiny_gpt2, "hf"),
-            "gemma3-hf": (tiny_gemma3, "hf")}
+# (llama-lean-static: the fixed-shape steps that CUDA graphs capture, run eagerly)
+VARIANTS = {"llama-lean": (tiny_llama, "lean"), "llama-lean-static": (tiny_llama, "lean-static"),
+            "llama-hf": (tiny_llama, "hf"), "gpt2-hf": (tiny_gpt2, "hf"), "gemma3-hf": (tiny_gemma3, "hf")}
 
 
 def make(variant):
