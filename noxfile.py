@@ -47,14 +47,24 @@ def perf(session: nox.Session) -> None:
                 "--benchmark-json=results/perf/benchmarks.json", *session.posargs)
 
 
+GPU_OUT = "results/gpu"
+
+
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """The runtime on a CUDA device: tree attention and greedy exactness on both engines, and decode steps timed
-    (tests/test_cuda.py, marker ``gpu``). Installs torch's default build (CUDA) unless MEDUSA_TORCH_SPEC says
-    otherwise; fails, not skips, without a CUDA device."""
+    """The runtime on a CUDA device: tree attention and greedy exactness on both engines, the CUDA graphs against
+    the same steps run eagerly, decode steps timed (tests/test_cuda.py, marker ``gpu``); then the main job's smoke
+    profile on CUDA, every stage on a few questions, into results/gpu/ (its report.json checked). Installs torch's
+    default build (CUDA) unless MEDUSA_TORCH_SPEC says otherwise; fails, not skips, without a CUDA device.
+    ``nox -s gpu -- ARGS`` passes ARGS to pytest; MEDUSA_GGUF=PATH gives the pipeline the default model's GGUF
+    (a machine without the package registry)."""
     session.install(os.environ.get("MEDUSA_TORCH_SPEC", "torch"))
     session.install("-e", ".[test]")
     session.run("pytest", "-m", "gpu", "tests/test_cuda.py", *session.posargs)
+    gguf = os.environ.get("MEDUSA_GGUF")
+    session.run("python", "-m", "bench.pipeline", "--profile", "smoke", "--device", "cuda", "--out", GPU_OUT,
+                *(["--gguf", gguf] if gguf else []))
+    session.run("python", "-m", "bench.report", "--check", GPU_OUT, "--device", "cuda")
 
 
 @nox.session

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="prepare and describe a base model (the offline default by default)")
     _add_model_args(p)
+    flags.add_gguf(p)
     flags.add_heads(p, "the base is described as they decode with it (Medusa-2 heads: their adapter merged)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_model, **ModelInfoJob.defaults())

@@ -374,6 +374,7 @@ class ModelInfoJob(ModelJob):
     """``medusa-bench model``: prepare and describe a base model (as the heads decode with it)."""
 
     heads: str = flags.HEADS
+    gguf: str | None = None  # the packaged model's GGUF copied by hand, put into the cache first
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ interleaved run; the report sets predicted against measured for every configurat
 A stage is skipped when its outputs exist and the hash of its inputs (configuration plus the files it
 reads) matches the one recorded in ``results/bench/stages.json``; a second run only redoes what
 changed. ``--profile quick`` (default) is sized for a 2-core CPU; ``--profile full`` replays all of
-MT-Bench.
+MT-Bench; ``--profile smoke`` runs every stage on a few questions (a check that the job runs).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ PROFILES = {
     # grades; hours on a 2-core CPU (the replay alone ~8 h at 120 tokens/s), minutes on a GPU
     "full": BenchProfile(80, 5, 2, 1024, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
                          7, 128, 120, 80),
+    # smoke: every stage on a few questions and short answers (nox -s gpu runs it after its tests); its figures
+    # check that the job runs, not what a configuration is worth
+    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2),
 }
 
 
@@ -531,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--folds", type=int, default=None,
                         help="cross-fitting folds over the replayed questions (default: the profile's)")
     flags.add_model(parser)
+    flags.add_gguf(parser)
     flags.add_heads(parser, "none: plain decoding and prompt lookup only, measured, nothing predicted; --retrain "
                             "trains heads for --model instead")
     parser.add_argument("--compare-heads", nargs="+", default=["auto"], metavar="HEADS",
@@ -574,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),
               flush=True)
+        flags.adopt_gguf(args.gguf, opts.model, log=lambda m: print(f"[bench] {m}", flush=True))
         _write_command(Path(opts.out), argv if argv is not None else sys.argv[1:], opts)
         run(opts)
     except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model or engine that fails

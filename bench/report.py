@@ -396,3 +396,49 @@ def typical_section(out: Path) -> str:
             "(quality.json). Pareto front:\n\n" + to_markdown(front.round(4)) + "\n")
 
 
+
+
+class ReportError(ValueError):
+    """A report.json that does not show what was asked of it, with a one-line reason."""
+
+
+def check_report(out: Path, device: str | None = None) -> str:
+    """One line on the run in ``out`` when its report.json holds a measured speed-up of the searched configuration
+    over the runtime's plain decoding (on ``device``'s kind, when given: ``cuda``, ``cpu``); else ReportError."""
+    path = out / "report.json"
+    if not path.is_file():
+        raise ReportError(f"no report.json in {out}")
+    rep = json.loads(path.read_text())
+    ran_on = str((rep.get("machine") or {}).get("device", ""))
+    if device is not None and ran_on.split(":")[0] != device:
+        raise ReportError(f"{path} was measured on {ran_on or 'an unknown device'}, not {device}")
+    searched = [c for c in rep.get("configs", []) if c.get("searched") and c.get("engine", "own") == "own"]
+    measured = [c for c in searched if c.get("speedup_vs_plain") is not None and c.get("tokens_per_s")]
+    if not measured:
+        raise ReportError(f"{path} holds no measured speed-up of the searched configuration")
+    best = measured[0]
+    lo, hi = best.get("speedup_vs_plain_ci") or (None, None)
+    where = (rep.get("machine") or {}).get("gpu") or (rep.get("machine") or {}).get("cpu_model") or ran_on
+    interval = f" ({lo:.2f}-{hi:.2f})" if lo is not None else ""
+    return (f"{best['config']}: {best['tokens_per_s']:.1f} tokens/s, {best['speedup_vs_plain']:.2f}x{interval} "
+            f"plain decoding, measured on {where} ({ran_on}), {best.get('questions')} questions")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description="check a bench run's report.json")
+    parser.add_argument("--check", metavar="OUT", required=True, help="the run's folder (the pipeline's --out)")
+    parser.add_argument("--device", default=None, help="the kind of device it must have run on: cuda, cpu")
+    args = parser.parse_args(argv)
+    try:
+        print(check_report(Path(args.check), args.device))
+    except (ReportError, OSError, json.JSONDecodeError) as exc:
+        print(f"python -m bench.report: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

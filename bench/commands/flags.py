@@ -72,6 +72,24 @@ def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=DEVICE, help=DEVICE_HELP)
 
 
+def add_gguf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", metavar="PATH", help="the --model's GGUF copied by hand (a machine without the package "
+                   "registry): checked against its pinned sha256 and put into the model cache, where every command "
+                   "finds it")
+
+
+def adopt_gguf(path: str | None, model: str, log) -> None:
+    """``--gguf PATH`` for a packaged ``model``: the file checked and copied into the cache (nothing without it)."""
+    if path is None:
+        return
+    from medusa_runtime import model as models
+
+    if model not in models.PACKAGED_MODELS:
+        raise models.ModelError(f"--gguf takes the GGUF of a packaged model ({', '.join(models.PACKAGED_MODELS)}), "
+                                f"not {model!r}")
+    models.adopt_gguf(path, models.PACKAGED_MODELS[model], log=log)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The base model and where it runs: --model, --dtype, --device."""
     add_model(p)

@@ -15,6 +15,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     from medusa_runtime.engine import c_forward_status
     from medusa_runtime.model import describe_model, load_model
 
+    flags.adopt_gguf(args.gguf, args.model, log=_log)
     loaded = load_model(args.model, args.dtype, args.device, log=_log)
     base = loaded.name
     loaded = _adapted(loaded, args.heads)  # the base as those heads decode with it (Medusa-2: their adapter merged)
