@@ -211,9 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "ranks must stay below it); --top-k filters sampling")
     p.add_argument("--seed", type=int)
     flags.add_new_tokens(p)
-    p.add_argument("--engine", choices=["auto", "lean", "lean-torch", "hf"],
-                   help="forward engine: lean (Llama family, fast; its C forward in bf16 on AVX-512 BF16 CPUs), "
-                        "lean-torch (the lean engine on PyTorch ops only) or hf (transformers, any model); auto picks")
+    p.add_argument("--engine", choices=["auto", "lean", "lean-torch", "lean-static", "hf"],  # engine.ENGINES
+                   help="forward engine: lean (Llama family, fast; its C forward in bf16 on AVX-512 BF16 CPUs, CUDA "
+                        "graphs on CUDA), lean-torch (the lean engine on eager PyTorch ops), lean-static (the "
+                        "fixed-shape steps CUDA graphs capture, run eagerly) or hf (transformers, any model); auto "
+                        "picks")
     flags.add_lookup(p, "a chain laid beside the heads' tree (measured to pay on MT-Bench)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

@@ -60,7 +60,7 @@ PROFILES = {
     # picks differed per fold and the pick's tau came out 4.8 % high while fixed configurations were within 0.4 %)
     "quick": BenchProfile(40, 10, 1, 96, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96), 7, 64, 60, 16),
     # full: all of MT-Bench at FastChat's answer length (gen_model_answer's max_new_token, 1024), what its judge
-    # grades; hours on a 2-core CPU (the replay alone ~8 h at 120 tokens/s), minutes on a GPU
+    # grades; hours on a 2-core CPU (the replay alone ~8 h at 120 tokens/s)
     "full": BenchProfile(80, 5, 2, 1024, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
                          7, 128, 120, 80),
     # smoke: every stage on a few questions and short answers (nox -s gpu runs it after its tests); its figures

@@ -28,6 +28,7 @@ ancestor mask (row i may see column j).
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from .logit_screen import build_screen
 from .model import LoadedModel
 
 ENGINES = ("auto", "lean", "lean-torch", "lean-static", "hf")
+GRAPHS_SWITCH = "MEDUSA_CUDA_GRAPHS"
 
 
 class EngineError(ValueError):
@@ -416,7 +418,8 @@ class LeanEngine:
         self.lib = None if static_steps else self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
         self.static = self.device.type == "cuda" and self.lib is None if static_steps is None else static_steps
-        self.graphs = self.static and self.device.type == "cuda"
+        # MEDUSA_CUDA_GRAPHS=0: the fixed-shape steps run eagerly on CUDA too (as lean-static), graphs ruled out
+        self.graphs = self.static and self.device.type == "cuda" and os.environ.get(GRAPHS_SWITCH, "1") != "0"
         self._model = weakref.ref(model)  # the static caches' pool is per model
         self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
@@ -468,7 +471,7 @@ class LeanEngine:
         storage = None
         if self.static:
             capacity = bucket(capacity)
-            storage = storage_for(self._model(), capacity, self._kv_tensors)
+            storage = storage_for(self._model(), capacity, self._kv_tensors, self)
             keys, values = storage.keys, storage.values
         else:
             keys, values = self._kv_tensors(capacity)

@@ -51,6 +51,7 @@ class CacheStorage:
     values: torch.Tensor
     steps: dict = field(default_factory=dict)  # id of (weights, tree mask, offsets) -> StaticStep
     user: weakref.ref | None = None
+    owner: weakref.ref | None = None  # the engine that took it last (its steps are here)
 
     @property
     def free(self) -> bool:
@@ -84,15 +85,19 @@ def one_row(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _ONE_ROW[device]
 
 
-def storage_for(model: torch.nn.Module, capacity: int, make: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-                ) -> CacheStorage:
-    """A free pooled storage of exactly ``capacity`` positions for ``model``, or a new one from ``make``."""
+def storage_for(model: torch.nn.Module, capacity: int, make: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                engine) -> CacheStorage:
+    """A free pooled storage of exactly ``capacity`` positions for ``model``, or a new one from ``make``. The one
+    ``engine`` took last comes first: its steps are captured there already (runs in lockstep hold a cache each,
+    and each would otherwise capture its layouts again on every storage it happened to get)."""
     pool = _POOL.setdefault(model, [])
-    for storage in pool:
-        if storage.free and storage.keys.shape[2] == capacity:
-            return storage
-    storage = CacheStorage(*make(capacity))
-    pool.append(storage)
+    free = [s for s in pool if s.free and s.keys.shape[2] == capacity]
+    storage = next((s for s in free if s.owner is not None and s.owner() is engine), None) or \
+        next((s for s in free if s.owner is None or s.owner() is None), None) or (free[0] if free else None)
+    if storage is None:
+        storage = CacheStorage(*make(capacity))
+        pool.append(storage)
+    storage.owner = weakref.ref(engine)
     return storage
 
 

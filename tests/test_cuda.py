@@ -102,6 +102,16 @@ def test_graphed_steps_equal_eager_static_steps_on_cuda(cuda):
             start += len(path)
 
 
+def test_graphs_can_be_switched_off_on_cuda(cuda, monkeypatch):
+    from medusa_runtime.engine import make_engine
+
+    loaded = _to(tiny_llama(), cuda, torch.float32)
+    assert make_engine(loaded, "lean").graphs
+    monkeypatch.setenv("MEDUSA_CUDA_GRAPHS", "0")
+    engine = make_engine(loaded, "lean")
+    assert engine.static and not engine.graphs
+
+
 @pytest.mark.parametrize("condition", ["none", "root", "path"])
 def test_graphed_heads_equal_their_eager_ops_on_cuda(cuda, condition):
     from medusa_runtime.drafter import GraphedDrafter

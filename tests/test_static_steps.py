@@ -91,6 +91,20 @@ def test_pooled_caches_keep_their_steps_and_are_not_shared_while_held():
     assert list(storage.steps.values()) == [v for v in steps.values() if v.rows.shape[0] == 1]
 
 
+def test_an_engine_gets_back_the_storage_it_took_last():
+    """Runs in lockstep hold a cache each: each engine's next cache is its own last storage, where its graphs are."""
+    loaded = tiny_llama()
+    decs = [MedusaDecoder(loaded, fresh_heads(3, 1, loaded.hidden_size, loaded.vocab_size), tree,
+                          config=DecodeConfig(engine="lean-static")) for tree in ("chain:2", "chain:3")]
+    held = [d.new_cache(40) for d in decs]
+    storages = [c.storage for c in held]
+    assert storages[0] is not storages[1]
+    del held
+    gc.collect()
+    assert decs[1].new_cache(40).storage is storages[1]  # though the first free one in the pool is the other
+    assert decs[0].new_cache(40).storage is storages[0]
+
+
 def test_static_steps_refuse_what_they_cannot_run():
     loaded = tiny_llama()
     engine = make_engine(loaded, "lean-static", max_nodes=4)
@@ -137,3 +151,12 @@ def test_drafters_take_the_root_as_a_tensor_as_their_graph_does(condition):
         assert torch.equal(got, want)
         seen.append(want.flatten()[1:].tolist())
     assert (seen[0] != seen[2]) == (condition != "none")  # the root is read where the heads are conditioned
+
+
+def test_every_command_offers_every_engine():
+    from bench.cli_reference import all_parsers
+    from medusa_runtime.engine import ENGINES
+
+    offered = {name: action.choices for name, parser in all_parsers().items() for action in parser._actions
+               if "--engine" in action.option_strings}
+    assert offered and all(list(choices) == list(ENGINES) for choices in offered.values()), offered
