@@ -35,7 +35,7 @@ class Generator:
         self.calls: list[int] = []
         self.stop_after = stop_after
 
-    def __call__(self, loaded, contexts, max_new_tokens, batch_size, progress=True):
+    def __call__(self, loaded, contexts, max_new_tokens, batch_size):
         if self.stop_after is not None and len(self.calls) == self.stop_after:
             raise KeyboardInterrupt
         self.calls.append(len(contexts))
@@ -43,7 +43,7 @@ class Generator:
 
 
 def _run(loaded, prompts, cfg, store, gen, monkeypatch):
-    monkeypatch.setattr(distill, "greedy_rollouts", gen)
+    monkeypatch.setattr(distill, "generate_replies", lambda *args: (gen(*args), "stand-in"))
     return build_distill_data(loaded, prompts, cfg, progress=False, store=store)
 
 

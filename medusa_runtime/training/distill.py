@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from treesearch.fsutil import atomic_file
 from treesearch.tree import write_json_atomic
 
+from ..batched import batched_greedy, batched_support
 from ..calibrate import greedy_rollouts
 from ..kernels import cpuinfo_line
 from ..model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
@@ -103,7 +104,7 @@ def _read_lines(path: Path) -> dict[Conversation, Reply]:
 
 class AnswerStore:
     """A folder of reply shards (``shard-00000.jsonl``...) and ``manifest.json`` (schema ``medusa-distill/1``:
-    the settings, and per shard its replies, reply tokens, seconds, batch size and device)."""
+    the settings, and per shard its replies, reply tokens, seconds, batch size, device and generator)."""
 
     def __init__(self, root: str | Path, settings: dict, legacy: Path | None = None):
         self.root = Path(root)
@@ -141,7 +142,7 @@ class AnswerStore:
         return manifest
 
     def add_shard(self, rows: Sequence[tuple[Conversation, Reply]], seconds: float, batch_size: int,
-                  device: str) -> dict:
+                  device: str, generator: str | None = None) -> dict:
         """Write ``rows`` as the next shard (atomically), then enter it in the manifest (atomically)."""
         taken = [int(p.stem.split("-")[1]) for p in self.root.glob("shard-*.jsonl")]
         name = f"shard-{max(taken, default=-1) + 1:05d}.jsonl"
@@ -150,7 +151,7 @@ class AnswerStore:
                                    + "\n" for conv, (ids, start) in rows))
         tokens = sum(len(ids) - start for _, (ids, start) in rows)
         entry = {"file": name, "replies": len(rows), "reply_tokens": tokens, "seconds": round(seconds, 3),
-                 "batch_size": batch_size, "device": device}
+                 "batch_size": batch_size, "device": device, **({"generator": generator} if generator else {})}
         self.shards.append(entry)
         self.replies.update(rows)
         write_json_atomic(self.root / MANIFEST, self.manifest())
@@ -195,6 +196,15 @@ def reply_token_counts(path: str | Path, max_len: int = 768, limit: int | None =
     return counts, len(replies)
 
 
+def generate_replies(loaded: LoadedModel, contexts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
+                     ) -> tuple[list[list[int]], str]:
+    """Greedy replies and what made them: ``batched`` (medusa_runtime.batched: continuous batching on the lean
+    engine's weights) where the lean engine runs the model, else ``transformers`` (its generate, padded batches)."""
+    if batched_support(loaded) is None:
+        return batched_greedy(loaded, contexts, max_new_tokens, rows=batch_size, progress=False), "batched"
+    return greedy_rollouts(loaded, contexts, max_new_tokens, batch_size, progress=False), "transformers"
+
+
 def _generate_turn(loaded: LoadedModel, contexts: dict[Conversation, list[int]], cfg: DistillConfig,
                    store: AnswerStore, desc: str, progress: bool, log: Callable[[str], None]) -> None:
     todo = [c for c in contexts if c not in store.replies]
@@ -205,10 +215,9 @@ def _generate_turn(loaded: LoadedModel, contexts: dict[Conversation, list[int]],
     for s in range(0, len(todo), cfg.shard_size):
         part = todo[s:s + cfg.shard_size]
         start = time.perf_counter()
-        replies = greedy_rollouts(loaded, [contexts[c] for c in part], cfg.max_new_tokens, cfg.batch_size,
-                                  progress=False)
+        replies, generator = generate_replies(loaded, [contexts[c] for c in part], cfg.max_new_tokens, cfg.batch_size)
         rows = [(conv, (tuple(contexts[conv] + reply), len(contexts[conv]))) for conv, reply in zip(part, replies)]
-        entry = store.add_shard(rows, time.perf_counter() - start, cfg.batch_size, device)
+        entry = store.add_shard(rows, time.perf_counter() - start, cfg.batch_size, device, generator)
         bar.update(len(part))
         bar.set_postfix(tok_s=f"{entry['reply_tokens'] / max(entry['seconds'], 1e-9):.0f}")
     bar.close()
