@@ -15,7 +15,7 @@ from treesearch.tree import write_json_atomic
 
 # bump when the runtime's speed changes, so that cached latency profiles and replays are measured again (stage
 # keys hash the stages' inputs, not the code); docs/changelog.md says what each revision changed
-RUNTIME_REVISION = 38
+RUNTIME_REVISION = 39
 
 
 def file_hash(path: Path) -> str:
