@@ -49,7 +49,7 @@ class CacheStorage:
 
     keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
     values: torch.Tensor
-    steps: dict = field(default_factory=dict)  # id of (weights, tree mask, offsets) -> StaticStep
+    steps: dict = field(default_factory=dict)  # (weights' id, graphs, ids of tree mask and offsets) -> step
     user: weakref.ref | None = None
     owner: weakref.ref | None = None  # the engine that took it last (its steps are here)
 
@@ -60,8 +60,9 @@ class CacheStorage:
     def step(self, engine, tree: torch.Tensor, offsets: torch.Tensor) -> StaticStep:
         """The step of this layout on this storage, made on first use. It reads copies of the layout, and goes
         when the caller's tree mask does (a decoder's layouts live as long as the decoder), so the ids in its
-        key are never those of a later tensor; it holds the engine, whose weights are in the key."""
-        key = (id(engine.layers), id(tree), id(offsets))
+        key are never those of a later tensor; it holds the engine, whose weights are in the key (with whether
+        it replays graphs: lean and lean-static engines may share a storage)."""
+        key = (id(engine.layers), engine.graphs, id(tree), id(offsets))
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = StaticStep(engine, self, tree.clone(), offsets.clone(), graph=engine.graphs)

@@ -60,6 +60,19 @@ def tiny_gemma3(vocab: int = 64, seed: int = 2, window: int = 6) -> LoadedModel:
     return LoadedModel(model, None, "tiny-gemma3", torch.float32, torch.device("cpu"))
 
 
+def random_heads(loaded: LoadedModel, condition: str, seed: int, num_heads: int = 3):
+    """Heads with random weights (std 0.3: far from the base's own head), unconditioned, root- or path-conditioned."""
+    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HeadsConfig(num_heads, 1, loaded.hidden_size, loaded.vocab_size, True,
+                                    root_conditioned=condition != "none", path_conditioned=condition == "path"))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    return heads
+
+
 def hf_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
     """Reference: transformers' own generate, greedy, stopping at the model's EOS if it has one."""
     eos = list(loaded.eos_token_ids) or None

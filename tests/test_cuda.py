@@ -20,7 +20,7 @@ from medusa_runtime.heads import fresh_heads
 from medusa_runtime.model import LoadedModel
 from treesearch.tree import load_tree
 
-from .conftest import hf_greedy, tiny_gemma3, tiny_llama
+from .conftest import hf_greedy, random_heads, tiny_gemma3, tiny_llama
 from .test_tree import random_tree
 
 pytestmark = pytest.mark.gpu
@@ -115,15 +115,9 @@ def test_graphs_can_be_switched_off_on_cuda(cuda, monkeypatch):
 @pytest.mark.parametrize("condition", ["none", "root", "path"])
 def test_graphed_heads_equal_their_eager_ops_on_cuda(cuda, condition):
     from medusa_runtime.drafter import GraphedDrafter
-    from medusa_runtime.heads import HeadsConfig, MedusaHeads
 
     loaded = _to(tiny_llama(), cuda, torch.float32)
-    torch.manual_seed(4)
-    heads = MedusaHeads(HeadsConfig(3, 1, loaded.hidden_size, loaded.vocab_size, True, root_conditioned=condition != "none",
-                                    path_conditioned=condition == "path"))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.3)
+    heads = random_heads(loaded, condition, seed=4)
     tree = random_tree(random.Random(1), 20, 3, 3)
     dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=4))
     assert isinstance(dec.drafter, GraphedDrafter)

@@ -16,7 +16,7 @@ from medusa_runtime.engine import EngineError, LeanEngine, make_engine
 from medusa_runtime.graphs import MIN_CAPACITY, bucket
 from medusa_runtime.heads import fresh_heads
 
-from .conftest import OracleHeads, hf_greedy, tiny_llama
+from .conftest import OracleHeads, hf_greedy, random_heads, tiny_llama
 from .test_tree import random_tree
 
 
@@ -127,15 +127,9 @@ def test_drafters_take_the_root_as_a_tensor_as_their_graph_does(condition):
     """GraphedDrafter replays the drafter's ops with the root token in a 0-d tensor: the same candidates as with
     the int the decode loop passes (CUDA runs the capture itself, tests/test_cuda.py)."""
     from medusa_runtime.drafter import make_drafter
-    from medusa_runtime.heads import HeadsConfig, MedusaHeads
 
     loaded = tiny_llama()
-    torch.manual_seed(3)
-    heads = MedusaHeads(HeadsConfig(3, 1, loaded.hidden_size, loaded.vocab_size, True, root_conditioned=condition != "none",
-                                    path_conditioned=condition == "path"))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_(0, 0.3)
+    heads = random_heads(loaded, condition, seed=3)
     engine = make_engine(loaded, "lean-torch", max_nodes=20)
     tree = random_tree(random.Random(1), 20, 3, 3)
     drafter = make_drafter(heads, loaded.model, engine, tree, 4, loaded.device)
