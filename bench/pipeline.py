@@ -18,12 +18,17 @@ MT-Bench; ``--profile smoke`` runs every stage on a few questions (a check that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
+import multiprocessing
+import os
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -113,6 +118,44 @@ def _cached(cache: StageCache, name: str, job: Job, outputs: list[Path]) -> bool
     """The job run unless its outputs exist under the same key (``bench.jobs.stage_key``: every field, the
     files it reads, the runtime revision)."""
     return cache.run(name, stage_key(job), outputs, lambda: run_job(job))
+
+
+def stage_workers() -> int:
+    """Processes the searches run in side by side (``MEDUSA_BENCH_WORKERS``; default: the cores, at most 8)."""
+    raw = os.environ.get("MEDUSA_BENCH_WORKERS", "")
+    try:
+        return max(1, int(raw)) if raw else max(1, min(8, os.cpu_count() or 1))
+    except ValueError:
+        raise ValueError(f"MEDUSA_BENCH_WORKERS must be a whole number, got {raw!r}") from None
+
+
+def _captured(job: Job) -> str:
+    """``run_job`` in a worker process, its printed lines returned (printed by the parent, whole, in order)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        run_job(job)
+    return buffer.getvalue()
+
+
+def _cached_many(cache: StageCache, stages: list[tuple[str, Job, list[Path]]]) -> None:
+    """Independent jobs (the searches: pure Python, one core each) run side by side in ``stage_workers()``
+    fresh processes, each recorded as done when it finishes; the cached ones are skipped. With one worker, or
+    one job to run, they run here in turn. A job that fails stops the stage after the running ones end."""
+    todo = [(name, job, outputs) for name, job, outputs in stages if not cache.fresh(name, stage_key(job), outputs)]
+    workers = min(stage_workers(), len(todo))
+    if workers <= 1:
+        for name, job, outputs in todo:
+            cache.run(name, stage_key(job), outputs, lambda job=job: run_job(job))
+        return
+    print(f"[bench] {', '.join(name for name, _, _ in todo)}: running in {workers} processes ...", flush=True)
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_captured, job): (name, job) for name, job, _ in todo}
+        for future in as_completed(futures):
+            name, job = futures[future]
+            print(future.result(), end="", flush=True)  # raises the job's own error here
+            cache.record(name, stage_key(job))
+            print(f"[bench] {name}: done at {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 # ---------------------------------------------------------------------------- stages
@@ -239,26 +282,27 @@ def stage_search(prof: BenchProfile, out: Path, cache: StageCache, acc: Path, la
     lookup chains (Medusa alone, what engines without prompt lookup serve); and the typical search (this
     runtime's). Returns both lists of per-fold files."""
     study = _study(acc, lat) + ("" if target == "own" else f"-{target}")
-    files, heads_only = [], []
+    files, heads_only, stages = [], [], []
     common = {**_search_fields(prof, out, acc, lat), "target": target, "engine_costs": engine_costs}
     for f, fold in enumerate(workload["folds"]):
         path = out / "search" / f"fold-{f}.json"
         files.append(path)
         job = SearchJob(**common, study=f"{study}-fold{f}-{_ids_digest(fold)}", exclude_ids=tuple(map(str, fold)),
                         out=str(path), plots=str(out / "plots") if f == 0 else None)
-        _cached(cache, f"search-fold-{f}", job, [path])
+        stages.append((f"search-fold-{f}", job, [path]))
         path = out / "search" / f"fold-{f}-heads-only.json"
         heads_only.append(path)
         job = SearchJob(**{**common, "lookup": 0}, study=f"{study}-heads-only-fold{f}-{_ids_digest(fold)}",
                         exclude_ids=tuple(map(str, fold)), out=str(path))
-        _cached(cache, f"search-heads-only-fold-{f}", job, [path])
+        stages.append((f"search-heads-only-fold-{f}", job, [path]))
     # typical acceptance: thresholds and tree searched together against the regret proxy (Pareto plot)
     typical = out / "tree-typical.json"
     fold0 = workload["folds"][0]
     job = SearchJob(**{**common, "target": "own", "engine_costs": None}, accept="typical",
                     study=f"{study}-typical-{_ids_digest(fold0)}", exclude_ids=tuple(map(str, fold0)),
                     out=str(typical), plots=str(out / "plots"))
-    _cached(cache, "search-typical", job, [typical])
+    stages.append(("search-typical", job, [typical]))
+    _cached_many(cache, stages)  # the studies are independent: side by side, one core each
     return files, heads_only
 
 

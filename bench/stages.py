@@ -40,16 +40,26 @@ class StageCache:
     def key_of(inputs: dict) -> str:
         return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def run(self, name: str, inputs: dict, outputs: list[Path], fn: Callable[[], None]) -> bool:
+    def fresh(self, name: str, inputs: dict, outputs: list[Path]) -> bool:
+        """Whether the stage's outputs exist under the same key (then it is skipped, and says so)."""
         key = self.key_of(inputs)
         if self.keys.get(name) == key and all(p.exists() for p in outputs):
             print(f"[bench] {name}: cached ({key})", flush=True)
+            return True
+        return False
+
+    def record(self, name: str, inputs: dict) -> None:
+        """The stage ran to the end under these inputs."""
+        self.keys[name] = self.key_of(inputs)
+        write_json_atomic(self.file, self.keys)
+
+    def run(self, name: str, inputs: dict, outputs: list[Path], fn: Callable[[], None]) -> bool:
+        if self.fresh(name, inputs, outputs):
             return False
         print(f"[bench] {name}: running ...", flush=True)
         t0 = time.perf_counter()
         fn()
-        self.keys[name] = key
-        write_json_atomic(self.file, self.keys)
+        self.record(name, inputs)
         print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
         return True
 

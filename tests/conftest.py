@@ -164,6 +164,7 @@ def fake_stage_runs(monkeypatch, pipeline) -> list:
         Path(job.out).write_text("{}")
 
     monkeypatch.setattr(pipeline, "run_job", fake_run)
+    monkeypatch.setenv("MEDUSA_BENCH_WORKERS", "1")  # in this process, where the fake runs
     return ran
 
 

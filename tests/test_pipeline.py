@@ -270,3 +270,34 @@ def test_each_fold_replays_its_heads_only_pick_on_its_own_questions(tmp_path):
     searched = [c for c in configs if c["name"] == "searched"]
     assert [c["lookup_tokens"] for c in searched] == [6, 6]
     assert not [c for c in replay_configurations(acc, picks, workload) if c["name"] == "searched, heads only"]
+
+
+def test_searches_side_by_side_write_what_they_write_in_turn(tmp_path, monkeypatch, capsys):
+    """The pipeline's searches in worker processes (MEDUSA_BENCH_WORKERS): the same tree files as run one after
+    another here, each recorded as done; a second pass finds them all cached and starts no process."""
+    from bench.jobs import SearchJob
+    from bench.stages import StageCache
+    from treesearch.stats import ACCEPTANCE_SCHEMA
+
+    from .test_treesearch import vicuna_7b_marginal
+
+    acc = tmp_path / "acceptance.json"
+    acc.write_text(json.dumps({"schema": ACCEPTANCE_SCHEMA, "model": "m", "marginal": vicuna_7b_marginal().tolist()}))
+    results = {}
+    for workers in ("3", "1"):
+        out = tmp_path / f"workers-{workers}"
+        stages = [(f"search-{b}", SearchJob(acceptance=str(acc), budget=b, trials=8, storage=f"sqlite:///{out / 'db'}",
+                                            study=f"s{b}", out=str(out / f"{b}.json"), quiet=True),
+                   [out / f"{b}.json"]) for b in (6, 10, 14)]
+        out.mkdir()
+        monkeypatch.setenv("MEDUSA_BENCH_WORKERS", workers)
+        pipeline._cached_many(StageCache(out), stages)
+        printed = capsys.readouterr().out
+        assert ("running in 3 processes" in printed) == (workers == "3")
+        results[workers] = [{k: v for k, v in json.loads((out / f"{b}.json").read_text()).items()
+                             if k in ("medusa_choices", "predicted_tau", "node_budget")} for b in (6, 10, 14)]
+        assert set(json.loads((out / "stages.json").read_text())) == {"search-6", "search-10", "search-14"}
+        pipeline._cached_many(StageCache(out), stages)
+        assert capsys.readouterr().out.count("cached") == 3
+    assert results["3"] == results["1"]
+    assert [r["node_budget"] for r in results["1"]] == [6, 10, 14]
