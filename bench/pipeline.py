@@ -153,7 +153,12 @@ def _cached_many(cache: StageCache, stages: list[tuple[str, Job, list[Path]]]) -
         futures = {pool.submit(_captured, job): (name, job) for name, job, _ in todo}
         for future in as_completed(futures):
             name, job = futures[future]
-            print(future.result(), end="", flush=True)  # raises the job's own error here
+            try:
+                printed = future.result()  # the job's own error, raised here
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # the queued ones never start; the running ones end
+                raise
+            print(printed, end="", flush=True)
             cache.record(name, stage_key(job))
             print(f"[bench] {name}: done at {time.perf_counter() - t0:.0f} s", flush=True)
 

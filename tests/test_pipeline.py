@@ -301,3 +301,17 @@ def test_searches_side_by_side_write_what_they_write_in_turn(tmp_path, monkeypat
         assert capsys.readouterr().out.count("cached") == 3
     assert results["3"] == results["1"]
     assert [r["node_budget"] for r in results["1"]] == [6, 10, 14]
+
+
+def test_a_failing_search_among_side_by_side_ones_stops_the_stage(tmp_path, monkeypatch):
+    from bench.jobs import SearchJob
+    from bench.stages import StageCache
+
+    monkeypatch.setenv("MEDUSA_BENCH_WORKERS", "2")
+    stages = [(f"search-{i}", SearchJob(acceptance=str(tmp_path / "missing.json"), budget=6, trials=4,
+                                        storage=f"sqlite:///{tmp_path / 'db'}", study=f"s{i}",
+                                        out=str(tmp_path / f"{i}.json"), quiet=True), [tmp_path / f"{i}.json"])
+              for i in range(3)]
+    with pytest.raises((OSError, ValueError)):
+        pipeline._cached_many(StageCache(tmp_path), stages)
+    assert not (tmp_path / "stages.json").exists()  # nothing recorded as done
