@@ -141,25 +141,26 @@ def _cached_many(cache: StageCache, stages: list[tuple[str, Job, list[Path]]]) -
     """Independent jobs (the searches: pure Python, one core each) run side by side in ``stage_workers()``
     fresh processes, each recorded as done when it finishes; the cached ones are skipped. With one worker, or
     one job to run, they run here in turn. A job that fails stops the stage after the running ones end."""
-    todo = [(name, job, outputs) for name, job, outputs in stages if not cache.fresh(name, stage_key(job), outputs)]
+    keyed = [(name, job, outputs, stage_key(job)) for name, job, outputs in stages]  # keys hash the files read
+    todo = [stage for stage in keyed if not cache.fresh(stage[0], stage[3], stage[2])]
     workers = min(stage_workers(), len(todo))
     if workers <= 1:
-        for name, job, outputs in todo:
-            cache.run(name, stage_key(job), outputs, lambda job=job: run_job(job))
+        for name, job, outputs, key in todo:
+            cache.run(name, key, outputs, lambda job=job: run_job(job))
         return
-    print(f"[bench] {', '.join(name for name, _, _ in todo)}: running in {workers} processes ...", flush=True)
+    print(f"[bench] {', '.join(stage[0] for stage in todo)}: running in {workers} processes ...", flush=True)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_captured, job): (name, job) for name, job, _ in todo}
+        futures = {pool.submit(_captured, job): (name, key) for name, job, _, key in todo}
         for future in as_completed(futures):
-            name, job = futures[future]
+            name, key = futures[future]
             try:
                 printed = future.result()  # the job's own error, raised here
             except BaseException:
                 pool.shutdown(cancel_futures=True)  # the queued ones never start; the running ones end
                 raise
             print(printed, end="", flush=True)
-            cache.record(name, stage_key(job))
+            cache.record(name, key)
             print(f"[bench] {name}: done at {time.perf_counter() - t0:.0f} s", flush=True)
 
 

@@ -11,7 +11,8 @@ A batch of ``rows`` decodes together, one token per row per step, over a KV cach
 When the prompts run out and half the rows are idle, the live rows move to the front of the cache and the
 batch narrows, so the last replies do not pay for a full batch. transformers' ``generate`` instead grows its
 cache by concatenation every step and pads every prompt of a batch to the longest; here neither happens.
-The maths is the lean engine's (``LeanEngine._layers``, its RMSNorm, RoPE tables and fused weights).
+The maths is the lean engine's (``LeanEngine.attention_inputs`` and ``after_attention``, its RoPE tables
+and fused weights).
 """
 
 from __future__ import annotations
@@ -121,8 +122,7 @@ def _step(engine: LeanEngine, batch: _Batch) -> None:
     """One token per row (idle rows too: their values are never read) -> each row's argmax into ``batch.token``.
 
     Shapes: x [w, H]; keys [layers, w, kv, T, D] read up to T = max(pos) + 1; row b sees slots <= pos[b]."""
-    w, h, kv, d = batch.width, engine.num_heads, engine.kv_heads, engine.head_dim
-    dev = engine.device
+    w, dev = batch.width, engine.device
     pos = torch.tensor(batch.pos[:w], dtype=torch.long, device=dev)
     ids = torch.tensor(batch.token[:w], dtype=torch.long, device=dev)
     rows = torch.arange(w, device=dev)
@@ -131,15 +131,11 @@ def _step(engine: LeanEngine, batch: _Batch) -> None:
     cos, sin = engine._cos[pos][:, None], engine._sin[pos][:, None]  # [w, 1, D]
     x = F.embedding(ids, engine.embed)
     for i, lw in enumerate(engine.layers):
-        qkv = lw.qkv(engine._rms(x, lw.ln1)).view(w, h + 2 * kv, d)
-        qk = qkv[:, : h + kv]
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-        batch.keys[i, rows, :, pos] = qk[:, h:]  # [w, kv, D] at each row's own slot
-        batch.values[i, rows, :, pos] = qkv[:, h + kv:]
-        q = qk[:, :h, None]  # [w, heads, 1, D]
-        att = F.scaled_dot_product_attention(q, batch.keys[i, :w, :, :span], batch.values[i, :w, :, :span],
-                                             attn_mask=visible, enable_gqa=True)
-        x = x + lw.o(att.reshape(w, h * d))
-        gate, up = lw.gate_up(engine._rms(x, lw.ln2)).chunk(2, dim=-1)
-        x = x + lw.down(F.silu(gate) * up)
+        q, k, v = engine.attention_inputs(lw, x, cos, sin)
+        batch.keys[i, rows, :, pos] = k  # [w, kv, D] at each row's own slot
+        batch.values[i, rows, :, pos] = v
+        att = F.scaled_dot_product_attention(q[:, :, None], batch.keys[i, :w, :, :span],
+                                             batch.values[i, :w, :, :span], attn_mask=visible,
+                                             enable_gqa=True)  # [w, heads, 1, D]
+        x = engine.after_attention(lw, x, att.reshape(w, -1))
     batch.token[:w] = engine._logits(engine._rms(x, engine.norm)).float().argmax(dim=-1).tolist()

@@ -633,27 +633,38 @@ class LeanEngine:
         """The layers on ids [n] -> final-normed hidden [n, H]: each layer's keys/values written at cache slots
         start..start+n-1 and attention over slots ..start+n-1; with ``slots`` (an int64 tensor [n], the static
         step of graphs.py) written there by index and attention over the whole capacity under ``mask``."""
-        n, h, kv, d = ids.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        n = ids.shape[0]
         end = keys.shape[2] if slots is not None else start + n
         x = F.embedding(ids, self.embed)  # [n, H]
         for i, w in enumerate(self.layers):
-            qkv = w.qkv(self._rms(x, w.ln1)).view(n, h + 2 * kv, d)
-            qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin (sign in the table)
-            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
-            k, v = qk[:, h:].transpose(0, 1), qkv[:, h + kv:].transpose(0, 1)  # [kv, n, D]
+            q, k, v = self.attention_inputs(w, x, cos, sin)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv, n, D]
             if slots is None:
                 keys[i, :, start:end] = k
                 values[i, :, start:end] = v
             else:
                 keys[i].index_copy_(1, slots, k)
                 values[i].index_copy_(1, slots, v)
-            q = qk[:, :h].transpose(0, 1)[None]  # [1, heads, n, D]
-            att = F.scaled_dot_product_attention(q, keys[i: i + 1, :, :end], values[i: i + 1, :, :end],
-                                                 attn_mask=mask, is_causal=causal, enable_gqa=True)
-            x = x + w.o(att[0].transpose(0, 1).reshape(n, h * d))
-            gate, up = w.gate_up(self._rms(x, w.ln2)).chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[i: i + 1, :, :end],
+                                                 values[i: i + 1, :, :end], attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=True)  # [1, heads, n, D]
+            x = self.after_attention(w, x, att[0].transpose(0, 1).reshape(n, -1))
         return self._rms(x, self.norm)
+
+    def attention_inputs(self, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q [n, heads, D], k and v [n, kv_heads, D] for rows x [n, H], RoPE applied (cos, sin [n, 1, D])."""
+        n, h, kv, d = x.shape[0], self.num_heads, self.kv_heads, self.head_dim
+        qkv = w.qkv(self._rms(x, w.ln1)).view(n, h + 2 * kv, d)
+        qk = qkv[:, : h + kv]  # RoPE on q and k together: x cos + rotate_half(x) sin (sign in the table)
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+        return qk[:, :h], qk[:, h:], qkv[:, h + kv:]
+
+    def after_attention(self, w: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer: x [n, H] plus the output projection of att [n, heads * D], then the MLP block."""
+        x = x + w.o(att)
+        gate, up = w.gate_up(self._rms(x, w.ln2)).chunk(2, dim=-1)
+        return x + w.down(F.silu(gate) * up)
 
     def compact(self, cache: LeanCache, start: int, path: Sequence[int]) -> None:
         """Move the accepted nodes' keys/values to slots start.. in one gather over all layers (one C call where
