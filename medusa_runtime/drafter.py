@@ -19,10 +19,18 @@ from torch import nn
 
 from treesearch.tree import Tree
 
-from .graphs import capture
+from . import graphs
 from .heads import Int8Projection, MedusaHeads
 from .heads_native import NativeHeadLevels, native_support
 from .tree_compiler import PathLevel, path_plan
+
+
+def row(table: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for an int or a 0-d tensor. A tensor is read on the device: indexing with a 0-d tensor
+    reads it on the host (``.item()``), which a CUDA graph cannot capture, and would replay as a constant."""
+    if isinstance(index, torch.Tensor):
+        return table.index_select(0, index.reshape(1).to(table.device))[0]
+    return table[index]
 
 
 class Drafter:
@@ -84,7 +92,7 @@ class StackedDrafter(Drafter):
                             lambda states: torch.einsum("kh,kvh->kv", states, self.weight))  # [depth, S]
 
     def top(self, hidden: torch.Tensor, root: int) -> tuple[torch.Tensor, torch.Tensor]:
-        root_embedding = None if self.embed is None else self.embed[root]  # [H]: the root's input embedding
+        root_embedding = None if self.embed is None else row(self.embed, root)  # [H]: the root's input embedding
         states = hidden.expand(self.depth, 1, -1)  # [depth, 1, H]: the same state into every head
         for level, (weight, bias) in enumerate(self.levels):  # one batched matmul per residual level
             if level == 0 and root_embedding is not None:  # + U_j e inside the first block's activation
@@ -119,7 +127,7 @@ class PathDrafter(StackedDrafter):
     def nodes_torch(self, hidden: torch.Tensor, root: int, gate: float) -> tuple[torch.Tensor, list[float]]:
         """The same through PyTorch's ops, level by level."""
         embed, topk = self.embed, self.topk
-        root_embedding = embed[root]  # [H]
+        root_embedding = row(embed, root)  # [H]
         nodes = torch.empty(self.num_nodes, dtype=torch.long, device=self.device)
         nodes[0] = root
         chain = []
@@ -152,7 +160,7 @@ class GraphedDrafter(Drafter):
         self.hidden.copy_(hidden)
         self.root.fill_(root)
         if self.graph is None:
-            self.graph, self.out = capture(body, self.device)
+            self.graph, self.out = graphs.capture(body, self.device)
         self.graph.replay()
         return self.out
 

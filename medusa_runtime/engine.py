@@ -28,7 +28,6 @@ ancestor mask (row i may see column j).
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,13 +38,12 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from . import kernels
-from .graphs import CacheStorage, bucket, one_row, storage_for
+from .graphs import CacheStorage, bucket, graphs_enabled, one_row, storage_for
 from .kernels import hugepages
 from .logit_screen import build_screen
 from .model import LoadedModel
 
 ENGINES = ("auto", "lean", "lean-torch", "lean-static", "hf")
-GRAPHS_SWITCH = "MEDUSA_CUDA_GRAPHS"
 
 
 class EngineError(ValueError):
@@ -392,11 +390,12 @@ class LeanEngine:
     name = "lean"
 
     def __init__(self, loaded: LoadedModel, max_nodes: int = 1, use_kernels: bool | None = None,
-                 static_steps: bool | None = None):
+                 static_steps: bool | None = None, graphs: bool | None = None):
         """``use_kernels``: decode steps (one row, or a tree) through the C forward of kernels/lean_cpu.c;
         None = where it pays (bf16 on a CPU with AVX-512 BF16 and a C compiler), False = PyTorch only.
         ``static_steps``: decode steps with every shape fixed (graphs.py), captured as CUDA graphs on CUDA and
-        run eagerly elsewhere; None = on CUDA."""
+        run eagerly elsewhere; None = on CUDA. ``graphs``: the static steps (and the heads) replayed from CUDA
+        graphs; None = where ``graphs.graphs_enabled`` (CUDA, unless MEDUSA_CUDA_GRAPHS=0), False = eagerly."""
         why = lean_support(loaded)
         if why:
             raise EngineError(f"the lean engine cannot run {loaded.name}: {why}; use engine 'hf'")
@@ -417,9 +416,10 @@ class LeanEngine:
             raise EngineError("static steps and the C forward exclude each other")
         self.lib = None if static_steps else self._kernel_library(use_kernels)
         self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
-        self.static = self.device.type == "cuda" and self.lib is None if static_steps is None else static_steps
-        # MEDUSA_CUDA_GRAPHS=0: the fixed-shape steps run eagerly on CUDA too (as lean-static), graphs ruled out
-        self.graphs = self.static and self.device.type == "cuda" and os.environ.get(GRAPHS_SWITCH, "1") != "0"
+        if static_steps is None:  # where a GPU would otherwise spend the step launching kernels
+            static_steps = self.lib is None and (self.device.type == "cuda" or graphs_enabled(self.device))
+        self.static = static_steps
+        self.graphs = self.static and (graphs_enabled(self.device) if graphs is None else graphs)
         self._model = weakref.ref(model)  # the static caches' pool is per model
         self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
@@ -734,5 +734,5 @@ def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> 
     if name == "lean-torch":
         return LeanEngine(loaded, max_nodes, use_kernels=False, static_steps=False)
     if name == "lean-static":
-        return LeanEngine(loaded, max_nodes, use_kernels=False, static_steps=True)
+        return LeanEngine(loaded, max_nodes, use_kernels=False, static_steps=True, graphs=False)
     return LeanEngine(loaded, max_nodes)

@@ -25,6 +25,7 @@ on any device (engine ``lean-static``): that is how the tests check its maths on
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ import torch
 R = TypeVar("R")
 
 MIN_CAPACITY = 256  # the smallest pooled cache (positions)
+GRAPHS_SWITCH = "MEDUSA_CUDA_GRAPHS"  # "0": static steps run eagerly on CUDA too
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """Whether static steps on ``device`` are captured as CUDA graphs: on CUDA, unless MEDUSA_CUDA_GRAPHS=0."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_SWITCH, "1") != "0"
 
 
 def bucket(capacity: int) -> int:

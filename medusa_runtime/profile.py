@@ -28,7 +28,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 from .acceptance import AcceptConfig
 from .bandwidth import FloorProbe, floor_pair, generate_kv_bytes, pairs_summary, step_weight_bytes
 from .decode import DecodeConfig, MedusaDecoder
-from .engine import GRAPHS_SWITCH, c_forward_status
+from .engine import c_forward_status
+from .graphs import graphs_enabled
 from .heads import MedusaHeads
 from .kernels import cpuinfo_line
 from .lockstep import lockstep
@@ -71,7 +72,7 @@ def describe_machine(loaded: LoadedModel) -> dict[str, object]:
                                "lean_c_forward": c_forward_status(loaded)}
     if loaded.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(loaded.device)
-        info["cuda_graphs"] = os.environ.get(GRAPHS_SWITCH, "1") != "0"  # the lean engine's steps replayed so
+        info["cuda_graphs"] = graphs_enabled(loaded.device)  # the lean engine's steps replayed so
     else:
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return info
