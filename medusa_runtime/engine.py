@@ -493,10 +493,9 @@ class LeanEngine:
     # -------------------------------------------------------------- the forward
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalise in float32, cast back, then scale
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        # transformers' LlamaRMSNorm: normalise in float32, cast back, then scale. F.rms_norm without a weight
+        # does the first two (in float32 for half inputs, one rounding), one fused kernel on CUDA
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def forward(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, last_only: bool = False
@@ -635,6 +634,7 @@ class LeanEngine:
         step of graphs.py) written there by index and attention over the whole capacity under ``mask``."""
         n = ids.shape[0]
         end = keys.shape[2] if slots is not None else start + n
+        bias = None if causal else self.grouped_bias(mask, n)  # once for all layers
         x = F.embedding(ids, self.embed)  # [n, H]
         for i, w in enumerate(self.layers):
             q, k, v = self.attention_inputs(w, x, cos, sin)
@@ -645,11 +645,34 @@ class LeanEngine:
             else:
                 keys[i].index_copy_(1, slots, k)
                 values[i].index_copy_(1, slots, v)
-            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[i: i + 1, :, :end],
-                                                 values[i: i + 1, :, :end], attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=True)  # [1, heads, n, D]
-            x = self.after_attention(w, x, att[0].transpose(0, 1).reshape(n, -1))
+            past_k, past_v = keys[i: i + 1, :, :end], values[i: i + 1, :, :end]  # [1, kv, T, D]
+            if causal:  # a prompt into an empty cache: flash attention takes the query heads as they are
+                att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], past_k, past_v, is_causal=True,
+                                                     enable_gqa=True)[0].transpose(0, 1)  # [n, heads, D]
+            else:
+                att = self.grouped_attention(q, past_k, past_v, bias)
+            x = self.after_attention(w, x, att.reshape(n, -1))
         return self._rms(x, self.norm)
+
+    def grouped_bias(self, mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The additive mask [g * n, T] of ``grouped_attention`` for a bool mask [n, T] (True: visible), rows in
+        the grouped queries' order (head r of a group, then row): 0 where visible, -inf elsewhere."""
+        if mask is None:
+            return None
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return bias.repeat(self.num_heads // self.kv_heads, 1)
+
+    def grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """q [n, heads, D] against keys and values [1, kv_heads, T, D] -> [n, heads, D]. Query head h reads kv head
+        h // g (g = heads / kv_heads, transformers' repeat_kv), so each kv head's g query heads go in as g * n rows of
+        one attention: no copy of the cache per query head (what enable_gqa costs with a mask, in the math kernel),
+        and a mask (``grouped_bias``) leaves the fused kernels open."""
+        n, kv, d = q.shape[0], self.kv_heads, self.head_dim
+        g = self.num_heads // kv
+        grouped = q.view(n, kv, g, d).permute(1, 2, 0, 3).reshape(1, kv, g * n, d)  # [1, kv, (r, row), D]
+        att = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias)  # [1, kv, g * n, D]
+        return att.view(kv, g, n, d).permute(2, 0, 1, 3)  # [n, kv, g, D] = [n, heads, D]
 
     def attention_inputs(self, w: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
