@@ -20,7 +20,8 @@ from medusa_runtime.heads import fresh_heads
 from medusa_runtime.model import LoadedModel
 from treesearch.tree import load_tree
 
-from .conftest import hf_greedy, random_heads, tiny_gemma3, tiny_llama
+from .conftest import hf_greedy, tiny_gemma3, tiny_llama
+from .graph_checks import check_graphed_heads, check_graphed_steps
 from .test_tree import random_tree
 
 pytestmark = pytest.mark.gpu
@@ -73,33 +74,7 @@ def test_greedy_medusa_is_generate_on_cuda(cuda, build, engine, tree):
 
 
 def test_graphed_steps_equal_eager_static_steps_on_cuda(cuda):
-    """The same fixed-shape steps replayed from CUDA graphs (engine lean) and run eagerly (lean-static): equal
-    logits, each step on new inputs (a replay that read stale inputs would repeat the last step's values)."""
-    loaded = _to(tiny_llama(), cuda, torch.float32)
-    rng = random.Random(2)
-    tree = random_tree(rng, 20, 4, 3)
-    heads = fresh_heads(tree.depth, 1, loaded.hidden_size, loaded.vocab_size)
-    decs = [MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1, engine=e))
-            for e in ("lean", "lean-static")]
-    assert decs[0].engine.graphs and not decs[1].engine.graphs
-    prompt = torch.tensor([rng.randrange(loaded.vocab_size) for _ in range(30)], device=cuda)
-    caches = [d.new_cache(200) for d in decs]
-    with torch.inference_mode():
-        for d, c in zip(decs, caches):
-            d.prefill(prompt, c)
-        start, last = 30, None
-        for _ in range(5):
-            tokens = torch.randint(0, loaded.vocab_size, (tree.num_nodes,), device=cuda)
-            got, want = (d.engine.decode_step(tokens, start, c, d.buffers.attn_mask, d.buffers.position_offsets)
-                         for d, c in zip(decs, caches))
-            torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=1e-4)
-            assert got.pred == want.pred
-            assert last is None or not torch.equal(got.logits, last)
-            last = got.logits.clone()
-            path = [0, *decs[0].buffers.children[0][:1]]
-            for d, c in zip(decs, caches):
-                d.compact(c, start, path)
-            start += len(path)
+    check_graphed_steps(_to(tiny_llama(), cuda, torch.float32), atol=2e-4, rtol=1e-4)
 
 
 def test_graphs_can_be_switched_off_on_cuda(cuda, monkeypatch):
@@ -114,22 +89,7 @@ def test_graphs_can_be_switched_off_on_cuda(cuda, monkeypatch):
 
 @pytest.mark.parametrize("condition", ["none", "root", "path"])
 def test_graphed_heads_equal_their_eager_ops_on_cuda(cuda, condition):
-    from medusa_runtime.drafter import GraphedDrafter
-
-    loaded = _to(tiny_llama(), cuda, torch.float32)
-    heads = random_heads(loaded, condition, seed=4)
-    tree = random_tree(random.Random(1), 20, 3, 3)
-    dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=4))
-    assert isinstance(dec.drafter, GraphedDrafter)
-    with torch.inference_mode():
-        for root in (0, 17, 63, 5):
-            hidden = torch.randn(loaded.hidden_size, device=cuda)
-            if dec.drafter.in_node_order:
-                got, _ = dec.drafter.nodes(hidden, root, 0.0)
-                want, _ = dec.drafter.inner.nodes_torch(hidden, root, 0.0)
-            else:
-                got, want = dec.drafter.top(hidden, root)[0], dec.drafter.inner.top(hidden, root)[0]
-            assert torch.equal(got, want)
+    check_graphed_heads(_to(tiny_llama(), cuda, torch.float32), condition)
 
 
 def test_default_model_plain_step_within_two_ms_on_cuda(cuda, capsys):

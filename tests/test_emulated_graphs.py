@@ -12,12 +12,11 @@ import torch
 
 from medusa_runtime.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.drafter import GraphedDrafter, row
-from medusa_runtime.heads import fresh_heads
 from treesearch.tree import load_tree
 
 from .conftest import hf_greedy, random_heads, tiny_llama
 from .emulated_graphs import CaptureError, EmulatedGraph, emulated_capture
-from .test_tree import random_tree
+from .graph_checks import check_graphed_heads, check_graphed_steps
 
 
 @pytest.fixture
@@ -84,54 +83,13 @@ def test_graphed_greedy_medusa_is_generate(graphs_on_cpu, condition, tree):
 
 
 def test_graphed_steps_equal_eager_static_steps(graphs_on_cpu):
-    """Replayed steps against eager ones on new inputs each step, with compaction between them (a replay that read
-    stale inputs would repeat the last step's values)."""
-    loaded = tiny_llama()
-    rng = random.Random(2)
-    tree = random_tree(rng, 20, 4, 3)
-    heads = fresh_heads(tree.depth, 1, loaded.hidden_size, loaded.vocab_size)
-    decs = [MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=tree.max_rank + 1, engine=e))
-            for e in ("lean", "lean-static")]
-    assert decs[0].engine.graphs and decs[1].engine.static and not decs[1].engine.graphs
-    prompt = torch.tensor([rng.randrange(loaded.vocab_size) for _ in range(30)])
-    caches = [d.new_cache(200) for d in decs]
-    with torch.inference_mode():
-        for d, c in zip(decs, caches):
-            d.prefill(prompt, c)
-        start, last = 30, None
-        for _ in range(5):
-            tokens = torch.randint(0, loaded.vocab_size, (tree.num_nodes,))
-            got, want = (d.engine.decode_step(tokens, start, c, d.buffers.attn_mask, d.buffers.position_offsets)
-                         for d, c in zip(decs, caches))
-            torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
-            assert got.pred == want.pred
-            assert last is None or not torch.equal(got.logits, last)
-            last = got.logits.clone()
-            path = [0, *decs[0].buffers.children[0][:1]]
-            for d, c in zip(decs, caches):
-                d.compact(c, start, path)
-            start += len(path)
+    check_graphed_steps(tiny_llama(), atol=2e-5, rtol=1e-5)
     assert len(graphs_on_cpu) == 1 and graphs_on_cpu[0].replays == 5
 
 
 @pytest.mark.parametrize("condition", ["none", "root", "path"])
 def test_graphed_heads_equal_their_eager_ops(graphs_on_cpu, condition):
-    loaded = tiny_llama()
-    heads = random_heads(loaded, condition, seed=4)
-    tree = random_tree(random.Random(1), 20, 3, 3)
-    dec = MedusaDecoder(loaded, heads, tree, config=DecodeConfig(topk=4))
-    seen = []
-    with torch.inference_mode():
-        for root in (0, 17, 63, 5):
-            hidden = torch.randn(loaded.hidden_size)
-            if dec.drafter.in_node_order:
-                got, _ = dec.drafter.nodes(hidden, root, 0.0)
-                want, _ = dec.drafter.inner.nodes_torch(hidden, root, 0.0)
-            else:
-                got, want = dec.drafter.top(hidden, root)[0], dec.drafter.inner.top(hidden, root)[0]
-            assert torch.equal(got, want)
-            seen.append(got.clone())
-    assert not torch.equal(seen[0], seen[1])
+    check_graphed_heads(tiny_llama(), condition)
     assert graphs_on_cpu[-1].replays == 4
 
 
