@@ -1,6 +1,6 @@
 """Decode steps with every shape fixed, so that a GPU runs each one as a single CUDA graph.
 
-Eagerly, a decode step of the default model is a thousand small kernels (30 layers of norms, RoPE, four
+Eagerly, a decode step of the default model is some six hundred small kernels (30 layers of norms, RoPE, four
 matmuls, attention, residuals) and a GPU spends the step launching them, not streaming the weights. A CUDA
 graph records the kernels once and replays them with one launch, but it replays fixed shapes and fixed
 addresses. So a static step:
@@ -19,8 +19,9 @@ addresses. So a static step:
   replays reuse: they are valid until the next step of the same cache and layout.
 
 The caches a graphed engine hands out come from a pool per model (``capacity`` rounded up to a power of two)
-and keep their steps, so a graph captured in one generate is replayed in the next. The same step runs eagerly
-on any device (engine ``lean-static``): that is how the tests check its maths on a CPU.
+and keep their steps, keyed by the layout's values, so a graph captured in one generate is replayed in the next,
+and by any later decoder of the same tree. The same step runs eagerly on any device (engine ``lean-static``):
+that is how the tests check its maths on a CPU.
 """
 
 from __future__ import annotations
@@ -65,16 +66,31 @@ class CacheStorage:
         return self.user is None or self.user() is None
 
     def step(self, engine, tree: torch.Tensor, offsets: torch.Tensor) -> StaticStep:
-        """The step of this layout on this storage, made on first use. It reads copies of the layout, and goes
-        when the caller's tree mask does (a decoder's layouts live as long as the decoder), so the ids in its
-        key are never those of a later tensor; it holds the engine, whose weights are in the key (with whether
-        it replays graphs: lean and lean-static engines may share a storage)."""
-        key = (id(engine.layers), engine.graphs, id(tree), id(offsets))
+        """The step of this layout on this storage, made on first use and kept as long as the storage. The key holds
+        the layout's values (``layout_key``), so a later decoder of the same tree replays the graph an earlier one
+        captured; and the engine's weights (the step holds its engine, so the id is never a later tuple's) with
+        whether it replays graphs (lean and lean-static engines may share a storage)."""
+        key = (id(engine.layers), engine.graphs, layout_key(tree, offsets))
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = StaticStep(engine, self, tree.clone(), offsets.clone(), graph=engine.graphs)
-            weakref.finalize(tree, self.steps.pop, key, None)
         return step
+
+
+# (id of a tree mask, id of its offsets) -> the layout's values, while both tensors live
+_LAYOUTS: dict[tuple[int, int], tuple[int, bytes, bytes]] = {}
+
+
+def layout_key(tree: torch.Tensor, offsets: torch.Tensor) -> tuple[int, bytes, bytes]:
+    """A layout by value: rows, the [n, n] mask's bytes, the offsets' bytes. Read from the device once per pair of
+    tensors (a decoder's layouts live as long as the decoder), not on every step."""
+    ids = (id(tree), id(offsets))
+    key = _LAYOUTS.get(ids)
+    if key is None:
+        key = _LAYOUTS[ids] = (tree.shape[0], tree.cpu().numpy().tobytes(), offsets.cpu().numpy().tobytes())
+        for tensor in (tree, offsets):
+            weakref.finalize(tensor, _LAYOUTS.pop, ids, None)
+    return key
 
 
 # per model: the static caches made for it (a profile builds dozens of decoders, each its own engine, on one model)

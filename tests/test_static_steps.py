@@ -87,8 +87,14 @@ def test_pooled_caches_keep_their_steps_and_are_not_shared_while_held():
     assert reused.storage is storage and reused.storage.steps.keys() == steps.keys()
     assert all(reused.storage.steps[k] is v for k, v in steps.items())
     del reused, other, dec
-    gc.collect()  # the decoder's layout is gone: so is the step made for it
-    assert list(storage.steps.values()) == [v for v in steps.values() if v.rows.shape[0] == 1]
+    gc.collect()
+    again = MedusaDecoder(loaded, heads, "chain:3", config=DecodeConfig(max_new_tokens=12, engine="lean-static"))
+    assert again.generate(prompt).token_ids == first  # a new decoder, its own mask tensor, the same layout
+    assert storage.steps.keys() == steps.keys() and all(storage.steps[k] is v for k, v in steps.items())
+    chain2 = MedusaDecoder(loaded, heads, "chain:2", config=DecodeConfig(max_new_tokens=12, engine="lean-static"))
+    chain2.generate(prompt)
+    took = chain2.new_cache(40).storage  # the storage that generate took (an engine's own last one comes first)
+    assert 3 in {step.rows.shape[0] for step in took.steps.values()}  # another layout (root + 2): a step of its own
 
 
 def test_an_engine_gets_back_the_storage_it_took_last():
