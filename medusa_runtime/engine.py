@@ -634,7 +634,7 @@ class LeanEngine:
         step of graphs.py) written there by index and attention over the whole capacity under ``mask``."""
         n = ids.shape[0]
         end = keys.shape[2] if slots is not None else start + n
-        bias = None if causal else self.grouped_bias(mask, n)  # once for all layers
+        bias = None if causal else self.grouped_bias(mask)  # once for all layers
         x = F.embedding(ids, self.embed)  # [n, H]
         for i, w in enumerate(self.layers):
             q, k, v = self.attention_inputs(w, x, cos, sin)
@@ -654,7 +654,7 @@ class LeanEngine:
             x = self.after_attention(w, x, att.reshape(n, -1))
         return self._rms(x, self.norm)
 
-    def grouped_bias(self, mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    def grouped_bias(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The additive mask [g * n, T] of ``grouped_attention`` for a bool mask [n, T] (True: visible), rows in
         the grouped queries' order (head r of a group, then row): 0 where visible, -inf elsewhere."""
         if mask is None:
