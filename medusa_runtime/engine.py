@@ -494,7 +494,7 @@ class LeanEngine:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalise in float32, cast back, then scale. F.rms_norm without a weight
-        # does the first two (in float32 for half inputs, one rounding), one fused kernel on CUDA
+        # does the first two (in float32 for half inputs, one rounding) in one call
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def forward(self, ids: torch.Tensor, start: int, cache: LeanCache, tree: torch.Tensor | None = None,
