@@ -11,7 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.cli import build_parser
 from bench.commands import flags
+from bench.pipeline import build_parser as pipeline_parser
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -39,9 +41,6 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 def all_parsers() -> dict[str, argparse.ArgumentParser]:
     """Every command line of the project: ``medusa-bench SUB`` for each subcommand, and the main job."""
-    from bench.cli import build_parser
-    from bench.pipeline import build_parser as pipeline_parser
-
     parsers = {f"medusa-bench {name}": p for name, p in subparsers(build_parser()).items()}
     parsers["python -m bench.pipeline"] = pipeline_parser()
     return parsers

@@ -5,7 +5,7 @@
 
 The workload is a question set (MT-Bench by default, ``--questions humaneval`` or a JSONL). Every
 question is rolled out once for calibration; the replayed questions are split into folds, and each
-fold's search and predictions read only the other questions' rollouts (``bench.workload``). The
+fold's search and predictions read only the other questions' rollouts (``bench.replay.workload``). The
 search's pick for a fold is replayed on that fold's questions, beside the alternatives, in one
 interleaved run; the report sets predicted against measured for every configuration.
 
@@ -24,6 +24,7 @@ import io
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -33,11 +34,28 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.commands import flags
-from bench.engines import parse_engines
-from bench.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
-from bench.matrix import baseline_configurations, replay_configurations, sampled_configurations
-from bench.stages import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
-from treesearch.targets import TARGETS, heads_conditioning
+from bench.engines import EngineSettings, parse_engines
+from bench.engines.stage import ACCEPTANCE, check, prepare
+from bench.replay.matrix import baseline_configurations, replay_configurations, sampled_configurations
+from bench.replay.suites import load_suite, write_questions
+from bench.replay.workload import check_disjoint, make_folds, sample_over_categories, spread_over_categories
+from bench.report.build import report
+from bench.stages import defaults
+from bench.stages.cache import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
+from bench.stages.deploy import heads_reference
+from bench.stages.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
+from bench.stages.measure import calibrate_stage, profile_stage
+from bench.stages.replay import judge_stage, replay_stage
+from bench.stages.training import train_stage
+from bench.stages.trees import search_stage
+from medusa_runtime.heads.adapter import adapter_info
+from medusa_runtime.heads.medusa import SHIPPED, auto_heads, heads_folder, shipped_heads_dir
+from medusa_runtime.model import resolve_device, resolve_dtype
+from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
+from treesearch.cost import load_profile
+from treesearch.deploy import write_final
+from treesearch.stats import load_stats
+from treesearch.targets import TARGETS, heads_conditioning, load_engine_costs
 from treesearch.tree import write_json_atomic
 from treesearch.typical import SEARCH_TEMPERATURE
 
@@ -103,11 +121,6 @@ class BenchOptions:
 
 def run_job(job: Job) -> None:
     """A stage's job run in this process, by the function its command calls; prints what the command prints."""
-    from bench.commands.measure import calibrate_stage, profile_stage
-    from bench.commands.replay import judge_stage, replay_stage
-    from bench.commands.training import train_stage
-    from bench.commands.trees import search_stage
-
     stage = {TrainJob: train_stage, CalibrateJob: calibrate_stage, ProfileJob: profile_stage,
              SearchJob: search_stage, ReplayJob: replay_stage, JudgeJob: judge_stage}[type(job)]
     _, text = stage(job)
@@ -115,7 +128,7 @@ def run_job(job: Job) -> None:
 
 
 def _cached(cache: StageCache, name: str, job: Job, outputs: list[Path]) -> bool:
-    """The job run unless its outputs exist under the same key (``bench.jobs.stage_key``: every field, the
+    """The job run unless its outputs exist under the same key (``bench.stages.jobs.stage_key``: every field, the
     files it reads, the runtime revision)."""
     return cache.run(name, stage_key(job), outputs, lambda: run_job(job))
 
@@ -169,8 +182,6 @@ def _cached_many(cache: StageCache, stages: list[tuple[str, Job, list[Path]]]) -
 
 def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     """The shipped heads, or heads trained with the quick profile (``--retrain``)."""
-    from medusa_runtime.heads import SHIPPED, shipped_heads_dir
-
     if opts.heads in SHIPPED and opts.heads != "default" and not opts.retrain:
         folder = shipped_heads_dir(opts.heads)
         if folder is None or opts.model != "default":
@@ -198,16 +209,12 @@ def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path, fits: bool
     the folds' predictions then speaks for the replayed set as a whole, while no prediction reads the rollout of
     a question it is measured on (fitting on questions outside the replayed set would add their sampling
     difference from it, 5 % and more for 40 questions)."""
-    from bench.suites import load_suite, write_questions
-    from bench.workload import check_disjoint, make_folds, sample_over_categories, spread_over_categories
-
-    questions = load_suite(opts.questions, log=_log)
+    questions = load_suite(opts.questions, log=log)
     replayed = sample_over_categories(questions, prof.questions)
     folds = make_folds(replayed, prof.folds)
     qfile = write_questions(out / "questions.jsonl", questions)
     write_questions(out / "calibration.jsonl", replayed)
     if opts.calibration is not None:  # another prompt set: it must not hold what is replayed
-        from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
 
         prompts = load_prompt_source(opts.calibration)
         prompts = builtin_split(prompts, "calibration") if opts.calibration in BUILTIN_NAMES else prompts
@@ -239,8 +246,6 @@ def stage_calibrate(opts: BenchOptions, prof: BenchProfile, out: Path, cache: St
 def workload_lengths(acc: Path, max_new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(contexts, prefill lengths) that cover the workload: the calibration prompts' lengths, short to long,
     and the contexts their steps run at (the prompt plus up to a turn of new tokens)."""
-    from treesearch.stats import load_stats
-
     stats = load_stats(acc)
     lengths = sorted(len(t.prompt) for t in stats.texts + stats.heldout_texts)
     if not lengths:
@@ -317,11 +322,6 @@ def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageC
     """The configuration to deploy on the target (``tree.json``): its search fitted on every replayed question
     (the folds check the procedure; this is its result), with the heads it needs and its prediction with
     intervals (``treesearch.deploy``)."""
-    from bench.deploy import heads_reference
-    from treesearch.cost import load_profile
-    from treesearch.deploy import write_final
-    from treesearch.stats import load_stats
-
     search = out / "search" / f"final-{opts.target}.json"
     replayed = tuple(map(str, workload["replayed"]))
     job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target, engine_costs=opts.engine_costs,
@@ -330,7 +330,7 @@ def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageC
     # the acceptance file holds the replayed questions' rollouts (or, with --calibration, another prompt set's)
     fitted = list(replayed) if opts.calibration is None else None
     path = write_final(search, load_stats(acc), load_profile(lat), heads_reference(heads), out / "tree.json", fitted)
-    _log(f"[bench] the configuration to deploy ({opts.target}): {path}")
+    log(f"[bench] the configuration to deploy ({opts.target}): {path}")
     return path
 
 
@@ -339,14 +339,11 @@ def stage_engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     the heads exported for it), and the heads vLLM runs calibrated on the replayed questions with vLLM's
     vocabulary (``engines/acceptance-vllm-medusa.json``): what the report predicts vLLM's acceptance from.
     Returns the plan (the peers' configurations) and the engine settings the replay starts them with."""
-    from bench.engines import EngineSettings
-    from bench.engines.stage import ACCEPTANCE, prepare
-
     settings = EngineSettings(vllm_python=opts.vllm_python)
     folder = out / "engines"
-    plan = prepare(opts.engines, opts.model, opts.heads, settings, folder, log=_log)
+    plan = prepare(opts.engines, opts.model, opts.heads, settings, folder, log=log)
     for note in plan.notes:
-        _log(f"[engines] {note}")
+        log(f"[engines] {note}")
     acc = folder / ACCEPTANCE
     if plan.medusa_heads is not None:
         job = CalibrateJob(heads=str(plan.medusa_heads), **opts.model_fields(), data=str(out / "calibration.jsonl"),
@@ -374,7 +371,7 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
                  lat: Path, searches: tuple[list[Path], list[Path]], workload: dict,
                  engines: tuple[list[dict], dict] = ([], {})) -> None:
     """Every configuration, interleaved question by question, and the latency profile again in rounds between
-    the questions (``bench.replay_profile``: ``replay/latency-during.json``, what the report prices its
+    the questions (``bench.replay.profile_rounds``: ``replay/latency-during.json``, what the report prices its
     predictions with). The configuration file names the searches' and the typical search's tree files and the
     compared heads: the stage's key holds their contents (``ReplayJob.reads``)."""
     picks, heads_only = searches
@@ -421,14 +418,11 @@ def run(opts: BenchOptions) -> None:
             raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
         prof = replace(prof, max_new_tokens=opts.max_new_tokens)
     if opts.engine_costs is not None:
-        from treesearch.targets import load_engine_costs
 
         load_engine_costs(opts.engine_costs, TARGETS[opts.target])  # one line now, not after calibration
     if opts.guided_rating and not opts.judge:
         raise ValueError("--guided-rating needs --judge (it changes how the judge's ratings are read)")
     if opts.engines:  # before hours of stages: what the engines need and cannot get is said now, in one line
-        from bench.engines import EngineSettings
-        from bench.engines.stage import check
 
         check(opts.engines, EngineSettings(vllm_python=opts.vllm_python))
     out = Path(opts.out)
@@ -454,7 +448,6 @@ def run(opts: BenchOptions) -> None:
         stage_final(opts, prof, out, cache, acc, lat, workload, heads)
         stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload, peers)
     stage_quality(opts, out, cache)
-    from bench.report import report
 
     written = report(out)
     print(f"\n[bench] finished in {(time.perf_counter() - t_start) / 60:.1f} min; plots and tables:")
@@ -466,7 +459,6 @@ def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCach
     """(the peers' configurations, their settings) with --engines, else nothing; a run without engines removes
     an earlier run's engine calibration, so that its predictions are not reported beside these records."""
     if not opts.engines:
-        from bench.engines.stage import ACCEPTANCE
 
         (out / "engines" / ACCEPTANCE).unlink(missing_ok=True)
         return [], {}
@@ -477,8 +469,8 @@ def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCach
 def judge_fields(judge: str | None, guided: bool = False) -> dict:
     """The judge job's fields for ``--judge`` (None: no judge, the proxy only)."""
     if judge is None:
-        return {"judge": flags.JUDGE}
-    return {"judge": flags.judge_name(judge), "guided_rating": guided}
+        return {"judge": defaults.JUDGE}
+    return {"judge": defaults.judge_name(judge), "guided_rating": guided}
 
 
 def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
@@ -502,8 +494,6 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
 
 def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
     """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same)."""
-    from medusa_runtime.model import resolve_device, resolve_dtype
-
     dev = resolve_device(None if device == "auto" else device)
     return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
 
@@ -518,8 +508,6 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
         if "auto" in specs or "none" in specs:
             raise ValueError("--compare-heads: 'auto' and 'none' stand alone")
         return tuple(dict.fromkeys(specs))
-    from medusa_runtime.adapter import adapter_info
-    from medusa_runtime.heads import shipped_heads_dir
 
     if not (args.model == "default" and args.heads == "default" and not args.retrain):
         return ()
@@ -536,8 +524,6 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
 def _target_heads(target: str, heads: str, retrain: bool) -> str:
     """The heads a target decodes with: an engine runs no root- or path-conditioned heads, so the shipped default
     (path-conditioned) gives way to the shipped unconditioned set; heads it cannot run are refused now."""
-    from medusa_runtime.heads import heads_folder
-
     if target == "own":
         return heads
     if heads == "none":
@@ -557,13 +543,11 @@ def _target_heads(target: str, heads: str, retrain: bool) -> str:
 
 def _write_command(out: Path, argv: list[str], opts: BenchOptions) -> None:
     """command.json: how this run was started (the report shows it), beside the options it resolved to."""
-    import shlex
-
     write_json_atomic(out / "command.json", {"command": "python -m bench.pipeline " + shlex.join(argv),
                                              "options": asdict(opts)})
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -613,14 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from medusa_runtime.heads import auto_heads
 
         # auto: the shipped heads on the default model, else none; with --retrain, the trained ones
         args.heads = "default" if args.retrain and args.heads == "auto" else auto_heads(args.heads, args.model)
         args.heads = _target_heads(args.target, args.heads, args.retrain)
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
                             args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
-                            compare_heads=_compare_heads(args.compare_heads, args), judge=None if args.judge == flags.JUDGE else args.judge,
+                            compare_heads=_compare_heads(args.compare_heads, args), judge=None if args.judge == defaults.JUDGE else args.judge,
                             guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
                             engines=parse_engines(args.engines), vllm_python=args.vllm_python,
                             target=args.target, engine_costs=args.engine_costs)
@@ -628,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),
               flush=True)
-        flags.adopt_gguf(args.gguf, opts.model, log=lambda m: print(f"[bench] {m}", flush=True))
+        defaults.adopt_gguf(args.gguf, opts.model, log=lambda m: print(f"[bench] {m}", flush=True))
         _write_command(Path(opts.out), argv if argv is not None else sys.argv[1:], opts)
         run(opts)
     except (ValueError, OSError, RuntimeError) as exc:  # bad input, missing files, a model or engine that fails

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -23,10 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
+from medusa_runtime import __version__
+from medusa_runtime.kernels import cpuinfo_line
+from medusa_runtime.paths import cache_root
 from treesearch.fsutil import atomic_dir, atomic_file
-
-from .paths import cache_root
 
 DEFAULT_NAME = "default"
 
@@ -142,12 +147,6 @@ def software_versions() -> dict[str, str]:
     """The project, torch, transformers and Python: torch's and transformers' kernels decide the low bits of
     a bf16 forward, and so where a greedy rollout in bf16 first takes another token; replay records and
     acceptance statistics are only comparable under the same ones."""
-    import platform
-
-    import transformers
-
-    from . import __version__
-
     return {"medusa_bench": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
@@ -256,8 +255,6 @@ def adopt_gguf(path: str | Path, src: PackagedGGUF = DEFAULT_SOURCE, log: Callab
 
 def _convert_gguf(gguf: Path, out_dir: Path, src: PackagedGGUF, log: Callable[[str], None]) -> None:
     """Dequantise the GGUF with transformers and save a plain checkpoint (weights + tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log(f"converting {gguf.name} into a plain transformers checkpoint (once; 30-90 s) ...")
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -286,11 +283,17 @@ def prepare_packaged_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[st
     return out_dir
 
 
+def cpu_bf16_kernels() -> bool:
+    """Whether torch's CPU matrix products have bf16 kernels here (oneDNN on AVX-512 or AVX-NE-CONVERT). Without
+    them a bf16 product runs a reference loop several times slower than float32: bf16 autocast and prepacked bf16
+    weights only pay where this holds."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return torch.backends.mkldnn.is_available() and (probe is None or bool(probe()))
+
+
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """The dtype a decode runs fastest in here, and why: float16 on CUDA; bfloat16 on a CPU with AVX-512 BF16
     (where the C forward runs); float32 elsewhere."""
-    from .kernels import cpuinfo_line
-
     if device.type == "cuda":
         return torch.float16, "CUDA"
     if "avx512_bf16" in (cpuinfo_line("flags") or ""):
@@ -335,9 +338,6 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
                log: Callable[[str], None] = print) -> LoadedModel:
     """Load a packaged model by name (``default``, ``gemma3-270m``, ...: offline, from the package registry) or any
     transformers causal LM folder or hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     dev = resolve_device(device)
     if dtype in (None, "auto"):
         torch_dtype, why = auto_dtype(dev)

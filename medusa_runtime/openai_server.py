@@ -11,7 +11,7 @@ the ``openai`` package reads):
   acceptance; above 0: exact tree sampling, distributed as plain sampling), ``seed``; ``n`` must be 1 and
   ``stream`` false. ``structured_outputs: {"choice": [...]}`` (vLLM's extension; its earlier spelling
   ``guided_choice``, a list of strings) makes the reply one of them, by
-  greedy decoding constrained to their tokens (``medusa_runtime.guided``). Reply: ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the
+  greedy decoding constrained to their tokens (``medusa_runtime.decoding.guided``). Reply: ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the
   cap) and ``usage``; plus a ``medusa`` object with the steps and tau of the request.
 * ``GET /v1/models``: the one model served. Anything else: a JSON error with the HTTP status.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .acceptance import AcceptConfig
-from .decode import DecodeConfig, MedusaDecoder
-from .guided import check_choices, guided_choice
-from .lookup import LookupConfig
-from .model import LoadedModel, chat_template_ids
+from medusa_runtime.decoding.acceptance import AcceptConfig
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.decoding.guided import check_choices, guided_choice
+from medusa_runtime.model import LoadedModel, chat_template_ids
+from medusa_runtime.tree.lookup import LookupConfig
 
 
 @dataclass(frozen=True)

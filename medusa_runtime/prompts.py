@@ -120,7 +120,7 @@ def _read_records(path: Path) -> list[dict] | dict:
 
 def _load_with_datasets(source: str, path: Path) -> list[dict]:
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # datasets: optional (the data extra)
     except ImportError:
         raise RuntimeError(f"reading {source} needs the datasets library: pip install 'medusa-bench[data]'") from None
     if path.suffix == ".parquet":

@@ -62,7 +62,7 @@ def tiny_gemma3(vocab: int = 64, seed: int = 2, window: int = 6) -> LoadedModel:
 
 def random_heads(loaded: LoadedModel, condition: str, seed: int, num_heads: int = 3):
     """Heads with random weights (std 0.3: far from the base's own head), unconditioned, root- or path-conditioned."""
-    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+    from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads
 
     torch.manual_seed(seed)
     heads = MedusaHeads(HeadsConfig(num_heads, 1, loaded.hidden_size, loaded.vocab_size, True,

@@ -6,7 +6,7 @@ replay runs the same kernels again on whatever those tensors hold then, and writ
 Capture also refuses what would make the host wait for the device (``.item()``, ``nonzero``, a boolean mask
 index): the host cannot read a value that does not exist yet.
 
-``emulated_capture`` has the signature of ``medusa_runtime.graphs.capture``. It records the body's aten ops
+``emulated_capture`` has the signature of ``medusa_runtime.engines.graphs.capture``. It records the body's aten ops
 (below autograd, through a dispatch mode) with the very tensors they took, and each replay runs the recorded
 ops again in order, copying each out-of-place result into the tensor recorded for it. So a body that reads a
 Python value where it should read a tensor replays the captured value, as on a GPU, and a host read during

@@ -7,9 +7,9 @@ import random
 
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.drafter import GraphedDrafter
-from medusa_runtime.heads import fresh_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.decoding.drafter import GraphedDrafter
+from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import LoadedModel
 
 from .conftest import random_heads

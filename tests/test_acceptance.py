@@ -9,12 +9,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from medusa_runtime import acceptance, decode
-from medusa_runtime.acceptance import AcceptConfig, accept_greedy, accept_sample, accept_typical, warp
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import fresh_heads
-from medusa_runtime.lookup import LookupConfig, with_lookup_chain
-from medusa_runtime.tree_buffers import build_tree_buffers
+from medusa_runtime.decoding import acceptance, decode
+from medusa_runtime.decoding.acceptance import AcceptConfig, accept_greedy, accept_sample, accept_typical, warp
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import fresh_heads
+from medusa_runtime.tree.buffers import build_tree_buffers
+from medusa_runtime.tree.lookup import LookupConfig, with_lookup_chain
 from treesearch.tree import make_tree
 
 from .conftest import tiny_llama
@@ -213,7 +213,7 @@ def test_one_draw_inverts_the_cdf_exactly_and_never_picks_a_zero():
 def test_argmax_rows_is_numpys_argmax_ties_nans_and_infinities_included(dtype):
     """argmax_rows (the C library's one pass where it is built) against NumPy's argmax on the float32 values:
     the first of tied maxima, the first NaN, infinities, rows shorter and longer than a vector, 1-5 rows."""
-    from medusa_runtime.acceptance import argmax_rows
+    from medusa_runtime.decoding.acceptance import argmax_rows
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(400):

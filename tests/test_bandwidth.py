@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from medusa_runtime.bandwidth import (
+from medusa_runtime.measure.bandwidth import (
     FloorProbe,
     floor_line,
     floor_pairs,
@@ -62,7 +62,7 @@ def test_kv_bytes_are_every_layers_keys_and_values_at_the_mean_context():
         * loaded.model.model.embed_tokens.weight.element_size()
     assert kv_bytes_per_position(loaded) == per_position
     # a plain decoder's cache after a generate: positions = prompt + new - 1 (the last token is never forwarded)
-    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
 
     dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=5, stop_on_eos=False))
     cache = dec.new_cache(20)

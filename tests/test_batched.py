@@ -1,4 +1,4 @@
-"""Batched greedy replies (medusa_runtime/batched.py) against transformers' generate, prompt by prompt: rows of
+"""Batched greedy replies (medusa_runtime/decoding/batched.py) against transformers' generate, prompt by prompt: rows of
 different lengths, replies cut by EOS at different steps, more prompts than rows (continuous batching), and
 the batch narrowing at the end."""
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from medusa_runtime import batched
-from medusa_runtime.batched import batched_greedy
+from medusa_runtime.decoding import batched
+from medusa_runtime.decoding.batched import batched_greedy
 
 from .conftest import hf_greedy, tiny_gpt2, tiny_llama
 
@@ -50,7 +50,7 @@ def test_self_distillation_replies_come_from_the_batched_generator(tmp_path):
     replies are transformers' greedy ones (float32)."""
     import json
 
-    from medusa_runtime.calibrate import greedy_rollouts
+    from medusa_runtime.measure.calibrate import greedy_rollouts
     from medusa_runtime.model import chat_template_ids
     from medusa_runtime.prompts import builtin_prompts
     from medusa_runtime.training.distill import DistillConfig, build_distill_data

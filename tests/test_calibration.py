@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.calibrate import rank_vectors
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import HeadsConfig, MedusaHeads
-from medusa_runtime.profile import ProfileConfig, profile_latency
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads
+from medusa_runtime.measure.calibrate import rank_vectors
+from medusa_runtime.measure.profile import ProfileConfig, profile_latency
 from treesearch.stats import tau_step_walk
 from treesearch.tree import load_tree
 
@@ -122,7 +122,7 @@ def test_sampling_extra_is_made_non_decreasing_as_isotonic_regression_does():
     import numpy as np
     from scipy.optimize import isotonic_regression
 
-    from medusa_runtime.profile import _non_decreasing
+    from medusa_runtime.measure.profile import _non_decreasing
 
     assert _non_decreasing(np.array([1.0, 3.0, 2.0, 4.0])).tolist() == [1.0, 2.5, 2.5, 4.0]
     rng = np.random.default_rng(0)
@@ -140,7 +140,7 @@ def test_in_loop_verify_prices_sizes_by_ratios_of_means_unbiased_under_independe
     overshoots it by > 1.5 % (the skew of its noisy denominator); contexts scale by the ratio of the tight means."""
     import numpy as np
 
-    from medusa_runtime.profile import LoopTimes, _central, _in_loop_verify
+    from medusa_runtime.measure.profile import LoopTimes, _central, _in_loop_verify
 
     cfg = ProfileConfig(nodes=(1, 64), contexts=(100, 200), loop_nodes=(64,))
     rng = np.random.default_rng(0)
@@ -172,7 +172,7 @@ def test_in_loop_verify_prices_every_looped_context_from_its_own_loops():
     forwards' context ratio was drawn unlike the loops')."""
     import numpy as np
 
-    from medusa_runtime.profile import LoopTimes, _central, _in_loop_verify
+    from medusa_runtime.measure.profile import LoopTimes, _central, _in_loop_verify
 
     cfg = ProfileConfig(nodes=(1, 2, 4, 8), contexts=(50, 100, 400), loop_nodes=(2, 4, 8))
     rng = np.random.default_rng(1)

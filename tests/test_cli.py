@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from bench.cli import main
-from medusa_runtime.decode import encode_prompt
-from medusa_runtime.heads import HeadsConfig, MedusaHeads, save_heads
+from medusa_runtime.decoding.decode import encode_prompt
+from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads, save_heads
 
 from .conftest import hf_greedy
 

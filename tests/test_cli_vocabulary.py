@@ -26,6 +26,7 @@ EXPECTED = {
     "max_new_tokens": ("--max-new-tokens", None, {"generate", "train", "calibrate", "fidelity", "speed", "replay",
                                                   "serve", "python -m bench.pipeline"}),
     "judge": ("--judge", "none", {"judge", "python -m bench.pipeline"}),
+    "accept": ("--accept", "greedy", {"generate", "validate", "search"}),
 }
 
 
@@ -92,6 +93,7 @@ OLD = [
     (["search", "--acceptance", "a.json", "--budget", "8", "--max-lookup", "2"], "lookup", 2, "--lookup"),
     (["search", "--acceptance", "a.json", "--budget", "8", "--study", "s"], "study", "s", "--study-name"),
     (["train", "--gen-batch", "8"], "batch_size", 8, "--batch-size"),
+    (["self-prompts", "--count", "20"], "limit", 20, "--limit"),
     (["judge", "--records", "r", "--backend", "local", "--judge-local", "mine"], "judge", "local:mine", "--judge"),
     (["judge", "--records", "r", "--backend", "local"], "judge", "local:default", "--judge"),
     (["judge", "--records", "r", "--judge-model", "m", "--backend", "openai"], "judge", "m", "--judge"),
@@ -121,7 +123,7 @@ def test_new_spellings_parse_silently(capsys):
 
 
 def test_auto_heads_are_the_shipped_ones_on_the_default_model_only():
-    from bench.jobs import CalibrateJob, SpeedJob
+    from bench.stages.jobs import CalibrateJob, SpeedJob
 
     parse = build_parser().parse_args
     assert resolve_args(parse(["generate", "--prompt", "x"])).heads == "default"

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import fresh_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import LoadedModel
 from treesearch.tree import load_tree
 
@@ -78,7 +78,7 @@ def test_graphed_steps_equal_eager_static_steps_on_cuda(cuda):
 
 
 def test_graphs_can_be_switched_off_on_cuda(cuda, monkeypatch):
-    from medusa_runtime.engine import make_engine
+    from medusa_runtime.engines import make_engine
 
     loaded = _to(tiny_llama(), cuda, torch.float32)
     assert make_engine(loaded, "lean").graphs

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from medusa_runtime.acceptance import AcceptConfig
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import fresh_heads
+from medusa_runtime.decoding.acceptance import AcceptConfig
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import fresh_heads
 from treesearch.tree import load_tree
 
 from .conftest import OracleHeads, hf_greedy, tiny_gemma3, tiny_gpt2, tiny_llama

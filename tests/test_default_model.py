@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.heads import fresh_heads, resolve_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.heads.medusa import fresh_heads, resolve_heads
 from medusa_runtime.model import describe_model, load_model
 from treesearch.tree import load_tree
 
@@ -85,8 +85,8 @@ def test_shipped_medusa2_heads_decode_exactly_on_their_adapted_base(default_mode
     """The shipped default is Medusa-2: its adapter matches the default base and merges into layers 26-29
     only; greedy Medusa decoding on the adapted base equals that base's own greedy decoding (transformers'
     generate in float32, the runtime's plain decoding in bf16); the Medusa-1 set beside it needs no adapter."""
-    from medusa_runtime.adapter import adapter_info, apply_heads_adapter
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.adapter import adapter_info, apply_heads_adapter
+    from medusa_runtime.heads.medusa import shipped_heads_dir
 
     folder = shipped_heads_dir("default")
     info = adapter_info(folder)
@@ -130,7 +130,7 @@ def test_draft_vocab_command_keeps_the_most_frequent_reply_tokens_of_the_heads(t
     from collections import Counter
 
     from bench.cli import main
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.medusa import shipped_heads_dir
 
     src = shipped_heads_dir("default")
     rng = random.Random(0)

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.drafter import GraphedDrafter, row
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.decoding.drafter import GraphedDrafter, row
 from treesearch.tree import load_tree
 
 from .conftest import hf_greedy, random_heads, tiny_llama
@@ -22,7 +22,8 @@ from .graph_checks import check_graphed_heads, check_graphed_steps
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
     """The lean engine replays its steps and heads from (emulated) graphs on the CPU, as it does on CUDA."""
-    from medusa_runtime import engine, graphs
+    from medusa_runtime.engines import graphs
+    from medusa_runtime.engines import lean as engine
 
     captured: list[EmulatedGraph] = []
 
@@ -98,7 +99,7 @@ def test_graphed_heads_equal_their_eager_ops(graphs_on_cpu, condition):
 def test_graphed_decoding_equals_eager_static_decoding(graphs_on_cpu, rule, gate, lookup):
     """Every acceptance rule, the confidence gate (eager heads, graphed steps) and a lookup chain beside the heads:
     the same tokens, seed for seed, as the same fixed-shape steps run eagerly."""
-    from medusa_runtime.acceptance import AcceptConfig
+    from medusa_runtime.decoding.acceptance import AcceptConfig
     from treesearch.ngram import LookupConfig
 
     loaded = tiny_llama()

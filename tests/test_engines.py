@@ -32,7 +32,7 @@ from bench.engines.peers import (
     vllm_configurations,
 )
 from bench.engines.vllm_worker import delta, spec_counters
-from bench.runner import MethodConfig
+from bench.replay.runner import MethodConfig
 from treesearch.stats import chain_accepted_per_position
 
 DATA = Path(__file__).parent / "data" / "engines"
@@ -171,8 +171,8 @@ def _records(rng: np.random.Generator) -> list[dict]:
 def test_peer_rows_of_report_json(tmp_path):
     import pandas as pd
 
-    from bench.plots import headline_rows, plot_engines_headline
-    from bench.scorecard import scorecard, verdict, write_report
+    from bench.report.plots import headline_rows, plot_engines_headline
+    from bench.report.scorecard import scorecard, verdict, write_report
 
     df = pd.DataFrame.from_records(_records(np.random.default_rng(0)))
     configs = [MethodConfig("plain", "plain"), MethodConfig("plain, original base", "plain", heads="unconditioned"),
@@ -212,7 +212,7 @@ def test_peer_rows_of_report_json(tmp_path):
     assert lo < ratio < hi
     assert medusa["step_cost_vs_engine_plain"] == pytest.approx(medusa["tau"] / ratio, abs=1e-5)
     assert rows["llama.cpp bf16 +lookup4"]["speedup_vs_engine_plain"] is None  # no plain llama.cpp of its weights
-    from bench.readme import medusa_bound_line
+    from bench.report.readme import medusa_bound_line
 
     line = medusa_bound_line([medusa])
     assert line.startswith(f"vLLM + Medusa against vLLM plain: best vllm medusa chain:2, {ratio:.2f}x")
@@ -224,7 +224,7 @@ def test_peer_rows_of_report_json(tmp_path):
     assert shown == ["plain", "plain, original base", "llama.cpp bf16 +lookup4", "vllm medusa chain:2", "vllm plain"]
     assert [p.name for p in plot_engines_headline(list(rows.values()), tmp_path)] == \
         ["tokens_per_s_by_engine.png", "tokens_per_s_by_engine.svg"]
-    from bench.plots import plot_headline
+    from bench.report.plots import plot_headline
 
     assert [p.name for p in plot_headline(list(rows.values()), tmp_path)] == \
         ["tokens_per_s_headline.png", "tokens_per_s_headline.svg"]
@@ -244,7 +244,7 @@ def test_pipeline_refuses_bad_engines_in_one_line_before_any_stage(tmp_path):
 
 
 def test_readme_table_is_the_runs_compact_table():
-    from bench.readme import render_compact
+    from bench.report.readme import render_compact
 
     report = {"created": "2026-12-04T10:00:00", "machine": {"cpu_model": "CPU X", "cpu_count": 2},
               "configs": [{"config": "plain", "engine": "own", "tokens_per_s": 100.0, "tau": 1.0,
@@ -257,3 +257,23 @@ def test_readme_table_is_the_runs_compact_table():
     assert lines[0] == "`nox -s engines` on CPU X (2 cores), 2026-12-04:"
     assert lines[5] == "| **searched** | this runtime | 150.0 | 1.90 | 1.50x (1.40-1.60) |"
     assert lines[6] == "| vllm plain | vLLM | 30.0 | 1.00 | 0.30x (0.28-0.32) |" and len(lines) == 7
+
+
+def test_readme_verdict_is_the_scorecards_sentences():
+    """The README's block and docs/results.md say the verdict in the scorecard's words, not in a wording of their
+    own: both carry every sentence ``verdict_sentences`` writes (figures in bold)."""
+    from bench.report.readme import render, render_compact
+    from bench.report.scorecard import verdict_sentences
+
+    verdict = {"fastest": "searched", "fastest_tokens_per_s": 150.04, "searched": "searched", "searched_vs_fastest": 1.0,
+               "searched_is_fastest": True, "fastest_heads_only": "medusa chain:2", "fastest_heads_only_speedup": 1.35,
+               "predictions": 0}
+    report = {"created": "2026-12-04T10:00:00", "machine": {"cpu_model": "CPU X", "cpu_count": 2}, "verdict": verdict,
+              "configs": [{"config": "plain", "engine": "own", "tokens_per_s": 100.0, "tau": 1.0,
+                           "speedup_vs_plain": 1.0, "speedup_vs_plain_ci": [1.0, 1.0]}]}
+    sentences = verdict_sentences(verdict, strong=lambda t: f"**{t}**")
+    assert "Fastest measured: **searched** (150.0 tokens/s)." in sentences and len(sentences) == 4
+    assert render_compact(report).splitlines()[-1] == " ".join(sentences)
+    full = render(report).splitlines()
+    assert all(s in full for s in sentences)
+    assert not any(line.startswith("The search's pick (**searched**") for line in full)  # the old wording is gone

@@ -69,10 +69,10 @@ def test_vllm_runs_the_export_of_a_final_tree_with_the_speculative_config_it_wri
     import json
     import sys
 
-    from bench.deploy import heads_reference
     from bench.engines.stage import model_folder
     from bench.engines.vllm_engine import VllmWorker
-    from medusa_runtime.heads import shipped_heads_dir
+    from bench.stages.deploy import heads_reference
+    from medusa_runtime.heads.medusa import shipped_heads_dir
     from treesearch.tree import make_tree, tree_to_json, write_json_atomic
 
     choices = [[0], [0, 0]]
@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 def test_the_judges_constrained_rating_against_a_real_vllm_serve(tmp_path, vllm_python):
     from bench.engines.stage import model_folder
-    from bench.judge import RATING_CHOICES, OpenAIBackend
+    from bench.judge.grading import RATING_CHOICES, OpenAIBackend
 
     model, _ = model_folder("default", log=lambda m: None)
     port = _free_port()

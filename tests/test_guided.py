@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.guided import guided_choice
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.decoding.guided import guided_choice
 from medusa_runtime.model import chat_template_ids
 
 from .conftest import tiny_chat_model

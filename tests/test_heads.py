@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import (
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import (
     HeadsConfig,
     HeadsError,
     Int8Projection,
@@ -134,7 +134,7 @@ def test_resolve_heads_specs():
 def test_draft_vocabulary_restricts_proposals_and_round_trips(tmp_path, shared):
     """Heads with a draft vocabulary score only those tokens (-inf elsewhere), keep it through save/load
     in both formats, and decoding with them still equals generate (verification is unchanged)."""
-    from medusa_runtime.calibrate import _head_topk
+    from medusa_runtime.measure.calibrate import _head_topk
 
     from .conftest import hf_greedy
 
@@ -220,7 +220,7 @@ def test_root_conditioned_heads_read_the_root_and_round_trip(tmp_path):
     """Root-conditioned heads: zero root weights give the plain heads' outputs; trained ones depend on the
     root token; they round-trip in the shared format only; the decoder's batched proposal equals the module
     on the root's embedding; decoding with them equals generate."""
-    from medusa_runtime.calibrate import _head_topk
+    from medusa_runtime.measure.calibrate import _head_topk
 
     from .conftest import hf_greedy
 
@@ -280,7 +280,7 @@ def test_path_conditioned_heads_read_their_parent_and_round_trip(tmp_path):
     """Path-conditioned heads: zero parent weights give the root-conditioned heads' outputs; head j >= 1
     reads its parent inside the first block's activation; round trip in the shared format; calibration
     ranks with the parents it is given."""
-    from medusa_runtime.calibrate import _head_topk
+    from medusa_runtime.measure.calibrate import _head_topk
 
     loaded = tiny_llama()
     lm_head = loaded.model.get_output_embeddings()
@@ -336,7 +336,7 @@ def test_path_conditioned_decoder_scores_each_node_under_its_parent(tree):
     """The decoder's tree tokens against a node-by-node reference: the node at path p is rank p[-1] of
     head len(p)-1's top-k given the root and the token of node p[:-1]; decoding stays exact, with the
     confidence gate and a lookup chain too."""
-    from medusa_runtime.lookup import LookupConfig
+    from medusa_runtime.tree.lookup import LookupConfig
 
     from .conftest import hf_greedy
 

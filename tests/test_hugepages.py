@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from medusa_runtime import kernels
-from medusa_runtime.bandwidth import FloorProbe
-from medusa_runtime.decode import encode_prompt
-from medusa_runtime.engine import LeanEngine, pack_all, pack_rows4
+from medusa_runtime.decoding.decode import encode_prompt
+from medusa_runtime.engines.lean import LeanEngine
 from medusa_runtime.kernels import hugepages
+from medusa_runtime.kernels.packing import pack_all, pack_rows4
+from medusa_runtime.measure.bandwidth import FloorProbe
 from medusa_runtime.model import LoadedModel
 
 SMAPS = Path("/proc/self/smaps")
@@ -142,7 +143,7 @@ def test_floor_probe_copies_within_huge_page_memory():
 
 
 def test_model_status_says_which_pages_the_weights_take(default_bf16, monkeypatch):
-    from medusa_runtime.engine import c_forward_status
+    from medusa_runtime.engines.lean import c_forward_status
 
     expected = "2 MiB pages" if huge_expected() else "4 KiB pages (transparent huge pages: "
     assert hugepages.describe().startswith(expected)

@@ -13,8 +13,8 @@ import pytest
 
 from bench import pipeline
 from bench.cli import build_parser
-from bench.jobs import COMMAND_JOBS, JOBS, CalibrateJob, ProfileJob, ReplayJob, SearchJob, stage_key
-from bench.stages import StageCache
+from bench.stages.cache import StageCache
+from bench.stages.jobs import COMMAND_JOBS, JOBS, CalibrateJob, ProfileJob, ReplayJob, SearchJob, stage_key
 
 from .conftest import fake_stage_runs, search_inputs
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pandas as pd
 import pytest
 
-from bench.judge import (
+from bench.judge.grading import (
     CachedJudge,
     OpenAIBackend,
     aggregate,
@@ -19,7 +19,7 @@ from bench.judge import (
     load_references,
     parse_rating,
 )
-from bench.mtbench import Question, load_questions
+from bench.replay.mtbench import Question, load_questions
 
 from .conftest import DATA, read_lines
 

@@ -15,14 +15,14 @@ import zipfile
 import pandas as pd
 import pytest
 
-from bench.browser import check_page
 from bench.cli import main as cli_main
-from bench.judge import aggregate, parse_rating
-from bench.judging import fastchat_id, score_tables
-from bench.mtbench import load_questions
-from bench.report import quality_of, report
-from bench.runner import MethodConfig, ReplayConfig, replay
-from medusa_runtime.heads import fresh_heads
+from bench.judge.answers import fastchat_id, score_tables
+from bench.judge.grading import aggregate, parse_rating
+from bench.replay.mtbench import load_questions
+from bench.replay.runner import MethodConfig, ReplayConfig, replay
+from bench.report.browser import check_page
+from bench.report.build import quality_of, report
+from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import cache_root, download_wheel
 
 from .conftest import DATA, read_lines, tiny_chat_model
@@ -67,9 +67,9 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail(server):
-    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-    from medusa_runtime.guided import guided_choice
-    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.decoding.guided import guided_choice
+    from medusa_runtime.heads.medusa import resolve_heads
     from medusa_runtime.model import load_model
 
     url, _ = server
@@ -241,7 +241,7 @@ def test_distribution_check_holds_its_size_and_the_power_it_states():
     detects with 80 % power, it rejects about 80 % of the time (16 questions, normal approximation)."""
     import numpy as np
 
-    from bench.judging import paired_check
+    from bench.judge.answers import paired_check
 
     rng = np.random.default_rng(7)
     null = [paired_check(_frame(rng, 16, 0.0), "exact", "plain", draws=2000, seed=i) for i in range(300)]
@@ -259,8 +259,8 @@ def test_answer_quality_regret_is_zero_for_greedy_answers_and_checks_exact_sampl
     temperature; the log-likelihood is the sequential forward's (teacher forcing, token by token)."""
     import torch
 
-    from bench.judging import answer_quality, write_quality
-    from bench.runner import chat_ids
+    from bench.judge.answers import answer_quality, write_quality
+    from bench.replay.runner import chat_ids
     from tests.test_replay import QUESTIONS
 
     loaded = tiny_chat_model()

@@ -12,12 +12,15 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_runtime import kernels
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.engine import EngineError, LeanEngine, c_forward_status, make_engine, pack_amx, pack_rows4
-from medusa_runtime.heads import Int8Projection, resolve_heads
-from medusa_runtime.lookup import LookupConfig
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.engines import make_engine
+from medusa_runtime.engines.base import EngineError
+from medusa_runtime.engines.lean import LeanEngine, c_forward_status
+from medusa_runtime.heads.medusa import Int8Projection, resolve_heads
+from medusa_runtime.kernels.packing import pack_amx, pack_rows4
 from medusa_runtime.model import LoadedModel
-from medusa_runtime.tree_buffers import build_tree_buffers
+from medusa_runtime.tree.buffers import build_tree_buffers
+from medusa_runtime.tree.lookup import LookupConfig
 from treesearch.tree import load_tree, make_tree
 
 from .conftest import hf_greedy
@@ -256,7 +259,7 @@ def test_decode_step_is_the_forward_its_logits_and_their_argmax(default_bf16, pa
     forward, the logits projection and argmax_rows, bit for bit: a tree of 40 nodes (three tile blocks on the AMX
     path) and then one row, each into its own cache; the caches' keys and values end up equal too. Two caches
     keep their own outputs (a step of one does not overwrite what the other returned)."""
-    from medusa_runtime.acceptance import argmax_rows
+    from medusa_runtime.decoding.acceptance import argmax_rows
 
     _need(path)
     monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
@@ -301,9 +304,11 @@ def test_decode_step_refuses_what_it_would_index_out_of_bounds(default_bf16):
             engine.decode_step(torch.tensor([5, 6], dtype=torch.int32), 3, cache)
 
 
-def test_decode_loop_with_and_without_the_fused_step_gives_the_same_tokens(default_bf16, mt_bench_first_turns):
+def test_decode_loop_with_and_without_the_fused_step_gives_the_same_tokens(default_bf16, mt_bench_first_turns,
+                                                                          monkeypatch):
     """The decode loop on the one-call step and on forward + argmax (the path engines without it take): the same
     tokens, plain and with a tree."""
+    monkeypatch.setattr(kernels, "fast_path", lambda: True)  # the C forward even where it does not pay (no AVX-512)
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size)
     prompt = encode_prompt(default_bf16, mt_bench_first_turns[3]["turns"][0], chat=True)
     for h, tree in ((None, None), (heads, "mc_sim_7b_63")):
@@ -477,7 +482,7 @@ def test_native_head_levels_match_the_pytorch_heads(default_bf16, path, monkeypa
     logits, the same top-1 probability up to rounding; and decoding with it stays plain decoding."""
     _need(path)
     monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
-    from medusa_runtime.heads_native import NativeHeadLevels
+    from medusa_runtime.heads.native import NativeHeadLevels
 
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
     engine = LeanEngine(default_bf16, use_kernels=True)
@@ -515,8 +520,8 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
     those levels' tokens are unchanged."""
     _need(path)
     monkeypatch.setenv(kernels.AMX_SWITCH, "1" if path == "amx" else "0")
-    from medusa_runtime.decode import path_plan
-    from medusa_runtime.heads_native import HeadsNativeError, NativeHeadLevels
+    from medusa_runtime.decoding.decode import path_plan
+    from medusa_runtime.heads.native import HeadsNativeError, NativeHeadLevels
     from treesearch.replay import gated_depth
 
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
@@ -560,8 +565,8 @@ def test_native_tree_follows_the_thread_count_and_refuses_bad_inputs(default_bf1
     """The tree call's struct is built once with the thread count of then: a later torch.set_num_threads is
     followed (the same tokens and chain with 1 thread as with 2: no output depends on how the work is shared out),
     a float32 hidden state is taken as its bf16 rounding, and a wrongly shaped ``out`` is refused in one line."""
-    from medusa_runtime.decode import path_plan
-    from medusa_runtime.heads_native import HeadsNativeError, NativeHeadLevels
+    from medusa_runtime.decoding.decode import path_plan
+    from medusa_runtime.heads.native import HeadsNativeError, NativeHeadLevels
 
     heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
     tree = load_tree("mc_sim_7b_63")

@@ -73,15 +73,127 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_cycles_and_nothing_imports_upward():
+# The rooms of each package, lowest first: a module may import its own room and rooms of a lower rank, never one
+# of the same rank or above. A room is a sub-package or a top-level module; treesearch is one room below both.
+RANKS = {
+    "treesearch": 0,
+    # medusa_runtime: where the data goes, prompt -> engine -> heads -> tree -> verify -> acceptance -> commit
+    "medusa_runtime": 1, "medusa_runtime.paths": 1, "medusa_runtime.prompts": 1,
+    "medusa_runtime.kernels": 2,
+    "medusa_runtime.model": 3,
+    "medusa_runtime.engines": 4, "medusa_runtime.heads": 4, "medusa_runtime.tree": 4,
+    "medusa_runtime.decoding": 5,
+    "medusa_runtime.measure": 6,
+    "medusa_runtime.training": 7, "medusa_runtime.openai_server": 7,
+    # bench: replay -> judge, engines -> report -> stages -> commands -> the two entry points
+    "bench": 10, "bench.replay": 10,
+    "bench.judge": 11, "bench.engines": 11,
+    "bench.report": 12,
+    "bench.stages": 13,
+    "bench.commands": 14,
+    "bench.cli": 15, "bench.pipeline": 15,
+    "bench.cli_reference": 16,
+}
+
+
+def _room(module: str) -> str:
+    """The room of a module: its longest prefix in RANKS."""
+    parts = module.split(".")
+    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in RANKS)
+
+
+def _graph() -> dict[str, set[str]]:
     mods = _modules()
-    graph = {m: _imports(m, f, mods) for m, f in mods.items()}
-    assert graph["bench.pipeline"] >= {"bench.jobs", "bench.stages"}  # the walk sees imports at all
-    assert "bench.commands.measure" in graph["bench.pipeline"]  # and those inside functions
+    return {m: _imports(m, f, mods) for m, f in mods.items()}
+
+
+def test_no_import_cycles_and_nothing_imports_upward():
+    graph = _graph()
+    assert graph["bench.pipeline"] >= {"bench.stages.jobs", "bench.stages.cache"}  # the walk sees imports at all
+    assert "bench.engines.stage" in graph["bench.pipeline"]  # and those inside functions
     assert _cycles(graph) == []
-    rank = {"treesearch": 0, "medusa_runtime": 1, "bench": 2}
-    upward = [(m, d) for m, deps in graph.items() for d in deps if rank[d.split(".")[0]] > rank[m.split(".")[0]]]
+    unranked = sorted(m for m in graph if _room(m) not in RANKS)
+    assert unranked == []
+    upward = sorted((m, d) for m, deps in graph.items() for d in deps
+                    if _room(d) != _room(m) and RANKS[_room(d)] >= RANKS[_room(m)])
     assert upward == []
+
+
+def test_the_rooms_form_no_cycle():
+    rooms: dict[str, set[str]] = {}
+    for m, deps in _graph().items():
+        rooms.setdefault(_room(m), set()).update(_room(d) for d in deps if _room(d) != _room(m))
+    assert _cycles({r: rooms.get(r, set()) for r in RANKS}) == []
+
+
+def test_the_pipeline_calls_stages_not_commands():
+    """The pipeline builds jobs and calls the stages; of the command layer it reads only the flags' vocabulary
+    (its own parser speaks it)."""
+    commands = sorted(d for d in _graph()["bench.pipeline"] if _room(d) == "bench.commands" and d != "bench.commands")
+    assert commands == ["bench.commands.flags"]
+
+
+def test_the_top_of_each_package_is_small():
+    """medusa_runtime keeps the model loader, prompts, paths and the server at its top; bench its two entry points
+    and the CLI reference; everything else lives in a room that names what it does."""
+    top = {pkg: sorted(p.stem for p in (ROOT / pkg).glob("*.py") if p.name != "__init__.py")
+           for pkg in ("medusa_runtime", "bench")}
+    assert len(top["medusa_runtime"]) <= 6 and len(top["bench"]) <= 10, top
+
+
+def _private_imports() -> list[str]:
+    """``from project.module import _name`` (or an import of a ``_module``) in the project's own packages."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private += [p for p in node.module.split(".") if p.startswith("_") and not p.startswith("__")]
+                found += [f"{name}: from {node.module} import {p}" for p in private]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    assert _private_imports() == []
+
+
+def _function_imports() -> list[tuple[str, str, str]]:
+    """Every import statement inside a function body: (module, statement, the comment on its first line)."""
+    found = []
+    for name, path in _modules().items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        line = lines[sub.lineno - 1]
+                        found.append((name, ast.unparse(sub), line.partition("#")[2].strip()))
+    return found
+
+
+def test_imports_inside_functions_defer_a_heavy_dependency_and_say_which():
+    """An import stays in a function only to defer a heavy or optional dependency, with a comment naming it."""
+    inner = _function_imports()
+    assert len(inner) <= 60, len(inner)
+    assert [(m, stmt) for m, stmt, why in inner if not why] == []
+
+
+def test_no_function_is_over_80_lines():
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}" for name, path in _modules().items()
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert long == []
+
+
+def test_the_checks_see_what_they_check():
+    """Each walk above finds what it looks for in a module made for it."""
+    src = ("from bench.x import _hidden\n"
+           "def f():\n    import torch  # torch\n    import json\n")
+    tree = ast.parse(src)
+    privates = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+                if a.name.startswith("_")]
+    assert privates == ["_hidden"]
+    assert _room("medusa_runtime.engines.lean") == "medusa_runtime.engines" and _room("bench.cli") == "bench.cli"
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -105,11 +217,11 @@ def test_loading_the_shipped_heads_imports_nothing_of_training():
     import sys
 
     code = ("import sys\n"
-            "import medusa_runtime.heads\n"
+            "import medusa_runtime.heads.medusa\n"
             "from medusa_runtime.model import load_model\n"
-            "from medusa_runtime.heads import resolve_heads\n"
-            "from medusa_runtime.adapter import apply_heads_adapter\n"
-            "from medusa_runtime.heads import shipped_heads_dir\n"
+            "from medusa_runtime.heads.medusa import resolve_heads\n"
+            "from medusa_runtime.heads.adapter import apply_heads_adapter\n"
+            "from medusa_runtime.heads.medusa import shipped_heads_dir\n"
             "loaded = load_model('default', 'float32', 'cpu', log=lambda m: None)\n"
             "resolve_heads('default', loaded.hidden_size, loaded.vocab_size)\n"
             "apply_heads_adapter(loaded, shipped_heads_dir('default'), log=lambda m: None)\n"
@@ -118,7 +230,7 @@ def test_loading_the_shipped_heads_imports_nothing_of_training():
     assert proc.returncode == 0, proc.stderr
     loaded = set(proc.stdout.split())
     training = {m for m in loaded if m == "medusa_runtime.training" or m.startswith("medusa_runtime.training.")}
-    assert "medusa_runtime.adapter" in loaded and "medusa_runtime.heads" in loaded and not training, training
+    assert "medusa_runtime.heads.adapter" in loaded and "medusa_runtime.heads.medusa" in loaded and not training, training
 
 
 def test_inference_imports_nothing_of_the_training_package():
@@ -143,3 +255,16 @@ def test_readme_is_a_short_users_guide_with_the_two_commands_first():
     first = readme[:readme.index("## What you get")]
     for line in ("pip install nox", "nox -s bench", "nox -s tests", "pip install -e ."):
         assert line in first, line
+
+
+def test_the_runtimes_public_names_load_lazily():
+    """``import medusa_runtime`` loads no torch; each public name then comes from the module that defines it."""
+    code = ("import sys, medusa_runtime\n"
+            "assert 'torch' not in sys.modules\n"
+            "for name, module in medusa_runtime.PUBLIC.items():\n"
+            "    obj = getattr(medusa_runtime, name)\n"
+            "    assert obj is getattr(sys.modules[module], name), name\n"
+            "print(len(medusa_runtime.PUBLIC))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) >= 10

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from bench.cli import main
-from bench.learning_curve import curve_fits, curve_table, log_fit, point_row
-from bench.suites import load_suite, write_questions
+from bench.replay.suites import load_suite, write_questions
+from bench.report.learning_curve import curve_fits, curve_table, log_fit, point_row
 from treesearch.stats import load_stats
 
 

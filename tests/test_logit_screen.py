@@ -1,4 +1,4 @@
-"""The greedy decode step's int8 screen of the logits (medusa_runtime/logit_screen.py, ``screen_argmax_in_team``
+"""The greedy decode step's int8 screen of the logits (medusa_runtime/engines/logit_screen.py, ``screen_argmax_in_team``
 in lean_cpu.c) against the full projection's own logits: the same argmax bit for bit (NumPy's argmax of the full
 float32 logits as the independent reference: first of tied maxima), the error bound it rests on checked in
 float64, exact ties and one-ulp near ties, and the calls it leaves to the full projection."""
@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_runtime import kernels
-from medusa_runtime.bandwidth import step_weight_bytes, weight_bytes
-from medusa_runtime.decode import encode_prompt
-from medusa_runtime.engine import LeanEngine
-from medusa_runtime.logit_screen import BLOCK, build_screen
+from medusa_runtime.decoding.decode import encode_prompt
+from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.engines.logit_screen import BLOCK, build_screen
+from medusa_runtime.measure.bandwidth import step_weight_bytes, weight_bytes
 from medusa_runtime.model import LoadedModel
 
 SCREEN_MAX_ROWS = 5  # lean_cpu.c: calls of more rows take the full projection

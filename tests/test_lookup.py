@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import fresh_heads
-from medusa_runtime.lookup import LookupConfig, NgramIndex, with_lookup_chain
-from medusa_runtime.tree_buffers import build_tree_buffers, plain_buffers
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import fresh_heads
+from medusa_runtime.tree.buffers import build_tree_buffers, plain_buffers
+from medusa_runtime.tree.lookup import LookupConfig, NgramIndex, with_lookup_chain
 from treesearch.tree import load_tree
 
 from .conftest import OracleHeads, hf_greedy

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime import adapter
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import HeadsError, load_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads import adapter
+from medusa_runtime.heads.medusa import HeadsError, load_heads
 from medusa_runtime.model import LoadedModel
 from medusa_runtime.training import medusa2
 from medusa_runtime.training.train import TrainConfig, head_targets, ids_and_labels
@@ -87,7 +87,7 @@ def test_trained_adapter_merges_into_the_base_and_decoding_stays_exact(tiny_exam
 
     import peft
 
-    with adapter._quiet_peft():
+    with adapter.quiet_peft():
         student = peft.PeftModel.from_pretrained(copy.deepcopy(loaded.model), str(info.path))
     top = medusa2.TopLayers(student, 1)
     ex = examples[0]
@@ -169,7 +169,7 @@ def test_engine_exports_carry_the_adapted_base(tiny_examples, tmp_path, monkeypa
     config names it as the base."""
     from transformers import AutoModelForCausalLM
 
-    from medusa_runtime import serving
+    from medusa_runtime.heads import export as serving
 
     monkeypatch.setenv("MEDUSA_BENCH_CACHE", str(tmp_path / "cache"))
     loaded, _, examples, _ = tiny_examples
@@ -197,7 +197,7 @@ def test_shipped_adapter_loads_in_float16_as_in_float32_and_bfloat16():
     default model loaded in any dtype: a float16 load rounds some weights otherwise than a bf16 rounding of
     the stored float32 values would (its digest from the loaded values differs, which the shipped heads
     used to refuse), and decoding with the float16 base runs."""
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.medusa import shipped_heads_dir
     from medusa_runtime.model import load_model
 
     folder = shipped_heads_dir("default")

@@ -75,8 +75,8 @@ def test_gemma3_270m_from_the_registry_decodes_exactly_past_its_sliding_window()
     """Gemma 3 (not Llama: sliding-window layers of 512 positions between global ones, a 262k vocabulary) through
     transformers' engine: a 668-token prompt, so the window is crossed; fresh heads on two trees give exactly
     transformers' own greedy generate in float32."""
-    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-    from medusa_runtime.heads import fresh_heads
+    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.heads.medusa import fresh_heads
     from medusa_runtime.model import chat_template_ids, describe_model, load_model
     from treesearch.tree import load_tree
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from medusa_runtime import kernels
-from medusa_runtime.acceptance import accept_greedy
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.engine import LeanEngine
-from medusa_runtime.heads import fresh_heads
-from medusa_runtime.lookup import with_lookup_chain
+from medusa_runtime.decoding.acceptance import accept_greedy
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import load_model
-from medusa_runtime.tree_buffers import build_tree_buffers
+from medusa_runtime.tree.buffers import build_tree_buffers
+from medusa_runtime.tree.lookup import with_lookup_chain
 from treesearch.tree import load_tree, make_tree
 
 from .conftest import tiny_llama
@@ -117,7 +117,7 @@ def test_bench_verify_default_bf16(benchmark, bf16_default, nodes, engine, monke
 def test_bench_propose_shipped_heads(benchmark, bf16_default, tree, heads_path):
     """The shipped (path-conditioned) heads proposing a tree's tokens, level by level: in the C library where the
     C forward runs (native), or PyTorch's ops; checked against the PyTorch path's proposal on the same state."""
-    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.heads.medusa import resolve_heads
 
     heads = resolve_heads("default", bf16_default.hidden_size, bf16_default.vocab_size)
     native = MedusaDecoder(bf16_default, heads, tree, config=DecodeConfig(native_heads=heads_path == "native"))

@@ -71,7 +71,7 @@ def test_compare_heads_replay_their_chains_on_their_own_base(tmp_path):
     carries a Medusa-2 adapter (another base); the same folder twice adds no plain run."""
     import json
 
-    from bench.matrix import compare_configurations
+    from bench.replay.matrix import compare_configurations
 
     plain_heads, adapted = tmp_path / "m1", tmp_path / "m2"
     for folder, extra in ((plain_heads, {}), (adapted, {"medusa_base_adapter": {"path": "adapter", "layers": [1],
@@ -161,7 +161,7 @@ def test_search_studies_are_named_by_the_questions_they_leave_out(tmp_path, monk
 def test_an_engine_target_searches_what_it_runs_with_heads_it_runs(tmp_path, monkeypatch):
     """--target vllm: the shipped unconditioned heads instead of the path-conditioned default, every fold's
     searches and the final one for vLLM (the typical search stays this runtime's)."""
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.medusa import shipped_heads_dir
 
     assert pipeline._target_heads("vllm", "default", False) == "unconditioned"
     assert pipeline._target_heads("own", "default", False) == "default"
@@ -180,8 +180,8 @@ def test_sampled_configurations_cover_the_typical_front_and_run_on_the_peers(tmp
     """Plain sampling, exact tree sampling and three typical points (least regret, chosen, fastest), each a
     valid runtime configuration on the peers' questions with its samples; without a typical search only
     plain sampling."""
-    from bench.matrix import sampled_configurations
-    from bench.runner import MethodConfig
+    from bench.replay.matrix import sampled_configurations
+    from bench.replay.runner import MethodConfig
     from treesearch.tree import load_tree
 
     front = [{"medusa_choices": [[0]], "tau": 1.4, "speedup": 1.2, "regret": 0.01, "posterior_threshold": 0.3,
@@ -206,7 +206,7 @@ def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_pa
     """--heads none end to end on a small model (a folder, as a user's): no calibration, search or profile;
     plain decoding, its lookup chains, generate and prompt lookup replayed; report.json says nothing was
     predicted; the page opens in the browser; every lossless configuration answers as plain decoding."""
-    from bench.browser import check_page
+    from bench.report.browser import check_page
     from tests.conftest import tiny_chat_model
 
     loaded = tiny_chat_model()
@@ -247,8 +247,8 @@ def test_main_job_without_heads_measures_plain_decoding_and_prompt_lookup(tmp_pa
 def test_each_fold_replays_its_heads_only_pick_on_its_own_questions(tmp_path):
     """Medusa alone in the matrix: per fold, the heads-only search's tree (and gate) with no lookup chain, on that
     fold's questions, beside the fold's configuration pick (which may draft a lookup chain)."""
-    from bench.matrix import replay_configurations
-    from bench.runner import MethodConfig
+    from bench.replay.matrix import replay_configurations
+    from bench.replay.runner import MethodConfig
     from treesearch.stats import AcceptanceStats, marginal_from_rollouts, save_stats
     from treesearch.tree import load_tree, make_tree, save_tree
 
@@ -275,8 +275,8 @@ def test_each_fold_replays_its_heads_only_pick_on_its_own_questions(tmp_path):
 def test_searches_side_by_side_write_what_they_write_in_turn(tmp_path, monkeypatch, capsys):
     """The pipeline's searches in worker processes (MEDUSA_BENCH_WORKERS): the same tree files as run one after
     another here, each recorded as done; a second pass finds them all cached and starts no process."""
-    from bench.jobs import SearchJob
-    from bench.stages import StageCache
+    from bench.stages.cache import StageCache
+    from bench.stages.jobs import SearchJob
     from treesearch.stats import ACCEPTANCE_SCHEMA
 
     from .test_treesearch import vicuna_7b_marginal
@@ -304,8 +304,8 @@ def test_searches_side_by_side_write_what_they_write_in_turn(tmp_path, monkeypat
 
 
 def test_a_failing_search_among_side_by_side_ones_stops_the_stage(tmp_path, monkeypatch):
-    from bench.jobs import SearchJob
-    from bench.stages import StageCache
+    from bench.stages.cache import StageCache
+    from bench.stages.jobs import SearchJob
 
     monkeypatch.setenv("MEDUSA_BENCH_WORKERS", "2")
     stages = [(f"search-{i}", SearchJob(acceptance=str(tmp_path / "missing.json"), budget=6, trials=4,

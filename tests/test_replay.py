@@ -8,12 +8,12 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from bench import runner
-from bench.analyze import greedy_equality, summary
-from bench.mtbench import Question, load_questions
-from bench.runner import MethodConfig, ReplayConfig, load_records, replay
-from medusa_runtime.heads import fresh_heads
-from medusa_runtime.lockstep import lockstep
+from bench.replay import runner
+from bench.replay.analyze import greedy_equality, summary
+from bench.replay.mtbench import Question, load_questions
+from bench.replay.runner import MethodConfig, ReplayConfig, load_records, replay
+from medusa_runtime.decoding.lockstep import lockstep
+from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import chat_template_ids
 
 from .conftest import DATA, tiny_chat_model
@@ -215,8 +215,8 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     moves them aside instead of resuming them, and the profile rounds taken during them with them."""
     import argparse
 
-    from bench.cli import _replay_inputs
     from bench.pipeline import StageCache, isolate_records
+    from bench.stages.replay import replay_inputs
 
     heads_dir, tree = tmp_path / "heads", tmp_path / "tree.json"
     heads_dir.mkdir()
@@ -227,7 +227,7 @@ def test_records_resume_only_under_the_same_inputs(tmp_path):
     configs = [MethodConfig("medusa t", "medusa", tree=str(tree)), MethodConfig("plain", "plain")]
 
     def key():
-        return StageCache.key_of(_replay_inputs(args, configs))
+        return StageCache.key_of(replay_inputs(args, configs))
 
     first = key()
     out = tmp_path / "run"
@@ -255,8 +255,8 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
     """Two head sets in one interleaved replay: Medusa-2 heads (with their adapter) beside the replay's own.
     Each configuration decodes on its heads' base, its records say which, and the lossless check compares it
     with plain decoding of that same base."""
-    from medusa_runtime.adapter import apply_heads_adapter
-    from medusa_runtime.heads import load_heads
+    from medusa_runtime.heads.adapter import apply_heads_adapter
+    from medusa_runtime.heads.medusa import load_heads
     from medusa_runtime.training.medusa2 import train_medusa2_top
     from medusa_runtime.training.train import TrainConfig
 
@@ -292,9 +292,9 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
 def test_sampled_configurations_draw_seeded_samples_that_do_not_depend_on_the_order(tmp_path):
     """samples=3: three answers per (question, turn), each seeded by (question, turn, sample) and recorded; a
     second turn follows its own sample's first answer; the same samples come back whatever ran before them."""
-    from bench.runner import sample_seed
-    from medusa_runtime.acceptance import AcceptConfig
-    from medusa_runtime.decode import DecodeConfig, MedusaDecoder
+    from bench.replay.runner import sample_seed
+    from medusa_runtime.decoding.acceptance import AcceptConfig
+    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
 
     loaded = tiny_chat_model()
     heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
@@ -326,8 +326,8 @@ def test_profile_rounds_run_between_questions_and_resume_with_the_replay(tmp_pat
     """The latency profile taken during a replay: a round of the real profiler (tiny model) before every 2nd
     (question, turn) of the matrix, never inside one; a replay killed halfway and resumed takes each round
     once, on the same (question, turn)s as an uninterrupted one; the rounds make a profile on the given grid."""
-    from bench.replay_profile import RoundsDuringReplay, read_rounds
-    from medusa_runtime.profile import ProfileConfig, Profiler
+    from bench.replay.profile_rounds import RoundsDuringReplay, read_rounds
+    from medusa_runtime.measure.profile import ProfileConfig, Profiler
 
     loaded = tiny_chat_model()
     heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)

@@ -1,4 +1,4 @@
-"""``python -m bench.report --check OUT`` (what ``nox -s gpu`` runs after the smoke pipeline): it passes only on a
+"""``python -m bench.report.build --check OUT`` (what ``nox -s gpu`` runs after the smoke pipeline): it passes only on a
 report.json with a measured speed-up of the searched configuration, on the kind of device asked for."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.report import ReportError, check_report, main
+from bench.report.build import ReportError, check_report, main
 
 
 def _write(tmp_path, device="cuda:0", searched_speedup=1.7):

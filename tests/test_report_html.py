@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import re
 
-from bench.browser import check_page
-from bench.html_report import FIGURES
-from bench.report import category_intervals, report
-from bench.runner import ReplayConfig, load_records, replay
-from medusa_runtime.heads import fresh_heads
+from bench.replay.runner import ReplayConfig, load_records, replay
+from bench.report.browser import check_page
+from bench.report.build import category_intervals, report
+from bench.report.html import FIGURES
+from medusa_runtime.heads.medusa import fresh_heads
 
 from .conftest import tiny_chat_model
 from .test_replay import CONFIGS, QUESTIONS
@@ -69,7 +69,7 @@ def test_category_intervals_are_paired_bootstraps_that_hold_the_point(tmp_path):
     """Each category's interval contains that category's speed-up (ratio of totals over its questions)."""
     import pandas as pd
 
-    from bench.analyze import summary
+    from bench.replay.analyze import summary
 
     out = _bench_run(tmp_path)
     df = pd.DataFrame(load_records(out / "replay" / "records.jsonl"))
@@ -83,7 +83,7 @@ def test_category_intervals_are_paired_bootstraps_that_hold_the_point(tmp_path):
 def test_configuration_table_shows_counts_and_the_folds_ranges(tmp_path):
     """report.json's lookup and tree_nodes are counts, or lists where the folds' picks differ: the page shows
     integers and ranges (a list once broke the page's table)."""
-    from bench.html_report import write_html
+    from bench.report.html import write_html
 
     (tmp_path / "report.json").write_text(json.dumps({"configs": [
         {"config": "plain", "lookup": 0, "tree_nodes": None, "tokens_per_s": 100.0},
@@ -95,7 +95,7 @@ def test_configuration_table_shows_counts_and_the_folds_ranges(tmp_path):
 def test_markdown_tables_show_missing_values_as_dashes_and_counts_as_integers():
     import pandas as pd
 
-    from bench.analyze import to_markdown
+    from bench.replay.analyze import to_markdown
 
     table = pd.DataFrame({"config": ["plain", "medusa"], "tree_nodes": [float("nan"), 4.0], "tau": [1.0, 1.6543],
                           "speedup": [1.0, float("nan")]})
@@ -110,8 +110,8 @@ def test_the_verdict_is_written_once_for_markdown_and_html():
 
     import pandas as pd
 
-    from bench.html_report import _verdict
-    from bench.report import scorecard_section
+    from bench.report.build import scorecard_section
+    from bench.report.html import _verdict
 
     v = {"fastest": "searched <a&b>", "fastest_tokens_per_s": 165.8, "searched": "searched", "searched_vs_fastest": 1.0,
          "searched_is_fastest": True, "fastest_engine": "vllm plain", "fastest_engine_tokens_per_s": 28.4,
@@ -129,7 +129,7 @@ def test_the_verdict_is_written_once_for_markdown_and_html():
 
 
 def test_distinct_colours_never_repeat():
-    from bench.plots import distinct_colours
+    from bench.report.plots import distinct_colours
 
     for n in (1, 9, 10, 11, 17, 20, 21, 40):
         colours = [tuple(round(c, 4) for c in rgba) for rgba in distinct_colours(n)]

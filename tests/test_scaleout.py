@@ -18,8 +18,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from bench.mtbench import load_questions
-from medusa_runtime.heads import fresh_heads, save_heads
+from bench.replay.mtbench import load_questions
+from medusa_runtime.heads.medusa import fresh_heads, save_heads
 from treesearch.stats import ACCEPTANCE_SCHEMA
 
 from .conftest import tiny_chat_model
@@ -206,7 +206,7 @@ def test_replay_split_over_three_workers_one_killed_equals_one_worker(pg, tmp_pa
     for m in ("m-a", "m-b"):
         assert (tmp_path / "split" / "machines" / m / "summary.csv").is_file()
     assert not (tmp_path / "split" / "summary.csv").exists()
-    from bench.report import report
+    from bench.report.build import report
 
     run = tmp_path / "run"
     (run / "replay").mkdir(parents=True)

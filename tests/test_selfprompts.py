@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.mtbench import load_questions
+from bench.replay.mtbench import load_questions
 from medusa_runtime.training.selfprompts import (
     MANIFEST,
     PromptFilter,
@@ -97,7 +97,7 @@ def test_the_model_writes_a_user_turn_from_the_open_template(default_model):
 
 
 def test_a_mix_spreads_its_sources_and_keys_the_train_stage_on_each_file(tmp_path):
-    from bench.jobs import TrainJob, stage_key
+    from bench.stages.jobs import TrainJob, stage_key
     from medusa_runtime.prompts import builtin_split, load_prompt_source, mix_parts, mixed_prompts
 
     own = tmp_path / "prompts.jsonl"

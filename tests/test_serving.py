@@ -28,8 +28,8 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
-from medusa_runtime.heads import HeadsConfig, HeadsError, MedusaHeads, fresh_heads
-from medusa_runtime.serving import TGI_WEIGHTS, VLLM_SPEC_FILE, VLLM_WEIGHTS, export_tgi, export_vllm
+from medusa_runtime.heads.export import TGI_WEIGHTS, VLLM_SPEC_FILE, VLLM_WEIGHTS, export_tgi, export_vllm
+from medusa_runtime.heads.medusa import HeadsConfig, HeadsError, MedusaHeads, fresh_heads
 from treesearch.export import export_tree, to_trtllm_config
 from treesearch.tree import TreeError, chain, load_tree, make_tree
 
@@ -248,7 +248,7 @@ def test_shipped_unconditioned_heads_export_for_tgi_and_vllm(tmp_path):
     from pathlib import Path
 
     from bench.cli import main
-    from medusa_runtime.heads import resolve_heads
+    from medusa_runtime.heads.medusa import resolve_heads
     from medusa_runtime.model import load_model
 
     loaded = load_model("default", "float32", log=lambda m: None)

@@ -1,4 +1,4 @@
-"""The fixed-shape decode steps that CUDA graphs capture (medusa_runtime/graphs.py), run eagerly on the CPU
+"""The fixed-shape decode steps that CUDA graphs capture (medusa_runtime/engines/graphs.py), run eagerly on the CPU
 (engine ``lean-static``): their rows against sequential forwards with stale values in the unwritten slots,
 greedy decoding against transformers' generate, and the pool that lets a later generate replay the steps (and
 graphs) of an earlier one. tests/test_cuda.py runs the captured graphs themselves."""
@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.engine import EngineError, LeanEngine, make_engine
-from medusa_runtime.graphs import MIN_CAPACITY, bucket
-from medusa_runtime.heads import fresh_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.engines import make_engine
+from medusa_runtime.engines.base import EngineError
+from medusa_runtime.engines.graphs import MIN_CAPACITY, bucket
+from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.heads.medusa import fresh_heads
 
 from .conftest import OracleHeads, hf_greedy, random_heads, tiny_llama
 from .test_tree import random_tree
@@ -132,7 +134,7 @@ def test_static_steps_refuse_what_they_cannot_run():
 def test_drafters_take_the_root_as_a_tensor_as_their_graph_does(condition):
     """GraphedDrafter replays the drafter's ops with the root token in a 0-d tensor: the same candidates as with
     the int the decode loop passes (CUDA runs the capture itself, tests/test_cuda.py)."""
-    from medusa_runtime.drafter import make_drafter
+    from medusa_runtime.decoding.drafter import make_drafter
 
     loaded = tiny_llama()
     heads = random_heads(loaded, condition, seed=3)
@@ -155,7 +157,7 @@ def test_drafters_take_the_root_as_a_tensor_as_their_graph_does(condition):
 
 def test_every_command_offers_every_engine():
     from bench.cli_reference import all_parsers
-    from medusa_runtime.engine import ENGINES
+    from medusa_runtime.engines.base import ENGINES
 
     offered = {name: action.choices for name, parser in all_parsers().items() for action in parser._actions
                if "--engine" in action.option_strings}

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from bench.deploy import TRTLLM_OPTIONS, heads_reference
+from bench.stages.deploy import TRTLLM_OPTIONS, heads_reference
 from treesearch.deploy import write_final
 from treesearch.replay import Decoding, predict_decoding
 from treesearch.search import SearchConfig, TreeObjective, run_search, write_search
@@ -127,7 +127,7 @@ def test_final_tree_json_predicts_its_configuration_with_intervals(tmp_path, fit
 
 
 def _tree_file(tmp_path, choices, heads: str, lookup=0, gate=0.0, target="own") -> Path:
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.medusa import shipped_heads_dir
 
     tree = make_tree(choices, name="final")
     conf = {"config": "t", "uses_heads": True, "medusa_choices": tree.as_lists(), "tree_nodes": len(choices),
@@ -180,7 +180,7 @@ def test_vllm_export_of_a_final_tree_is_a_folder_vllms_loader_reads(tmp_path):
 
 
 def test_trtllm_export_holds_what_its_loader_reads_with_the_heads_count_not_the_depth(tmp_path):
-    from medusa_runtime.heads import load_heads
+    from medusa_runtime.heads.medusa import load_heads
     from medusa_runtime.model import load_model
 
     tree = _tree_file(tmp_path, [[0], [1], [0, 0]], "unconditioned", target="trtllm")
@@ -213,7 +213,7 @@ def test_trtllm_export_holds_what_its_loader_reads_with_the_heads_count_not_the_
 
 
 def heads_reference_path(name: str) -> str:
-    from medusa_runtime.heads import shipped_heads_dir
+    from medusa_runtime.heads.medusa import shipped_heads_dir
 
     return str(shipped_heads_dir(name))
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.heads import fresh_heads, load_heads
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import fresh_heads, load_heads
 from medusa_runtime.model import LoadedModel
 from medusa_runtime.prompts import (
     BUILTIN_SOURCE,
@@ -307,7 +307,7 @@ def test_soft_targets_loss_against_a_direct_computation(subset):
 def test_root_conditioned_loss_reads_the_next_token_embedding():
     """condition = root: head j at position t reads h_t and the input embedding of token t+1 (the root a
     decoding step from t has), scored against token t+j+2; checked position by position."""
-    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+    from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads
 
     torch.manual_seed(1)
     hidden_size, vocab = 16, 11
@@ -346,7 +346,7 @@ def test_root_conditioned_loss_reads_the_next_token_embedding():
 def test_path_conditioned_loss_reads_each_heads_parent():
     """condition = path: head j at position t also reads the embedding of token t+j+1 (its parent in the
     tree; for head 0 that is the root); checked position by position against the module."""
-    from medusa_runtime.heads import HeadsConfig, MedusaHeads
+    from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads
 
     torch.manual_seed(2)
     hidden_size, vocab, k = 16, 11, 3
@@ -577,9 +577,9 @@ def test_fidelity_against_direct_computation():
     a direct computation (sequential log-softmax, position-by-position agreement)."""
     import copy
 
-    from bench.mtbench import Question
-    from bench.quality import fidelity
-    from bench.workload import spread_over_categories
+    from bench.judge.proxies import fidelity
+    from bench.replay.mtbench import Question
+    from bench.replay.workload import spread_over_categories
 
     original = tiny_llama(vocab=32, seed=3)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [9, 8]]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from medusa_runtime.tree_buffers import build_tree_buffers
+from medusa_runtime.tree.buffers import build_tree_buffers
 from treesearch.tree import (
     TREE_SCHEMA,
     Tree,

@@ -177,7 +177,7 @@ def test_step_walk_interval_is_a_bootstrap_over_whole_rollouts():
 
 
 def test_calibrate_table_prints_each_trees_interval():
-    from bench.cli import format_replay_rows, replay_rows
+    from bench.stages.measure import format_replay_rows, replay_rows
 
     rollouts = synthetic_rollouts(8)
     stats = AcceptanceStats(marginal_from_rollouts(rollouts, 3, 4), rollouts, rollouts[:5], {"model": "m"})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_runtime.calibrate import CalibrationConfig, calibrate, rollout_statistics
+from medusa_runtime.measure.calibrate import CalibrationConfig, calibrate, rollout_statistics
 from medusa_runtime.model import software_versions
 from medusa_runtime.prompts import Prompt
 from treesearch.search import SearchConfig, run_search
@@ -212,7 +212,7 @@ def test_search_cli_typical_writes_thresholds_and_pareto_plot(tmp_path, capsys):
     import json
 
     from bench.cli import main
-    from bench.report import typical_section
+    from bench.report.build import typical_section
 
     acc = save_stats(_stats_with_typical(seed=5), tmp_path / "a.json")
     out = tmp_path / "tree-typical.json"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench.mtbench import Question
-from bench.runner import MethodConfig
-from bench.workload import check_disjoint, fold_stats, make_folds, predict_configs
-from medusa_runtime.calibrate import rollout_statistics
-from medusa_runtime.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.lookup import LookupConfig
+from bench.replay.mtbench import Question
+from bench.replay.runner import MethodConfig
+from bench.replay.workload import check_disjoint, fold_stats, make_folds, predict_configs
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.measure.calibrate import rollout_statistics
+from medusa_runtime.tree.lookup import LookupConfig
 from treesearch.cost import LatencyProfile
 from treesearch.ngram import NgramIndex
 from treesearch.replay import Decoding, gated_depth, replay, replay_rollout
@@ -106,7 +106,7 @@ def test_replay_walk_by_hand():
 
 def test_drafts_are_the_decoders_own():
     """The runtime's lookup module drafts with the very index the replay uses."""
-    from medusa_runtime import lookup
+    from medusa_runtime.tree import lookup
 
     assert lookup.NgramIndex is NgramIndex
 
@@ -261,8 +261,8 @@ def test_scorecard_measures_paired_speedups_and_writes_report_json(tmp_path):
 
     import pandas as pd
 
-    from bench.scorecard import REPORT_SCHEMA, scorecard, verdict, write_report
-    from bench.workload import ConfigPrediction, FoldPrediction
+    from bench.replay.workload import ConfigPrediction, FoldPrediction
+    from bench.report.scorecard import REPORT_SCHEMA, scorecard, verdict, write_report
 
     speeds = {"plain": 20.0, "plain +lookup4": 22.0, "medusa chain:1": 25.0, "searched": 24.5}
     df = pd.DataFrame(_records(speeds, taus={"medusa chain:1": [2, 1] * 33, "searched": [2, 2, 1] * 22}))
@@ -305,7 +305,7 @@ def test_scorecard_measures_paired_speedups_and_writes_report_json(tmp_path):
 
 
 def test_replayed_questions_are_a_seeded_sample_spread_over_categories():
-    from bench.workload import sample_over_categories
+    from bench.replay.workload import sample_over_categories
 
     qs = [Question(i, "abc"[i % 3] if i < 60 else "d", (f"q{i}",)) for i in range(70)]  # d: 10 questions
     picked = sample_over_categories(qs, 12)

@@ -2,7 +2,7 @@
 
 The last n tokens (n from ``max_ngram`` down to ``min_ngram``) are looked up among earlier positions
 of prompt + output; the tokens that followed the most recent earlier occurrence are the draft. The
-runtime hangs them under the tree's root as a chain of nodes (``medusa_runtime.lookup``); the search
+runtime hangs them under the tree's root as a chain of nodes (``medusa_runtime.tree.lookup``); the search
 replays the same drafts on calibration rollouts (``treesearch.replay``), which is why this module has
 no torch in it: one implementation, so the replay is the decoder's drafting by construction.
 """

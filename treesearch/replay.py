@@ -1,6 +1,6 @@
 """Replay whole decoding configurations on calibration rollouts: heads tree, lookup chain and gate jointly.
 
-A *configuration* is what the runtime can run with greedy acceptance (``medusa_runtime.decode``):
+A *configuration* is what the runtime can run with greedy acceptance (``medusa_runtime.decoding.decode``):
 no heads (plain decoding) or a heads tree, a prompt-lookup chain of L draft tokens (0: none), and a
 confidence gate G on the tree's levels (0: off). Along a greedy rollout y_1 .. y_M of a prompt, the
 decoder's steps are determined by the tokens alone, so the replay walks them exactly::

@@ -25,6 +25,8 @@ a heartbeat, and a dead worker's trial is failed and re-enqueued by the next; th
 from __future__ import annotations
 
 import fcntl
+import importlib.util
+import json
 import logging
 import os
 import socket
@@ -319,8 +321,6 @@ def storage_url(url: str) -> str:
     """``postgresql://...`` as documented, bound to the PostgreSQL driver that is installed (psycopg 3, which the
     ``postgres`` extra brings, else psycopg2): SQLAlchemy's default driver for the bare scheme moved from psycopg2
     to psycopg between releases, and it fails when that one is absent. Other URLs pass as they are."""
-    import importlib.util
-
     if not url.startswith(("postgresql://", "postgres://")):
         return url
     rest = url.split("://", 1)[1]
@@ -336,7 +336,7 @@ def make_storage(url: str, heartbeat: int = 5, grace: int = 20, tries: int = 6) 
     so no trial is lost. SQLite gets a generous lock timeout, so that several local workers can share one file.
     Workers that start together on an empty server database race to create Optuna's tables; the losers see
     them on a retry."""
-    import sqlalchemy.exc
+    import sqlalchemy.exc  # sqlalchemy: only a shared storage's retries need it
 
     url = storage_url(url)
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else {}
@@ -515,8 +515,6 @@ def _check_study_matches(study: optuna.Study, cfg: SearchConfig, objective: Tree
 
 def _json_like(v: Any) -> Any:
     """A guard as the storage gives it back (JSON: dict keys become strings)."""
-    import json
-
     return json.loads(json.dumps(v))
 
 

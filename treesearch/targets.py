@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .tree import TreeError
+from .stats import StatsError
+from .tree import TreeError, read_json
 
 # TensorRT-LLM's default engine limit on the draft tokens one step verifies (MedusaConfig.max_draft_len)
 TRTLLM_MAX_DRAFT_LEN = 63
@@ -66,9 +67,6 @@ class EngineCosts:
 
 def load_engine_costs(path: str, target: Target) -> EngineCosts:
     """The step costs of ``target`` + Medusa from a report.json of the engines session (``nox -s engines``)."""
-    from .stats import StatsError
-    from .tree import read_json
-
     if target.report_engine is None:
         raise StatsError(f"no engines session measures {target.engine} here: its step costs cannot be read")
     obj = read_json(path, StatsError, "engines report")

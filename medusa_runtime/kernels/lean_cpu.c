@@ -725,8 +725,7 @@ static inline __attribute__((always_inline)) void scores16_heads_d64(const bf16 
  * scale - max_h) for the slots the row sees (see attention_rows), 0 for the others, and pb the same rounded to
  * bf16 (the weights of the values' sum). The keys 32 slots ahead are prefetched into L1 and the values of the
  * same slots into L2 for the weighted sum that follows: a layer's cache comes from DRAM (the weights streamed
- * since evicted it), and one row's attention waited on it (context 256, one row, the 30 layers' attention 0.369
- * -> 0.331 ms, builds alternated in one process, 20 rounds). */
+ * since evicted it), and without the prefetch one row's attention waits on it. */
 static inline __attribute__((always_inline)) void probs_heads_d64(const bf16 *const *qs, const int H,
                                                                  const bf16 *kh, const bf16 *vh, int i, int n,
                                                                  int start, int end, const uint8_t *tree,
@@ -878,9 +877,8 @@ static inline __attribute__((always_inline)) void attend_heads_d64(const bf16 *q
 
 /* a call's attention tasks share a kv head's keys and values among up to 3 of its heads when that leaves at
  * least this many tasks per thread (else one head a task). 1: a plain step of the default model (3 kv heads) runs
- * 3 tasks on 2 threads, and still its 30 layers' attention at context 256 took 0.265-0.286 -> 0.222-0.262 ms
- * against 9 one-head tasks (one-row forwards, builds alternated, 60 rounds, three runs; whole forwards 0-3 %
- * faster), where in a hot cache the shared loads had halved a task's time. */
+ * 3 tasks on 2 threads rather than 9 one-head tasks, since the heads' shared loads of the keys and values cost
+ * less than the balance the smaller tasks would give. */
 #ifndef HEADS_MIN_TASKS
 #define HEADS_MIN_TASKS 1
 #endif
@@ -1225,10 +1223,9 @@ size_t lean_decode_work_size(int n, int hsz, int nh, int nkv, int d, int inter, 
  * the full projection. */
 
 /* rows a call takes through the screen at most. Its int8 pass streams half the bytes, but its int16 dot products
- * cost ~0.17 ms a row on two Zen 5 cores where the full projection's rows up to 8 hide under its stream: up to 4
- * rows the pass costs what one row does (0.8 ms against 1.5 for the full projection, a slow spell), 8 rows as two
- * passes of 4 cost 1.5 (in one pass of 8 its sums ran out of vector registers: 2.2-2.7). Decode loops of 5- to
- * 8-node trees on real text, alternated with the full projection: steps x0.952 / 0.997 / 1.062 / 1.103. */
+ * cost a fixed time per row, where the full projection's rows up to 8 hide under its stream: up to about 4 rows
+ * the screen costs what one row does, and past 5 rows the full projection is cheaper (in one pass of 8 rows the
+ * screen's sums run out of vector registers; docs/reports/logit-screen.md). */
 #define SCREEN_MAX_ROWS 5
 #define SCREEN_MAX_THREADS 64
 #define SCREEN_BLOCK 64 /* vocabulary rows per int8 block */
@@ -1533,7 +1530,7 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
  * read it from L3). Activations are quantised per row alike (sx = max|x| / 127, x8 = round(x / sx), ties to
  * even), the products summed exactly in int32, and
  *     logit[r, o] = bf16( float(sum_k x8[r, k] q[o, k]) * (sx[r] * sw[o]) )
- * which PyTorch computes bit for bit the same (medusa_runtime.heads.Int8Projection: the integer sums are exact in
+ * which PyTorch computes bit for bit the same (medusa_runtime.heads.medusa.Int8Projection: the integer sums are exact in
  * float32 too, |sum| <= 576 * 127 * 127 < 2^24), so calibration and the PyTorch path score what this does. */
 
 #ifndef HEADS_PREFETCH
@@ -1727,23 +1724,26 @@ static void topk_row(const bf16 *v, int len, int k, int32_t *idx, float *top1) {
     int n = 0, i = 0;
 #if LEAN_AVX512BF16
     /* 16 values at a time: once k are held, a run none of whose values beats the k-th best is passed over whole
-     * (the same comparison as topk_offer's, so the same result); with the softmax's sum, a chain:4 tree's four
-     * rows of 4,096 took 0.013-0.017 ms before, 0.008-0.010 after (docs/reports/heads-call.md) */
+     * (the same comparison as topk_offer's, so the same result; docs/reports/heads-call.md) */
     for (; i + 16 <= len; i += 16) {
         if (n == k && !_mm512_cmp_ps_mask(load16_bf16(v + i), _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ)) continue;
         for (int j = i; j < i + 16; ++j) topk_offer(bf2f(v[j]), j, k, best, idx, &n);
     }
 #endif
     for (; i < len; ++i) topk_offer(bf2f(v[i]), i, k, best, idx, &n);
-    float mx = best[0], sum = 0.f;
+    float mx = best[0];
     i = 0;
 #if LEAN_AVX512BF16
     __m512 acc = _mm512_setzero_ps(), vm = _mm512_set1_ps(mx);
     for (; i + 16 <= len; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(load16_bf16(v + i), vm)));
-    sum = _mm512_reduce_add_ps(acc);
-#endif
+    float sum = _mm512_reduce_add_ps(acc);
     for (; i < len; ++i) sum += expf(bf2f(v[i]) - mx);
     *top1 = 1.0f / sum;
+#else
+    double sum = 0.0; /* in double: one float chain over a vocabulary row would drift by about len ulps */
+    for (; i < len; ++i) sum += expf(bf2f(v[i]) - mx);
+    *top1 = (float)(1.0 / sum);
+#endif
 }
 
 size_t lean_heads_work_size(int hsz, int vocab, int parents);

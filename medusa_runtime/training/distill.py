@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medusa_runtime.decoding.batched import batched_greedy, batched_support
+from medusa_runtime.kernels import cpuinfo_line
+from medusa_runtime.measure.calibrate import greedy_rollouts
+from medusa_runtime.model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
+from medusa_runtime.prompts import Prompt
 from treesearch.fsutil import atomic_file
 from treesearch.tree import write_json_atomic
-
-from ..batched import batched_greedy, batched_support
-from ..calibrate import greedy_rollouts
-from ..kernels import cpuinfo_line
-from ..model import LoadedModel, cache_root, chat_template_ids, weights_fingerprint
-from ..prompts import Prompt
 
 STORE_SCHEMA = "medusa-distill/1"
 MANIFEST = "manifest.json"
@@ -198,7 +197,7 @@ def reply_token_counts(path: str | Path, max_len: int = 768, limit: int | None =
 
 def generate_replies(loaded: LoadedModel, contexts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int
                      ) -> tuple[list[list[int]], str]:
-    """Greedy replies and what made them: ``batched`` (medusa_runtime.batched: continuous batching on the lean
+    """Greedy replies and what made them: ``batched`` (medusa_runtime.decoding.batched: continuous batching on the lean
     engine's weights) where the lean engine runs the model, else ``transformers`` (its generate, padded batches)."""
     if batched_support(loaded) is None:
         return batched_greedy(loaded, contexts, max_new_tokens, rows=batch_size, progress=False), "batched"

@@ -14,10 +14,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from medusa_runtime.model import LoadedModel, cache_root, weights_fingerprint
+from medusa_runtime.training.distill import Example
 from treesearch.fsutil import atomic_file
-
-from ..model import LoadedModel, cache_root, weights_fingerprint
-from .distill import Example
 
 
 @torch.inference_mode()

@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from medusa_runtime.heads.medusa import MedusaHeads, load_heads, save_heads
+from medusa_runtime.training.distill import Example
 from treesearch.fsutil import atomic_dir
-
-from ..heads import MedusaHeads, load_heads, save_heads
-from .distill import Example
 
 # configuration fields a resumed run may change: a longer run continues a shorter one's checkpoint
 RESUMABLE_CHANGES = ("epochs", "checkpoint_every", "eval_every")

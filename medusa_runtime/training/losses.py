@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from medusa_runtime.model import cpu_bf16_kernels
+
 if TYPE_CHECKING:
-    from ..heads import MedusaHeads
+    from medusa_runtime.heads.medusa import MedusaHeads
 
 TOPK_LOGGED = 5  # top-k accuracies kept per head
 
@@ -99,7 +101,7 @@ class HeadTrainer:
         self-distilled data its argmax is the hard label; the rest of it ranks the alternatives.
         """
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                             enabled=teacher_hidden.device.type == "cpu"):
+                                             enabled=teacher_hidden.device.type == "cpu" and cpu_bf16_kernels()):
             w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]
             teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
         return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
@@ -131,7 +133,8 @@ class HeadTrainer:
         stats: list[HeadStats | None] = []
         hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
         root_embedding, parents = self._conditioning(ids)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
+        bf16 = hidden_all.device.type == "cpu" and cpu_bf16_kernels()  # autocast where the CPU has bf16 kernels
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             states = self.heads.head_states(hidden_all, root_embedding, parents)  # [sum T, K, H]
         for j in range(self.heads.num_heads):
             sel, tgt = [], []
@@ -154,7 +157,7 @@ class HeadTrainer:
                 if index.numel() == 0:
                     stats.append(None)
                     continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=hidden_all.device.type == "cpu"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = self.logits(j, states[index, j])  # [N, V] (or [N, S] on a training vocabulary)
             loss, hits = ce_and_accuracy(logits, target)
             if self.cfg.soft_targets > 0:
@@ -165,7 +168,7 @@ class HeadTrainer:
         return total, stats
 
 
-def _accumulate(acc: list[list[float]], stats: list[HeadStats | None]) -> None:
+def accumulate_topk(acc: list[list[float]], stats: list[HeadStats | None]) -> None:
     for j, s in enumerate(stats):
         if s is not None:
             acc[j][0] += s.positions
@@ -173,7 +176,7 @@ def _accumulate(acc: list[list[float]], stats: list[HeadStats | None]) -> None:
                 acc[j][1 + r] += s.topk_correct[r]
 
 
-def _rates(acc: list[list[float]]) -> list[list[float]]:
+def topk_rates(acc: list[list[float]]) -> list[list[float]]:
     return [[c / a[0] if a[0] else 0.0 for c in a[1:]] for a in acc]
 
 
@@ -185,5 +188,5 @@ def evaluate_heads(trainer: HeadTrainer, hiddens: Sequence[torch.Tensor], labels
     for s in range(0, len(hiddens), chunk):
         _, stats = trainer.batch_loss(hiddens[s:s + chunk], labels[s:s + chunk],
                                       None if ids is None else ids[s:s + chunk])
-        _accumulate(acc, stats)
-    return _rates(acc)
+        accumulate_topk(acc, stats)
+    return topk_rates(acc)

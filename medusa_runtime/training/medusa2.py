@@ -27,13 +27,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from medusa_runtime.heads.adapter import ADAPTER_DIR, base_digest, decoder_layers, load_peft, quiet_peft
+from medusa_runtime.heads.medusa import ADAPTER_KEY, save_heads
+from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
+from medusa_runtime.training import train as T
+from medusa_runtime.training.distill import Example
+from medusa_runtime.training.hidden_cache import hidden_cache_file, read_hidden_cache, write_hidden_cache
+from medusa_runtime.training.losses import head_targets
 from treesearch.fsutil import atomic_dir
 from treesearch.tree import write_json_atomic
-
-from ..adapter import ADAPTER_DIR, _peft, _quiet_peft, base_digest, decoder_layers
-from ..heads import ADAPTER_KEY, save_heads
-from ..model import LoadedModel
-from .distill import Example
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,8 +50,6 @@ def layer_states(loaded: LoadedModel, examples: Sequence[Example], max_len: int,
     """Per example (the residual stream entering layer ``split`` [T, H], the model's last hidden state, final
     norm applied [T, H]), both bf16, from one forward each; kept on disk (``<cache>/hidden``) between runs,
     the last hidden states where Medusa-1 training keeps them (``train.base_hidden_states``)."""
-    from .hidden_cache import hidden_cache_file, read_hidden_cache, write_hidden_cache
-
     lengths = [min(len(e.input_ids), max_len) for e in examples]
     # the last hidden states in Medusa-1's own cache file: either trainer reuses what the other computed
     files = [hidden_cache_file(loaded, examples, max_len, split), hidden_cache_file(loaded, examples, max_len)]
@@ -93,7 +93,7 @@ class TopLayers(torch.nn.Module):
 def lora_student(loaded: LoadedModel, train_layers: int, rank: int):
     """(peft model over a float32 copy of the base, the adapted layer indices): LoRA on every linear of the
     top ``train_layers`` layers, nothing else trainable."""
-    peft = _peft()
+    peft = load_peft()
     n = len(decoder_layers(loaded.model))
     if not 1 <= train_layers <= n:
         raise ValueError(f"--train-layers must be within 1..{n} for {loaded.name}, got {train_layers}")
@@ -103,7 +103,7 @@ def lora_student(loaded: LoadedModel, train_layers: int, rank: int):
     student.name_or_path = loaded.name  # what peft records as the adapter's base
     cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
                           layers_to_transform=list(layers))
-    with _quiet_peft():
+    with quiet_peft():
         return peft.get_peft_model(student, cfg), layers
 
 
@@ -134,8 +134,6 @@ def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight:
     """Head losses on the student's hidden states (their gradient into the base scaled by
     ``head_grad_to_base``), plus, when the base trains, ``distill_weight`` x KL(teacher || student) at the
     replies' next-token positions (and ``lm_weight`` x their cross-entropy, 0 in the paper's recipe)."""
-    from .losses import head_targets
-
     hidden = _student_hidden(top, prefix, teacher, joint)
     heads_in = [h.detach() + cfg.head_grad_to_base * (h - h.detach()) if joint else h for h in hidden]
     loss, stats = trainer.batch_loss(heads_in, labels, ids)
@@ -156,8 +154,6 @@ def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight:
 def drift(top: TopLayers, prefix, teacher, labels, lm_weight: torch.Tensor) -> dict[str, float]:
     """On held-out examples: mean KL(original || adapted) per reply token, and the drop in log-likelihood of
     the reply tokens (the original's own greedy answers) from the original to the adapted base."""
-    from .losses import head_targets
-
     kl = drop = 0.0
     count = 0
     for p, te, lab in zip(prefix, teacher, labels):
@@ -183,8 +179,6 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     ``cfg.heads_warmup_ratio`` of the steps). Writes ``out/heads`` (the heads, with the adapter in
     ``heads/adapter``), ``training.json`` and checkpoints every ``checkpoint_every`` steps (``resume``
     continues on exactly the batches an uninterrupted run would take)."""
-    from . import train as T
-
     out, train_ex, val_ex = T._start(examples, cfg, out_dir)
     peft_model, layers = lora_student(loaded, cfg.train_layers, cfg.lora_rank)
     top = TopLayers(peft_model, layers[0])
@@ -229,7 +223,8 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     if val_ex:  # the heads on the adapted base's hidden states (full vocabulary), and the base's drift
         pre_val, tea_val = layer_states(loaded, val_ex, cfg.max_len, layers[0], progress, log)
         ids_val, lab_val = T.ids_and_labels(val_ex, cfg.max_len)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
+        bf16 = loaded.device.type == "cpu" and cpu_bf16_kernels()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             hid_val = [top(p.float()).to(torch.bfloat16) for p in pre_val]
         topk = T.evaluate_heads(T.HeadTrainer(heads, lm_weight, cfg, embed=embed), hid_val, lab_val, ids=ids_val)
         result.validation.append({"step": result.steps, "topk": topk})

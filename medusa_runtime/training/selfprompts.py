@@ -20,9 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from medusa_runtime.prompts import Prompt
 from treesearch.fsutil import atomic_file
-
-from ..prompts import Prompt
 
 SOURCE = "medusa-bench/self"
 MANIFEST = "manifest.json"
@@ -220,7 +219,7 @@ def generate_prompts(sample_shard: Callable[[int, int], list[str]], out: str | P
 def model_sampler(loaded, cfg: SelfPromptConfig) -> Callable[[int, int], list[str]]:
     """``sample_shard`` for a loaded model: user turns sampled from the open template, ``cfg.batch_size`` at a
     time, seeded by the shard's index (a shard's texts do not depend on what ran before it)."""
-    import torch
+    import torch  # torch: the prompts' configuration stays light for the command line
 
     tok = loaded.tokenizer
     prefix, end = open_user_turn(tok)

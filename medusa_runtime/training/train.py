@@ -25,19 +25,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from treesearch.tree import write_json_atomic
-
-from ..heads import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
-from ..model import LoadedModel
-from .distill import Example
-from .hidden_cache import (  # noqa: F401 (re-exported)
+from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
+from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
+from medusa_runtime.training.distill import Example
+from medusa_runtime.training.hidden_cache import (  # noqa: F401 (re-exported)
     base_hidden_states,
     cache_hidden_states,
     hidden_cache_file,
     read_hidden_cache,
     write_hidden_cache,
 )
-from .loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew from here)
+from medusa_runtime.training.loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew from here)
     RESUMABLE_CHANGES,
     Method,
     TrainResult,
@@ -47,17 +45,18 @@ from .loop import (  # noqa: F401 (re-exported: the loop's pieces callers knew f
     total_steps,
     train_loop,
 )
-from .losses import (  # noqa: F401 (re-exported)
+from medusa_runtime.training.losses import (  # noqa: F401 (re-exported)
     TOPK_LOGGED,
     HeadStats,
     HeadTrainer,
-    _accumulate,
-    _rates,
+    accumulate_topk,
     ce_and_accuracy,
     evaluate_heads,
     head_targets,
     medusa_loss,
+    topk_rates,
 )
+from treesearch.tree import write_json_atomic
 
 CONDITIONS = ("none", "root", "path")  # what the heads read besides the hidden state (see heads.py)
 
@@ -270,7 +269,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
         heads.train()
         value, stats = trainer.batch_loss([hid_train[i] for i in batch], [lab_train[i] for i in batch],
                                           [ids_train[i] for i in batch])
-        _accumulate(running, stats)
+        accumulate_topk(running, stats)
         return value, stats
 
     def validate(step: int, total: int, result: TrainResult) -> None:
@@ -288,7 +287,7 @@ def train_medusa1(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
               "examples": {"train": len(train_ex), "validation": len(val_ex),
                            "train_tokens": sum(len(e.input_ids) for e in train_ex)},
               "steps": result.steps, "train_seconds": result.seconds, "history": result.history,
-              "validation": result.validation, "train_topk": _rates(running), **init_provenance(init),
+              "validation": result.validation, "train_topk": topk_rates(running), **init_provenance(init),
               **(provenance or {})}
     write_outputs(out, heads, lm_head, cfg, record)
     return result
@@ -318,7 +317,7 @@ def _last_hidden(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
 def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, labels: torch.Tensor,
                   attn: torch.Tensor, cfg: TrainConfig, joint: bool) -> tuple[torch.Tensor, list[HeadStats | None]]:
     """Head losses on the student's hidden states (+ next-token loss and KL to the teacher when joint)."""
-    cpu = ids.device.type == "cpu"
+    cpu = ids.device.type == "cpu" and cpu_bf16_kernels()  # bf16 autocast where the CPU has bf16 kernels
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu), torch.set_grad_enabled(joint):
         hidden = _last_hidden(student, ids, attn).float()  # [B, T, H]
     lengths = attn.sum(1).tolist()
@@ -341,6 +340,29 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     return loss, stats
 
 
+def _student(teacher: torch.nn.Module, lora_rank: int) -> torch.nn.Module:
+    """The model Medusa-2 trains: a float32 copy of the base, with LoRA adapters on its attention projections when
+    ``lora_rank`` > 0 (else every weight trains)."""
+    student = copy.deepcopy(teacher).float()
+    if lora_rank == 0:
+        return student
+    try:
+        from peft import LoraConfig, get_peft_model  # peft: only Medusa-2 training with LoRA needs it
+    except ImportError:
+        raise RuntimeError("--lora-rank needs peft: pip install peft") from None
+    return get_peft_model(student, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def _validate_medusa2(student: torch.nn.Module, heads: MedusaHeads, trainer: HeadTrainer, val_ex: Sequence[Example],
+                      cfg: TrainConfig, device: torch.device, progress: bool) -> list[list[float]]:
+    """The heads' top-k accuracy on the validation examples, read from the trained base's hidden states."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=device.type == "cpu" and cpu_bf16_kernels()):
+        hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
+    ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
+    return evaluate_heads(trainer, hid_val, lab_val, ids=ids_val)
+
+
 def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainConfig, out_dir: str | Path,
                   provenance: dict | None = None, resume: bool = False, progress: bool = True,
                   log: Callable[[str], None] = print) -> TrainResult:
@@ -358,15 +380,7 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     """
     out, train_ex, val_ex = _start(examples, cfg, out_dir)
     teacher = loaded.model
-    student = copy.deepcopy(teacher).float()
-    if cfg.lora_rank > 0:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            raise RuntimeError("--lora-rank needs peft: pip install peft") from None
-
-        student = get_peft_model(student, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
-                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    student = _student(teacher, cfg.lora_rank)
     for p in student.parameters():
         p.requires_grad_(False)
     trainable = {n: p for n, p in student.named_parameters() if cfg.lora_rank == 0 or "lora_" in n}
@@ -411,12 +425,9 @@ def train_medusa2(loaded: LoadedModel, examples: Sequence[Example], cfg: TrainCo
     student.eval()
     heads.eval()
     if val_ex:  # the heads on the trained base's hidden states, full vocabulary (as Medusa-1 reports)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
-            hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
-        ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
-        topk = evaluate_heads(HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg, embed=embed), hid_val,
-                              lab_val, ids=ids_val)
-        result.validation.append({"step": result.steps, "topk": topk})
+        result.validation.append({"step": result.steps, "topk": _validate_medusa2(
+            student, heads, HeadTrainer(heads, lm_weight.detach().to(torch.bfloat16), cfg, embed=embed), val_ex, cfg,
+            loaded.device, progress)})
     if cfg.lora_rank > 0:
         student = student.merge_and_unload()
     student = student.to(loaded.dtype).eval()

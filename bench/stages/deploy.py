@@ -1,0 +1,165 @@
+"""From the final ``tree.json`` to what a target loads: ``medusa-bench export TREE --target T --out DIR``.
+
+The file names its heads (a shipped set by name, or a folder, with the digest of its contents) and the
+configuration to deploy. Anything the target cannot run (a lookup chain, a gate, conditioned heads, a tree
+where it drafts a chain, more nodes than its engines verify) is refused in one line, never dropped: the
+deployed speed would otherwise not be the predicted one.
+
+Per target, ``DIR`` holds:
+
+* ``vllm``: the vLLM Medusa model folder (``config.json``, ``model.safetensors``) and
+  ``speculative_config.json`` (``method: medusa``, ``model``: the folder itself, ``num_speculative_tokens``:
+  the chain's length), for ``--speculative-config``;
+* ``trtllm``: the heads in the official layout TensorRT-LLM converts (``medusa_lm_head.safetensors``,
+  ``config.json``), ``medusa_choices.txt`` (the ``--medusa_choices`` argument) and
+  ``extra_llm_api_options.yaml`` (the LLM API's ``speculative_config``: ``decoding_type: Medusa``,
+  ``max_draft_len`` = draft tokens = tree nodes, ``num_medusa_heads`` = the heads in the checkpoint,
+  ``medusa_choices``, ``speculative_model``);
+* ``tgi``: the TGI Medusa folder and ``speculate.json`` (the ``--speculate`` chain length);
+* ``own``: ``tree.json`` and the command line that serves it with this runtime.
+
+Medusa-2 heads decode on an adapted base: it is written to ``DIR/base`` and named as the model to serve.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.stages.cache import folder_hash
+from bench.stages.common import adapted
+from medusa_runtime.heads import export as serving
+from medusa_runtime.heads.medusa import SHIPPED, adapter_entry, heads_folder, resolve_heads, shipped_heads_dir
+from medusa_runtime.model import load_model
+from treesearch.export import to_trtllm_config
+from treesearch.targets import get_target, heads_conditioning, is_chain, refusal_line, refusals
+from treesearch.tree import make_tree, read_json
+
+TRTLLM_CHOICES = "medusa_choices.txt"
+TRTLLM_OPTIONS = "extra_llm_api_options.yaml"  # JSON is YAML: trtllm-serve --extra_llm_api_options FILE
+TGI_SPECULATE = "speculate.json"
+
+
+class DeployError(ValueError):
+    """A configuration that cannot be deployed where asked, with a one-line reason."""
+
+
+def heads_reference(folder: str | Path) -> dict[str, Any]:
+    """What tree.json says of its heads: a shipped set's name (else the folder's path), the digest of the
+    folder's contents, and what a target checks (heads, layers, conditioning, a base adapter)."""
+    folder = Path(folder).resolve()
+    cfg = json.loads((folder / "config.json").read_text())
+    name = next((n for n in SHIPPED if shipped_heads_dir(n) == folder), None)
+    return {"name": name, "path": None if name else str(folder), "digest": folder_hash(folder),
+            "num_heads": cfg.get("medusa_num_heads"), "num_layers": cfg.get("medusa_num_layers", 1),
+            "conditioning": heads_conditioning(cfg), "base_adapter": adapter_entry(folder) is not None}
+
+
+def heads_spec(ref: dict[str, Any]) -> str:
+    """The heads a tree.json names, as ``--heads`` takes them; refused when their contents are not the ones
+    the configuration was searched with."""
+    spec = ref.get("name") or ref.get("path")
+    folder = heads_folder(spec) if spec else None
+    if folder is None or not (folder / "config.json").is_file():
+        raise DeployError(f"the heads the configuration needs are not here: {spec}")
+    digest = folder_hash(folder) if ref.get("digest") else None
+    if digest is not None and digest != ref["digest"]:
+        raise DeployError(f"heads {spec} differ from the ones the configuration was searched with (digest "
+                          f"{digest}, not {ref['digest']})")
+    return str(spec)
+
+
+def configuration(obj: dict[str, Any]) -> dict[str, Any]:
+    """The configuration a tree file deploys: the final file's ``configuration``, else its tree with the
+    lookup chain and gate that go with it."""
+    if isinstance(obj.get("configuration"), dict):
+        return obj["configuration"]
+    decoding = obj.get("decoding") or {}
+    return {"config": obj.get("name"), "uses_heads": True, "medusa_choices": obj.get("medusa_choices"),
+            "tree_nodes": len(obj.get("medusa_choices") or []), "lookup": int(decoding.get("lookup", 0)),
+            "gate": float(decoding.get("gate", 0.0))}
+
+
+def check(obj: dict[str, Any], target_name: str, heads: dict[str, Any]) -> dict[str, Any]:
+    """The configuration, refused in one line where the target cannot run all of it."""
+    target = get_target(target_name)
+    conf = configuration(obj)
+    if not conf.get("medusa_choices"):
+        if target.name == "own":
+            return conf
+        raise DeployError(f"the configuration uses no heads: there is nothing to export to {target.engine}")
+    reasons = refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
+                       heads.get("conditioning", "none"), heads.get("num_heads"))
+    if reasons:
+        raise DeployError(refusal_line(target, reasons))
+    return conf
+
+
+def export(tree_file: str | Path, target: str, out: str | Path, model: str = "default", dtype: str = "bfloat16",
+           base_model: str | None = None, log=print) -> dict[str, Any]:
+    """Write what ``target`` loads for the configuration of ``tree_file`` into ``out``; returns what was
+    written, with the command that serves it."""
+    obj = read_json(tree_file, DeployError, "tree file")
+    if not isinstance(obj, dict) or "medusa_choices" not in obj:
+        raise DeployError(f"{tree_file} is not a tree file")
+    if not isinstance(obj.get("heads"), dict):
+        raise DeployError(f"{tree_file} names no heads (a search's final tree.json does): nothing to deploy with")
+    searched_for = obj.get("target", "own")
+    conf = check(obj, target, obj["heads"])
+    if searched_for != target:
+        log(f"note: this configuration was searched for {searched_for}, not {target}; it runs there, but the "
+            f"search over what {target} runs may find a faster one (--target {target})")
+    spec = heads_spec(obj["heads"]) if conf.get("medusa_choices") else "none"
+    out = Path(out)
+    if target == "own":
+        return _export_own(tree_file, obj, conf, spec, out)
+    return _export_engine(target, conf, spec, out, model, dtype, base_model, log)
+
+
+def _export_own(tree_file, obj, conf, spec, out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tree_file, out / "tree.json")
+    tree = f" --tree {out.resolve() / 'tree.json'}" if spec != "none" else ""
+    cmd = (f"medusa-bench serve --heads {spec}{tree} --lookup {conf.get('lookup', 0)}"
+           + (f" --gate {conf['gate']:g}" if conf.get("gate") else ""))
+    return {"target": "own", "out": str(out), "command": cmd}
+
+
+def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dtype: str, base_model: str | None,
+                   log) -> dict[str, Any]:
+    loaded = load_model(model, "float32", "cpu", log=log)
+    heads = resolve_heads(spec, loaded.hidden_size, loaded.vocab_size, model)
+    merged = adapted(loaded, spec)
+    base = merged if merged is not loaded else None  # Medusa-2 heads: the engine serves the adapted base
+    lm = merged.model.get_output_embeddings().weight
+    torch_dtype = getattr(torch, dtype)
+    choices = conf["medusa_choices"]
+    notes: list[str] = []
+    base_path = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else None
+    base_name = base_model or (str(loaded.model.config._name_or_path) if model == "default" else model)
+    if target == "vllm":
+        serving.export_vllm(heads, lm, out, len(choices), torch_dtype, base=base, warn=notes.append)
+        spec_cfg = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
+        serve = base_path or base_name
+        cmd = f"vllm serve {serve} --speculative-config '{json.dumps(spec_cfg)}'"
+        result = {"speculative_config": spec_cfg}
+    elif target == "trtllm":
+        serving.export_trtllm(heads, lm, out, base_name, torch_dtype, warn=notes.append, base=base)
+        options = json.loads(to_trtllm_config(make_tree(choices), heads.num_heads))
+        options["speculative_config"]["speculative_model"] = str(out.resolve())
+        (out / TRTLLM_OPTIONS).write_text(json.dumps(options, indent=1) + "\n")
+        (out / TRTLLM_CHOICES).write_text(f"{choices}\n")
+        cmd = f"trtllm-serve {base_path or base_name} --extra_llm_api_options {out.resolve() / TRTLLM_OPTIONS}"
+        result = options
+    else:
+        assert is_chain(choices)
+        serving.export_tgi(heads, lm, out, base_name, torch_dtype, warn=notes.append, base=base)
+        (out / TGI_SPECULATE).write_text(json.dumps({"speculate": len(choices)}) + "\n")
+        cmd = f"text-generation-launcher --model-id {out.resolve()} --speculate {len(choices)}"
+        result = {"speculate": len(choices)}
+    return {"target": target, "out": str(out), "heads": spec, "configuration": conf, **result, "notes": notes,
+            "base": base_path, "command": cmd}
