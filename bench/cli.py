@@ -87,7 +87,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Parsed flags made concrete where one flag depends on another: the old judge flags folded into --judge,
     export's old positional tree into --tree, ``--heads auto`` into the heads it names on --model (validate
     keeps it: the statistics name their heads)."""
-    from medusa_runtime.heads.medusa import auto_heads  # torch: a command that never loads a model stays light
+    from medusa_runtime.heads.medusa import auto_heads  # torch: --help and a bad flag stay light
 
     flags.fold_old_judge(args)
     if getattr(args, "old_tree", None) is not None:
