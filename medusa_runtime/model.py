@@ -11,6 +11,7 @@ this path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -283,12 +284,19 @@ def prepare_packaged_model(src: PackagedGGUF = DEFAULT_SOURCE, log: Callable[[st
     return out_dir
 
 
+@functools.cache
 def cpu_bf16_kernels() -> bool:
     """Whether torch's CPU matrix products have bf16 kernels here (oneDNN on AVX-512 or AVX-NE-CONVERT). Without
     them a bf16 product runs a reference loop several times slower than float32: bf16 autocast and prepacked bf16
     weights only pay where this holds."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return torch.backends.mkldnn.is_available() and (probe is None or bool(probe()))
+
+
+def cpu_autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast for a CPU device whose torch has bf16 kernels (:func:`cpu_bf16_kernels`); elsewhere the
+    context changes nothing (a CUDA device keeps the dtype it runs in)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=device.type == "cpu" and cpu_bf16_kernels())
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime.model import cpu_bf16_kernels
+from medusa_runtime.model import cpu_autocast
 
 if TYPE_CHECKING:
     from medusa_runtime.heads.medusa import MedusaHeads
@@ -100,8 +100,7 @@ class HeadTrainer:
         same vocabulary rows as the head (its softmax renormalised on a training vocabulary). On greedy
         self-distilled data its argmax is the hard label; the rest of it ranks the alternatives.
         """
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                             enabled=teacher_hidden.device.type == "cpu" and cpu_bf16_kernels()):
+        with torch.no_grad(), cpu_autocast(teacher_hidden.device):
             w = self.lm_weight if self.subset is None else self.lm_weight[self.subset]
             teacher = torch.softmax((teacher_hidden @ w.T.to(teacher_hidden.dtype)).float(), dim=-1)
         return -(teacher * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
@@ -133,8 +132,7 @@ class HeadTrainer:
         stats: list[HeadStats | None] = []
         hidden_all = torch.cat(list(hiddens)).float()  # [sum T, H]
         root_embedding, parents = self._conditioning(ids)
-        bf16 = hidden_all.device.type == "cpu" and cpu_bf16_kernels()  # autocast where the CPU has bf16 kernels
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with cpu_autocast(hidden_all.device):
             states = self.heads.head_states(hidden_all, root_embedding, parents)  # [sum T, K, H]
         for j in range(self.heads.num_heads):
             sel, tgt = [], []
@@ -157,7 +155,7 @@ class HeadTrainer:
                 if index.numel() == 0:
                     stats.append(None)
                     continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with cpu_autocast(hidden_all.device):
                 logits = self.logits(j, states[index, j])  # [N, V] (or [N, S] on a training vocabulary)
             loss, hits = ce_and_accuracy(logits, target)
             if self.cfg.soft_targets > 0:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from medusa_runtime.heads.adapter import ADAPTER_DIR, base_digest, decoder_layers, load_peft, quiet_peft
 from medusa_runtime.heads.medusa import ADAPTER_KEY, save_heads
-from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
+from medusa_runtime.model import LoadedModel, cpu_autocast
 from medusa_runtime.training import train as T
 from medusa_runtime.training.distill import Example
 from medusa_runtime.training.hidden_cache import hidden_cache_file, read_hidden_cache, write_hidden_cache
@@ -126,7 +126,7 @@ def _student_hidden(top: TopLayers, prefix: Sequence[torch.Tensor], teacher: Seq
     trains; during the heads-only warm-up the base is the original, whose states are the cached teacher's."""
     if not joint:
         return [t.float() for t in teacher]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prefix[0].device.type == "cpu"):
+    with cpu_autocast(prefix[0].device):
         return [top(p.float()).float() for p in prefix]
 
 
@@ -142,7 +142,7 @@ def joint_loss(trainer, top: TopLayers, prefix, teacher, labels, ids, lm_weight:
         s = torch.cat([h[m[0]] for h, (m, _) in zip(hidden, pos)])  # [n, H]
         t = torch.cat([te[m[0]] for te, (m, _) in zip(teacher, pos)]).float()
         if s.shape[0]:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.device.type == "cpu"):
+            with cpu_autocast(s.device):
                 loss = loss + cfg.distill_weight * distill_loss(s, t, lm_weight)
                 if cfg.lm_weight > 0:
                     target = torch.cat([tg[0][m[0]] for m, tg in pos])
@@ -160,7 +160,7 @@ def drift(top: TopLayers, prefix, teacher, labels, lm_weight: torch.Tensor) -> d
         mask, target = head_targets(lab[None], 1)
         if not int(mask.sum()):
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.device.type == "cpu"):
+        with cpu_autocast(p.device):
             s = top(p.float()).float()[mask[0]]
         t_logp = F.log_softmax((te.float()[mask[0]].to(lm_weight.dtype) @ lm_weight.T).float(), -1)
         s_logp = F.log_softmax((s.to(lm_weight.dtype) @ lm_weight.T).float(), -1)
@@ -223,8 +223,7 @@ def train_medusa2_top(loaded: LoadedModel, examples: Sequence[Example], cfg, out
     if val_ex:  # the heads on the adapted base's hidden states (full vocabulary), and the base's drift
         pre_val, tea_val = layer_states(loaded, val_ex, cfg.max_len, layers[0], progress, log)
         ids_val, lab_val = T.ids_and_labels(val_ex, cfg.max_len)
-        bf16 = loaded.device.type == "cpu" and cpu_bf16_kernels()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), cpu_autocast(loaded.device):
             hid_val = [top(p.float()).to(torch.bfloat16) for p in pre_val]
         topk = T.evaluate_heads(T.HeadTrainer(heads, lm_weight, cfg, embed=embed), hid_val, lab_val, ids=ids_val)
         result.validation.append({"step": result.steps, "topk": topk})

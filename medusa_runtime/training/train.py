@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from medusa_runtime.heads.medusa import HeadsConfig, MedusaHeads, heads_folder, resolve_heads, save_heads
-from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
+from medusa_runtime.model import LoadedModel, cpu_autocast
 from medusa_runtime.training.distill import Example
 from medusa_runtime.training.hidden_cache import (  # noqa: F401 (re-exported)
     base_hidden_states,
@@ -317,8 +317,7 @@ def _last_hidden(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
 def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, labels: torch.Tensor,
                   attn: torch.Tensor, cfg: TrainConfig, joint: bool) -> tuple[torch.Tensor, list[HeadStats | None]]:
     """Head losses on the student's hidden states (+ next-token loss and KL to the teacher when joint)."""
-    cpu = ids.device.type == "cpu" and cpu_bf16_kernels()  # bf16 autocast where the CPU has bf16 kernels
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu), torch.set_grad_enabled(joint):
+    with cpu_autocast(ids.device), torch.set_grad_enabled(joint):
         hidden = _last_hidden(student, ids, attn).float()  # [B, T, H]
     lengths = attn.sum(1).tolist()
     # the heads see the same values; their gradient reaches the base scaled by head_grad_to_base
@@ -331,7 +330,7 @@ def _medusa2_loss(student, teacher, trainer: HeadTrainer, ids: torch.Tensor, lab
     if joint and int(mask.sum()):
         with torch.no_grad():
             t_logits = teacher.get_output_embeddings()(_last_hidden(teacher, ids, attn)[mask]).float()  # [n, V]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu):
+        with cpu_autocast(ids.device):
             s_logits = student.get_output_embeddings()(hidden[mask]).float()  # [n, V]
         lm_loss = F.cross_entropy(s_logits, targets[mask])
         kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
@@ -357,7 +356,7 @@ def _student(teacher: torch.nn.Module, lora_rank: int) -> torch.nn.Module:
 def _validate_medusa2(student: torch.nn.Module, heads: MedusaHeads, trainer: HeadTrainer, val_ex: Sequence[Example],
                       cfg: TrainConfig, device: torch.device, progress: bool) -> list[list[float]]:
     """The heads' top-k accuracy on the validation examples, read from the trained base's hidden states."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=device.type == "cpu" and cpu_bf16_kernels()):
+    with cpu_autocast(device):
         hid_val = cache_hidden_states(student, val_ex, cfg.max_len, progress)
     ids_val, lab_val = ids_and_labels(val_ex, cfg.max_len)
     return evaluate_heads(trainer, hid_val, lab_val, ids=ids_val)
