@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from bench.commands import flags, measure, replay, serve, training, trees
+from bench.stages.jobs import import_function
 
 # the subcommands in the order --help lists them
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -76,13 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
-    """The function a parsed command runs (``module:function``), imported only now: a stage loads torch and the
-    model, which ``--help`` and a bad flag never need."""
-    module, _, name = args.func.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Parsed flags made concrete where one flag depends on another: the old judge flags folded into --judge,
     export's old positional tree into --tree, ``--heads auto`` into the heads it names on --model (validate
@@ -103,7 +96,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = resolve_args(build_parser().parse_args(argv))
     try:
-        code = command(args)(args)
+        code = import_function(args.func)(args)  # --help and a bad flag never import a stage
         sys.stdout.flush()  # a reader that went away shows here, inside the handler below
         return code
     except BrokenPipeError:  # the reader went away (`medusa-bench export ... | head`): stop quietly

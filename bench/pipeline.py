@@ -35,22 +35,20 @@ from pathlib import Path
 
 from bench.commands import flags
 from bench.engines import EngineSettings, parse_engines
-from bench.engines.stage import ACCEPTANCE, check, prepare
 from bench.replay.matrix import baseline_configurations, replay_configurations, sampled_configurations
-from bench.replay.suites import load_suite, write_questions
-from bench.replay.workload import check_disjoint, make_folds, sample_over_categories, spread_over_categories
-from bench.report.build import report
 from bench.stages import defaults
 from bench.stages.cache import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records  # noqa: F401
-from bench.stages.deploy import heads_reference
-from bench.stages.jobs import CalibrateJob, Job, JudgeJob, ProfileJob, ReplayJob, SearchJob, TrainJob, stage_key
-from bench.stages.measure import calibrate_stage, profile_stage
-from bench.stages.replay import judge_stage, replay_stage
-from bench.stages.training import train_stage
-from bench.stages.trees import search_stage
-from medusa_runtime.heads.adapter import adapter_info
-from medusa_runtime.heads.medusa import SHIPPED, auto_heads, heads_folder, shipped_heads_dir
-from medusa_runtime.model import resolve_device, resolve_dtype
+from bench.stages.jobs import (
+    CalibrateJob,
+    Job,
+    JudgeJob,
+    ProfileJob,
+    ReplayJob,
+    SearchJob,
+    TrainJob,
+    import_function,
+    stage_key,
+)
 from medusa_runtime.prompts import BUILTIN_NAMES, builtin_split, load_prompt_source
 from treesearch.cost import load_profile
 from treesearch.deploy import write_final
@@ -58,6 +56,12 @@ from treesearch.stats import load_stats
 from treesearch.targets import TARGETS, heads_conditioning, load_engine_costs
 from treesearch.tree import write_json_atomic
 from treesearch.typical import SEARCH_TEMPERATURE
+
+# the function each stage's job runs (bench.stages), imported when the stage runs: the searches, run side by side
+# in spawned processes, import this module and only the search's, which load no torch
+STAGES = {TrainJob: "bench.stages.training:train_stage", CalibrateJob: "bench.stages.measure:calibrate_stage",
+          ProfileJob: "bench.stages.measure:profile_stage", SearchJob: "bench.stages.search:search_stage",
+          ReplayJob: "bench.stages.replay:replay_stage", JudgeJob: "bench.stages.replay:judge_stage"}
 
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -121,9 +125,7 @@ class BenchOptions:
 
 def run_job(job: Job) -> None:
     """A stage's job run in this process, by the function its command calls; prints what the command prints."""
-    stage = {TrainJob: train_stage, CalibrateJob: calibrate_stage, ProfileJob: profile_stage,
-             SearchJob: search_stage, ReplayJob: replay_stage, JudgeJob: judge_stage}[type(job)]
-    _, text = stage(job)
+    _, text = import_function(STAGES[type(job)])(job)
     print(text, flush=True)
 
 
@@ -182,6 +184,11 @@ def _cached_many(cache: StageCache, stages: list[tuple[str, Job, list[Path]]]) -
 
 def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     """The shipped heads, or heads trained with the quick profile (``--retrain``)."""
+    from medusa_runtime.heads.medusa import (  # torch: spawned search workers import this module
+        SHIPPED,
+        shipped_heads_dir,
+    )
+
     if opts.heads in SHIPPED and opts.heads != "default" and not opts.retrain:
         folder = shipped_heads_dir(opts.heads)
         if folder is None or opts.model != "default":
@@ -209,13 +216,20 @@ def stage_workload(opts: BenchOptions, prof: BenchProfile, out: Path, fits: bool
     the folds' predictions then speaks for the replayed set as a whole, while no prediction reads the rollout of
     a question it is measured on (fitting on questions outside the replayed set would add their sampling
     difference from it, 5 % and more for 40 questions)."""
+    from bench.replay.suites import load_suite, write_questions  # torch: spawned search workers import this module
+    from bench.replay.workload import (  # torch: spawned search workers import this module
+        check_disjoint,
+        make_folds,
+        sample_over_categories,
+        spread_over_categories,
+    )
+
     questions = load_suite(opts.questions, log=log)
     replayed = sample_over_categories(questions, prof.questions)
     folds = make_folds(replayed, prof.folds)
     qfile = write_questions(out / "questions.jsonl", questions)
     write_questions(out / "calibration.jsonl", replayed)
     if opts.calibration is not None:  # another prompt set: it must not hold what is replayed
-
         prompts = load_prompt_source(opts.calibration)
         prompts = builtin_split(prompts, "calibration") if opts.calibration in BUILTIN_NAMES else prompts
         check_disjoint([p.turns[0] for p in prompts], replayed, opts.allow_overlap)
@@ -322,6 +336,8 @@ def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageC
     """The configuration to deploy on the target (``tree.json``): its search fitted on every replayed question
     (the folds check the procedure; this is its result), with the heads it needs and its prediction with
     intervals (``treesearch.deploy``)."""
+    from bench.stages.deploy import heads_reference  # torch: spawned search workers import this module
+
     search = out / "search" / f"final-{opts.target}.json"
     replayed = tuple(map(str, workload["replayed"]))
     job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target, engine_costs=opts.engine_costs,
@@ -339,6 +355,8 @@ def stage_engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     the heads exported for it), and the heads vLLM runs calibrated on the replayed questions with vLLM's
     vocabulary (``engines/acceptance-vllm-medusa.json``): what the report predicts vLLM's acceptance from.
     Returns the plan (the peers' configurations) and the engine settings the replay starts them with."""
+    from bench.engines.stage import ACCEPTANCE, prepare  # torch: spawned search workers import this module
+
     settings = EngineSettings(vllm_python=opts.vllm_python)
     folder = out / "engines"
     plan = prepare(opts.engines, opts.model, opts.heads, settings, folder, log=log)
@@ -410,6 +428,9 @@ def stage_replay_without_heads(opts: BenchOptions, prof: BenchProfile, out: Path
 
 
 def run(opts: BenchOptions) -> None:
+    from bench.engines.stage import check  # torch: spawned search workers import this module
+    from bench.report.build import report  # torch: spawned search workers import this module
+
     prof = PROFILES[opts.profile]
     if opts.folds is not None:
         prof = replace(prof, folds=opts.folds)
@@ -418,12 +439,10 @@ def run(opts: BenchOptions) -> None:
             raise ValueError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
         prof = replace(prof, max_new_tokens=opts.max_new_tokens)
     if opts.engine_costs is not None:
-
         load_engine_costs(opts.engine_costs, TARGETS[opts.target])  # one line now, not after calibration
     if opts.guided_rating and not opts.judge:
         raise ValueError("--guided-rating needs --judge (it changes how the judge's ratings are read)")
     if opts.engines:  # before hours of stages: what the engines need and cannot get is said now, in one line
-
         check(opts.engines, EngineSettings(vllm_python=opts.vllm_python))
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -458,8 +477,9 @@ def run(opts: BenchOptions) -> None:
 def _engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache) -> tuple[list[dict], dict]:
     """(the peers' configurations, their settings) with --engines, else nothing; a run without engines removes
     an earlier run's engine calibration, so that its predictions are not reported beside these records."""
-    if not opts.engines:
+    from bench.engines.stage import ACCEPTANCE  # torch: spawned search workers import this module
 
+    if not opts.engines:
         (out / "engines" / ACCEPTANCE).unlink(missing_ok=True)
         return [], {}
     plan, settings = stage_engines(opts, prof, out, cache)
@@ -494,6 +514,8 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
 
 def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
     """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same)."""
+    from medusa_runtime.model import resolve_device, resolve_dtype  # torch: spawned search workers import this module
+
     dev = resolve_device(None if device == "auto" else device)
     return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
 
@@ -502,6 +524,9 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
     """--compare-heads resolved: 'auto' replays the other shipped sets beside the shipped default (on the
     default model, heads not retrained): the Medusa-1 heads where the default is Medusa-2, and the
     unconditioned heads that serving engines load; 'none' nothing."""
+    from medusa_runtime.heads.adapter import adapter_info  # torch: spawned search workers import this module
+    from medusa_runtime.heads.medusa import shipped_heads_dir  # torch: spawned search workers import this module
+
     if specs in (["none"], []):
         return ()
     if specs != ["auto"]:
@@ -524,6 +549,8 @@ def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
 def _target_heads(target: str, heads: str, retrain: bool) -> str:
     """The heads a target decodes with: an engine runs no root- or path-conditioned heads, so the shipped default
     (path-conditioned) gives way to the shipped unconditioned set; heads it cannot run are refused now."""
+    from medusa_runtime.heads.medusa import heads_folder  # torch: spawned search workers import this module
+
     if target == "own":
         return heads
     if heads == "none":
@@ -595,9 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medusa_runtime.heads.medusa import auto_heads  # torch: spawned search workers import this module
+
     args = build_parser().parse_args(argv)
     try:
-
         # auto: the shipped heads on the default model, else none; with --retrain, the trained ones
         args.heads = "default" if args.retrain and args.heads == "auto" else auto_heads(args.heads, args.model)
         args.heads = _target_heads(args.target, args.heads, args.retrain)

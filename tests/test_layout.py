@@ -273,3 +273,16 @@ def test_the_runtimes_public_names_load_lazily():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) >= 10
+
+
+def test_the_pipelines_search_workers_load_no_torch():
+    """The pipeline runs its searches side by side in spawned processes, which import the pipeline module (as their
+    main) and the search stage: neither may load torch, transformers or a model (each worker would pay for it)."""
+    code = ("import sys, bench.pipeline\n"
+            "from bench.stages.jobs import import_function\n"
+            "stage = import_function(bench.pipeline.STAGES[bench.pipeline.SearchJob])\n"
+            "assert stage.__module__ == 'bench.stages.search', stage.__module__\n"
+            "print(' '.join(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""

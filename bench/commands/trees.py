@@ -49,7 +49,7 @@ def add_search(sub) -> None:
     p.add_argument("--plots", help="folder for the search plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
-    p.set_defaults(func="bench.stages.trees:cmd_search", **SearchJob.defaults())
+    p.set_defaults(func="bench.stages.search:cmd_search", **SearchJob.defaults())
 
 
 def add_export(sub) -> None:

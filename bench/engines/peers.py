@@ -88,7 +88,6 @@ class PeerPool:
 
     def _start(self, c, dtype: str, log_file: Path):
         if c.method == "vllm":
-
             spec = None
             if c.speculative == "medusa":
                 spec = medusa_speculative_config(Path(c.draft_model), c.draft_tokens)

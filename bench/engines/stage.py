@@ -33,7 +33,6 @@ class EnginePlan:
 def model_folder(model: str, log: Callable[[str], None]) -> tuple[Path, str]:
     """The transformers folder the engines load, and a short name for the files made from it."""
     if model == "default":
-
         return prepare_packaged_model(log=log), "smollm2-135m-instruct"
     folder = Path(model)
     if not (folder / "config.json").is_file():
@@ -54,10 +53,8 @@ def check(engines: tuple[str, ...], settings: EngineSettings) -> None:
     """What the engines need from outside, checked at once (the pipeline's first step): vLLM's environment,
     and llama.cpp's build tools unless it is built already."""
     if "vllm" in engines:
-
         vllm_version(vllm_python(settings))
     if "llama.cpp" in engines:
-
         if built_binary("llama-server") is None:
             require_tools()
 
@@ -69,16 +66,13 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
     notes: list[str] = []
     medusa_heads = None
     if "llama.cpp" in engines:
-
         llamacpp.build(log)
         bf16 = llamacpp.bf16_gguf(folder, name, log)
         q4 = None
         if model == "default":
-
             q4 = str(locate_gguf(log=log))
         configs += llamacpp_configurations(str(bf16), q4, settings)
     if "vllm" in engines:
-
         log(f"[engines] vLLM's environment: {vllm_python(settings)}")
         source = engine_heads(model, heads)
         num_heads, export = 0, None

@@ -54,7 +54,6 @@ def backend_for(spec: str, dtype: str = "auto", device: str | None = None):
     if not spec or not spec.strip():
         raise ValueError("--judge needs a model name (an endpoint's model, or local:MODEL)")
     if spec.startswith("local:"):
-
         return LocalBackend(load_model(spec.removeprefix("local:") or "default", dtype, device))
     return OpenAIBackend(spec)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from medusa_runtime.heads.adapter import adapter_info
-from medusa_runtime.heads.medusa import heads_folder
 from treesearch.search import load_recommendation
 from treesearch.stats import load_stats
 from treesearch.tree import make_tree, save_tree
@@ -75,7 +73,6 @@ def sampled_configurations(typical: Path | None, peers: list[int], temperature: 
                 **base})
     points = [(f"typical T{temperature}", str(typical), acc["posterior_threshold"], acc["posterior_alpha"])]
     if front:
-
         for label, p in (("least regret", min(front, key=lambda p: p["regret"])),
                          ("fastest", max(front, key=lambda p: p["speedup"]))):
             f = typical.with_name(f"tree-typical-{label.replace(' ', '-')}.json")
@@ -92,6 +89,9 @@ def compare_configurations(compare: str, heads: Path | None, depths: list[int], 
     """The other head set's chains (named ``<compare> chain:d``) and, where its base differs from that of the
     main heads (one set carries a Medusa-2 adapter), plain decoding of its base: its lossless reference, once
     per base (``bases``: those already in, updated)."""
+    from medusa_runtime.heads.adapter import adapter_info  # torch: spawned search workers import this module
+    from medusa_runtime.heads.medusa import heads_folder  # torch: spawned search workers import this module
+
     folder = heads_folder(compare)
     if folder is None or not (folder / "config.json").is_file():
         raise ValueError(f"--compare-heads {compare}: not a heads folder")

@@ -128,7 +128,6 @@ def _verdict(report: dict) -> str:
 
     items = verdict_sentences(v, strong=lambda text: f"<b>{text}</b>", esc=_esc)
     if report.get("deploy"):
-
         items.append(_esc(deploy_line(report["deploy"])))
     return "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 

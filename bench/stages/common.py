@@ -7,9 +7,6 @@ import argparse
 import json
 import sys
 
-from medusa_runtime.heads.adapter import apply_heads_adapter
-from medusa_runtime.heads.medusa import heads_folder, resolve_heads
-from medusa_runtime.model import load_model
 from medusa_runtime.prompts import BUILTIN_NAMES
 from medusa_runtime.prompts import builtin_split as split
 
@@ -25,6 +22,9 @@ def emit(args: argparse.Namespace, obj: dict, text: str | None = None) -> None:
 
 def model_and_heads(args):
     """The base model and the heads (``None`` for ``--heads none``) that a command's flags (or job) name."""
+    from medusa_runtime.heads.medusa import resolve_heads  # torch: the search stage prints through this module
+    from medusa_runtime.model import load_model  # torch: the search stage prints through this module
+
     loaded = adapted(load_model(args.model, args.dtype, args.device, log=log), args.heads)
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
 
@@ -45,6 +45,9 @@ def base_name(model: str) -> str:
 def adapted(loaded, heads_spec: str | None):
     """The base with the adapter that the named heads were trained with merged in (Medusa-2 heads), else as
     it is; its name then says so (``<model>+adapter:<digest>``), and so does every record made with it."""
+    from medusa_runtime.heads.adapter import apply_heads_adapter  # torch: the search stage prints through this module
+    from medusa_runtime.heads.medusa import heads_folder  # torch: the search stage prints through this module
+
     folder = heads_folder(heads_spec)
     return loaded if folder is None else apply_heads_adapter(loaded, folder, log=log)
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +32,13 @@ from treesearch.export import TRTLLM_MAX_DRAFT_LEN
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 J = TypeVar("J", bound="Job")
+
+
+def import_function(spec: str) -> Callable:
+    """The function ``module:function`` names, its module imported only now: what a stage imports (torch, the
+    model) loads only when that stage runs, not when the command line or the pipeline starts."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -309,7 +318,6 @@ def read_replay_config(path: str) -> dict:
         raise FileNotFoundError(f"config file not found: {path}")
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
-
         try:
             spec = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:

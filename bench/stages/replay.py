@@ -113,7 +113,6 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int, engines: dict |
                        lockstep=not args.sequential)
     out_dir = Path(args.out)
     if getattr(args, "storage", None):  # the matrix shared among workers (bench.replay.distributed)
-
         if any(c.method in PEER_METHODS for c in configs):
             raise ValueError("engines (vllm, llama.cpp) are replayed by one machine: they do not combine with --storage")
         records = _replay_shared(args, configs, questions, cfg, loaded, heads, variants)

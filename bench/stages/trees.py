@@ -1,87 +1,20 @@
-"""What the commands on trees run (their parsers: bench.commands.trees): search (the Optuna study), export (tree
-strings and configs for serving engines) and export-heads (head checkpoints in an engine's format)."""
+"""What the export commands run (their parsers: bench.commands.trees): export (tree strings and configs for serving
+engines) and export-heads (head checkpoints in an engine's format). The search is bench.stages.search."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
-from bench.stages.common import adapted, emit, log, show
+from bench.stages.common import adapted, emit, log
 from bench.stages.deploy import export
-from bench.stages.jobs import SearchJob
 from medusa_runtime.heads import export as serving
 from medusa_runtime.heads.medusa import resolve_heads
 from medusa_runtime.model import load_model
-from treesearch.cost import load_profile
 from treesearch.export import export_tree
-from treesearch.search import SearchConfig, run_search, write_search
-from treesearch.stats import load_stats, select
 from treesearch.tree import load_tree
-
-
-def cmd_search(args: argparse.Namespace) -> int:
-    return show(args, search_stage, SearchJob.from_namespace(args))
-
-
-def search_stage(job: SearchJob) -> tuple[dict, str]:
-    """The search stage: an Optuna study over the configurations (or trees) -> tree JSON (and its plots)."""
-    stats = load_stats(job.acceptance)
-    if job.exclude_ids:  # cross-fitting: fit on every rollout but these questions'
-        stats = select(stats, drop_ids=job.exclude_ids)
-    latency = load_profile(job.latency, expect_model=stats.meta.get("model")) if job.latency else None
-    joint = {"auto": None, "joint": True, "independent": False}[job.estimator]
-    cfg = SearchConfig(budget=job.budget, trials=job.trials, objective=job.objective, storage=job.storage,
-                       study_name=job.study, seed=job.seed, joint=joint, min_budget=job.min_budget,
-                       heartbeat=job.heartbeat, grace=job.grace_period,
-                       context=job.context, baseline=job.baseline, accept=job.accept,
-                       max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.lookup,
-                       target=job.target, engine_costs=job.engine_costs)
-    result = run_search(stats, cfg, latency, show_progress=not job.quiet)
-    path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
-    lines = [format_search_table(result)]
-    if result.space == "configurations":
-        best = result.best
-        verdict = "use no heads" if not best.uses_heads else "use the heads"
-        lines.append(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x "
-                     "plain decoding)")
-    lines.append(f"\nwritten: {path}")
-    plots = []
-    if job.plots:
-        from bench.report.plots import plot_search  # matplotlib: only when plots are asked for
-
-        plots = [str(p) for p in plot_search(result, stats, latency, job.plots)]
-        lines += [f"plot: {p}" for p in plots]
-    return {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines)
-
-
-def format_search_table(result) -> str:
-    rows = [("search best", result.best)]
-    if result.best_with_heads is not None and result.best_with_heads is not result.best:
-        rows.append(("best with heads", result.best_with_heads))
-    rows.append(("exact optimum (full budget)", result.optimum))
-    if result.baseline is not None:
-        rows.append((f"baseline {result.baseline.tree.name}", result.baseline))
-    typical = result.best.typical is not None
-    lines = ["| configuration | tree | nodes | depth | lookup | gate | tau | speedup |"
-             + (" eps | delta | regret |" if typical else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if typical else "")]
-    if typical:
-        rows += [(f"Pareto {i}", s) for i, s in enumerate(result.pareto)]
-    for label, s in rows:
-        sp = f"{s.speedup:.3f}x" if s.speedup is not None else "-"
-        extra = ""
-        if s.typical is not None:
-            extra = f" {s.typical.posterior_threshold:.4f} | {s.typical.posterior_alpha:.4f} | {s.regret:.4f} |"
-        tree = "no heads" if s.tree is None else f"{s.num_nodes - 1} nodes"
-        depth = s.tree.depth if s.tree is not None else 0
-        lines.append(f"| {label} | {tree} | {s.num_nodes - 1} | {depth} | {s.lookup} | {s.gate:g} | {s.tau:.4f} | "
-                     f"{sp} |{extra}")
-    lines.append(f"\nobjective: {result.objective} over {result.space}; study {result.study_name!r}: "
-                 f"{result.trials_complete} complete trials ({result.storage})")
-    return "\n".join(lines)
 
 
 def write_dtype(dtype: str) -> str:
