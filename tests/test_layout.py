@@ -84,7 +84,7 @@ RANKS = {
     "medusa_runtime.engines": 4, "medusa_runtime.heads": 4, "medusa_runtime.tree": 4,
     "medusa_runtime.decoding": 5,
     "medusa_runtime.measure": 6,
-    "medusa_runtime.training": 7, "medusa_runtime.openai_server": 7,
+    "medusa_runtime.training": 7, "medusa_runtime.server": 7,
     # bench: replay -> judge, engines -> report -> stages -> commands -> the two entry points
     "bench": 10, "bench.replay": 10,
     "bench.judge": 11, "bench.engines": 11,

@@ -18,5 +18,9 @@ def add_serve(sub) -> None:
     p.add_argument("--host")
     p.add_argument("--port", type=int, help="0: any free port (printed)")
     flags.add_new_tokens(p, f"{flags.NEW_TOKENS}; a request's max_tokens may ask for fewer; as a judge, 1024 or more")
+    p.add_argument("--max-batch", type=int, help="requests decoded together at most (continuous batching)")
+    p.add_argument("--max-queue", type=int, help="requests waiting for a row at most; beyond, the server answers 503")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request but /health "
+                   "(default: the MEDUSA_API_KEY environment variable, else none)")
     flags.deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int)
     p.set_defaults(func="bench.stages.serve:cmd_serve", **ServeJob.defaults())

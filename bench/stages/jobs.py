@@ -485,6 +485,9 @@ class ServeJob(ModelJob):
     host: str = "127.0.0.1"
     port: int = 8000
     max_new_tokens: int | None = defaults.MAX_NEW_TOKENS
+    max_batch: int = 16  # requests decoded together at most
+    max_queue: int = 64  # requests waiting for a row at most (beyond: 503)
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
 
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,

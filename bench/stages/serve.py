@@ -1,32 +1,59 @@
 """What ``medusa-bench serve`` runs (its parser: bench.commands.serve): the runtime behind an OpenAI-compatible chat
-endpoint (medusa_runtime.openai_server)."""
+endpoint (medusa_runtime.server) under uvicorn."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import socket
 import sys
 
 from bench.stages import defaults
 from bench.stages.common import model_and_heads
-from medusa_runtime.openai_server import ChatService, ServeConfig, make_server
 from treesearch.tree import load_tree
 
 
+def serve_config(args: argparse.Namespace):
+    from medusa_runtime.server.protocol import ServeConfig  # light: no model, no torch
+
+    return ServeConfig(args.name or args.model, args.host, args.port, defaults.new_tokens(args.max_new_tokens),
+                       None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate,
+                       max_batch=args.max_batch, max_queue=args.max_queue,
+                       api_key=args.api_key or os.environ.get("MEDUSA_API_KEY") or None)
+
+
+def log_config() -> dict:
+    """uvicorn's logging with the access lines on stderr too: stdout carries the one line that says where."""
+    import uvicorn.config
+
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = ServeConfig(args.name or args.model, args.host, args.port, defaults.new_tokens(args.max_new_tokens),
-                      None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate)
+    import uvicorn
+
+    from medusa_runtime.server.app import ChatServer
+
+    cfg = serve_config(args)
     if cfg.tree is not None:
         load_tree(cfg.tree)  # a bad tree fails before the model loads
     loaded, heads = model_and_heads(args)
-    server = make_server(ChatService(loaded, heads, cfg))
-    host, port = server.server_address[:2]
+    server = ChatServer(loaded, heads, cfg)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as exc:
+        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
     # the first stdout line says where (a script that asked for port 0 reads it)
     print(f"serving {cfg.name} at http://{host}:{port}/v1 ({'tree ' + cfg.tree if cfg.tree else 'plain decoding'}, "
-          f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
-    finally:
-        server.server_close()
+          f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}, batches of {server.max_batch} at most, "
+          f"queue {cfg.max_queue})", flush=True)
+    config = uvicorn.Config(server.app(), log_config=log_config(), timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -92,12 +92,21 @@ class LeanCache:
 
 
 def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacked bf16 linears: on this project's CPU they stream weights at ~1.5x the rate of
-    ``F.linear`` (which re-lays out the weight on every call); float32 and CUDA keep ``F.linear``, and so does a CPU
-    whose oneDNN has no bf16 kernels (AVX2 only: the reorder refuses bf16 without AVX-512 or AVX-NE-CONVERT)."""
+    """oneDNN prepacked linears on a CPU: in bf16 they stream weights at ~1.5x the rate of ``F.linear`` (which
+    re-lays out the weight on every call), unless oneDNN has no bf16 kernels here (AVX2 only: the reorder refuses
+    bf16 without AVX-512 or AVX-NE-CONVERT); in float32 they are faster than MKL's GEMV for one row and, packed for
+    ``PACK_ROWS`` rows, give each row the same result whatever the row count (see ``_Linear``). CUDA keeps
+    ``F.linear``."""
     mkldnn = torch.ops.mkldnn
-    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_kernels()
-            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
+    if device.type != "cpu" or not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_kernels())
+
+
+# the row count float32 weights are packed for: oneDNN then runs every row count through one blocking, so a row's
+# result does not depend on how many rows share the call (packed for one row, one row alone rounds otherwise than
+# two); batched decoding relies on it (a request's tokens are the same alone and in any batch)
+PACK_ROWS = 64
 
 
 class _KernelLinear:
@@ -140,7 +149,8 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, pack: bool):
         self.weight = weight.detach().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1) if pack else None
+        rows = PACK_ROWS if self.weight.dtype == torch.float32 else 1
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows) if pack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

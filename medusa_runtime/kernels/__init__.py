@@ -53,6 +53,14 @@ class LeanModel(ctypes.Structure):
                 *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_csum", "screen_maxw")]]
 
 
+class LeanSeq(ctypes.Structure):
+    """One sequence of a batched forward (``lean_forward_rows``): its rows, first slot, cache and tree mask, as
+    ``LeanSeq`` in lean_cpu.c."""
+
+    _fields_ = [("n", ctypes.c_int), ("start", ctypes.c_int), ("cap", ctypes.c_int), ("kcache", ctypes.c_void_p),
+                ("vcache", ctypes.c_void_p), ("tree", ctypes.c_void_p)]
+
+
 class LeanHead(ctypes.Structure):
     """Addresses of one root-conditioned head's weights, as ``LeanHead`` in lean_cpu.c."""
 
@@ -157,6 +165,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
+    lib.lean_forward_rows.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p,
+                                      ctypes.POINTER(LeanSeq), i, p, p, p, p, p, i, i, p]
+    lib.lean_forward_rows.restype = i
     lib.lean_decode.argtypes = [ctypes.POINTER(LeanModel), p, i, p, i, p, p, p, p, i]
     lib.lean_decode.restype = i
     lib.lean_decode_work_size.argtypes = [i, i, i, i, i, i, i]

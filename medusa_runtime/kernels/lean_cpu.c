@@ -1108,29 +1108,46 @@ size_t lean_forward_work_size(int n, int hsz, int nh, int nkv, int d, int inter,
     return rows * (size_t)(hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter);
 }
 
+/* One sequence of a forward: its n rows (queries at cache slots start..start+n-1), its cache ([layers, kv heads,
+ * cap, D] keys and values) and its tree mask ([n, n] bytes; NULL: causal rows). */
+typedef struct {
+    int n, start, cap;
+    bf16 *kcache, *vcache;
+    const uint8_t *tree;
+} LeanSeq;
+
 /* The layers and the final norm, inside the caller's parallel region: x [n, H] (embedded input, overwritten
- * with the last layer's residual stream) -> hidden [n, H]. See lean_forward for the buffers. */
+ * with the last layer's residual stream; the sequences' rows one after another, n in all) -> hidden [n, H].
+ * The linear layers, norms and activations take all n rows at once (each row's result is the same whatever rows
+ * share the call); RoPE, the cache writes and attention go sequence by sequence, each in its own cache, so a row's
+ * result is the one its sequence alone would give. See lean_forward for the buffers. */
 static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter,
-                           float eps, const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, int start, bf16 *kcache,
-                           bf16 *vcache, int cap, const uint8_t *tree, const bf16 *cos_t, const bf16 *sin_t,
-                           bf16 *work, float *scratch, bf16 *hidden, int nthreads, int amx, bf16 *xv) {
+                           float eps, const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, const LeanSeq *seqs,
+                           int nseq, const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch, bf16 *hidden,
+                           int nthreads, int amx, bf16 *xv) {
     int qkv_w = (nh + 2 * nkv) * d, rows = amx ? (n + 15) / 16 * 16 : n; /* the tile path reads 16-row blocks */
     bf16 *h = work, *qkv = h + (size_t)rows * hsz, *q = qkv + (size_t)rows * qkv_w, *att = q + (size_t)rows * nh * d,
          *gu = att + (size_t)rows * nh * d, *act = gu + (size_t)rows * 2 * inter;
     float scale = 1.0f / sqrtf((float)d);
-    size_t layer_kv = (size_t)nkv * cap * d;
-    /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
-    float *scores = amx && d % 32 == 0 ? scratch + (size_t)ATT_SCRATCH * nthreads * (start + n) : NULL;
     for (int l = 0; l < num_layers; ++l) {
         const LeanLayer *w = layers + l;
-        bf16 *kc = kcache + l * layer_kv, *vc = vcache + l * layer_kv;
         rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
         linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, 1);
-        rope_rows(qkv, n, nh, nkv, d, pos, cos_t, sin_t, q, kc, vc, cap, start);
+        for (int s = 0, at = 0; s < nseq; at += seqs[s++].n) {
+            const LeanSeq *sq = seqs + s;
+            size_t layer_kv = (size_t)nkv * sq->cap * d;
+            bf16 *kc = sq->kcache + l * layer_kv, *vc = sq->vcache + l * layer_kv, *qs = q + (size_t)at * nh * d;
+            int end = sq->start + sq->n;
+            rope_rows(qkv + (size_t)at * qkv_w, sq->n, nh, nkv, d, pos + at, cos_t, sin_t, qs, kc, vc, sq->cap,
+                      sq->start);
+            /* the tile path also takes q . k from the tile unit: [n * nh][start + n] floats after the softmax rows */
+            float *scores = amx && d % 32 == 0 ? scratch + (size_t)ATT_SCRATCH * nthreads * end : NULL;
 #if LEAN_AMX_BUILD
-        if (scores) attention_scores_amx(q, kc, n, nh, nkv, d, cap, start, scores);
+            if (scores) attention_scores_amx(qs, kc, sq->n, nh, nkv, d, sq->cap, sq->start, scores);
 #endif
-        attention_rows(q, kc, vc, n, nh, nkv, d, cap, start, tree, scale, scratch, scores, att);
+            attention_rows(qs, kc, vc, sq->n, nh, nkv, d, sq->cap, sq->start, sq->tree, scale, scratch, scores,
+                           att + (size_t)at * nh * d);
+        }
         linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, 1);
         rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
         linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, 1);
@@ -1138,6 +1155,27 @@ static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int
         linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
     }
     rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
+}
+
+/* The layers on the sequences' rows in one parallel region (see layers_in_team). */
+static int forward_seqs(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter, float eps,
+                        const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, const LeanSeq *seqs, int nseq,
+                        const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch, bf16 *hidden, int nthreads,
+                        int amx, bf16 *xv) {
+    if (d > 256) return -1;
+    if (amx && !lean_amx_available()) return -2; /* no tile unit, or the kernel refused its state */
+#pragma omp parallel num_threads(nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (amx) amx_configure();
+#endif
+        layers_in_team(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, seqs, nseq, cos_t, sin_t,
+                       work, scratch, hidden, nthreads, amx, xv);
+#if LEAN_AMX_BUILD
+        if (amx) amx_release();
+#endif
+    }
+    return 0;
 }
 
 /* x [n, H] (embedded input, overwritten with the last layer's residual stream) -> hidden [n, H], the
@@ -1150,20 +1188,25 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
                  const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, int start, bf16 *kcache, bf16 *vcache,
                  int cap, const uint8_t *tree, const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch,
                  bf16 *hidden, int nthreads, int amx, bf16 *xv) {
-    if (d > 256) return -1;
-    if (amx && !lean_amx_available()) return -2; /* no tile unit, or the kernel refused its state */
-#pragma omp parallel num_threads(nthreads)
-    {
-#if LEAN_AMX_BUILD
-        if (amx) amx_configure();
-#endif
-        layers_in_team(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, start, kcache, vcache, cap,
-                       tree, cos_t, sin_t, work, scratch, hidden, nthreads, amx, xv);
-#if LEAN_AMX_BUILD
-        if (amx) amx_release();
-#endif
-    }
-    return 0;
+    LeanSeq seq = {n, start, cap, kcache, vcache, tree};
+    return forward_seqs(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, &seq, 1, cos_t, sin_t,
+                        work, scratch, hidden, nthreads, amx, xv);
+}
+
+/* lean_forward for several sequences in one pass (batched decoding): seqs[s] takes rows at..at+n_s-1 of x, pos
+ * and hidden (the sequences' rows one after another, n in all), each sequence with its own cache and tree mask.
+ * The weights stream once for all rows; a row's result is bit for bit the one lean_forward gives for its
+ * sequence alone. work: lean_forward_work_size(n, ...); scratch: lean_scratch_size(nthreads, n, nh, the largest
+ * cap, amx). */
+int lean_forward_rows(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter, float eps,
+                      const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, const LeanSeq *seqs, int nseq,
+                      const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch, bf16 *hidden, int nthreads,
+                      int amx, bf16 *xv) {
+    int total = 0;
+    for (int s = 0; s < nseq; ++s) total += seqs[s].n;
+    if (total != n) return -3;
+    return forward_seqs(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, seqs, nseq, cos_t, sin_t,
+                        work, scratch, hidden, nthreads, amx, xv);
 }
 
 /* A decode step as one call: what lean_forward does for the tree's (or the plain step's) n tokens, with the
@@ -1495,6 +1538,7 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
     bf16 *x = m->work, *work = x + rows * m->hsz;
     for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
     int32_t *xp = (int32_t *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
+    LeanSeq seq = {n, start, m->cap, m->kcache, m->vcache, tree};
     ScreenRow rows_info[SCREEN_MAX_ROWS];
     ScreenPart part[SCREEN_MAX_THREADS][SCREEN_MAX_ROWS];
 #pragma omp parallel num_threads(m->nthreads)
@@ -1503,8 +1547,7 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
         if (m->amx) amx_configure();
 #endif
         layers_in_team(m->layers, m->num_layers, m->hsz, m->nh, m->nkv, m->d, m->inter, m->eps, m->norm_w, x, n, pos,
-                       start, m->kcache, m->vcache, m->cap, tree, m->cos_t, m->sin_t, work, m->scratch, hidden,
-                       m->nthreads, m->amx, m->xv);
+                       &seq, 1, m->cos_t, m->sin_t, work, m->scratch, hidden, m->nthreads, m->amx, m->xv);
         /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
          * copies them into xv first) */
         int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);

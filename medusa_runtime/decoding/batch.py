@@ -1,0 +1,211 @@
+"""Medusa decoding of many requests at once, with continuous batching.
+
+Every live request is a row of the batch with its own cache, its pending root token and its last hidden state.
+One step::
+
+    per row : tree tokens = propose(hidden, root, lookup draft)       # the row's own heads' top-k (or plain)
+    together: ONE forward of all rows' trees (engines.rows)             # [sum of nodes, V] logits
+    per row : acceptance (greedy | typical | sample) -> path, next root; compaction of the row's cache
+
+A request joins between two steps (its prompt's forward alone, then its first token) and leaves when it stops
+(EOS, its length cap, the context) or is dropped (a client gone): the other rows go on. Each row makes the
+same calls the decoder's own loop (``MedusaDecoder.generate_steps``) makes for it alone, and the batched
+forward gives a row what its own forward gives, so a request's tokens do not depend on the batch around it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa_runtime.decoding.acceptance import AcceptConfig, accept, first_token
+from medusa_runtime.decoding.decode import GenerateStats, MedusaDecoder, emit_committed
+from medusa_runtime.engines.base import EngineError
+from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.engines.rows import Seq, forward_rows
+from medusa_runtime.tree.buffers import TreeBuffers
+from medusa_runtime.tree.lookup import NgramIndex
+
+
+@dataclass
+class Row:
+    """One request in the batch."""
+
+    key: Hashable
+    max_new_tokens: int
+    cache: object
+    cur_len: int  # committed positions in the cache
+    root: int  # the next token, chosen, not yet committed
+    hidden: torch.Tensor  # [H] the last committed position's hidden state (the heads read it)
+    accept_cfg: AcceptConfig  # this request's acceptance rule and temperature
+    gen: torch.Generator | None  # its own RNG (a seed gives the same sample whatever shares the batch)
+    stats: GenerateStats
+    ngrams: NgramIndex | None
+    nodes: torch.Tensor | None  # path-conditioned heads write the tree's tokens here
+    out: list[int] = field(default_factory=list)
+    stop: str = ""  # why it stopped (eos | max_new_tokens | context), "" while live
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What one step gave a request: its new tokens, and why it stopped ("" while it goes on)."""
+
+    key: Hashable
+    tokens: list[int]
+    stop: str
+    stats: GenerateStats | None = None  # the request's, once it stopped
+
+
+def batches(decoder: MedusaDecoder) -> bool:
+    """Whether the decoder's engine runs several requests in one forward (the lean engine's); others take one."""
+    return isinstance(decoder.engine, LeanEngine)
+
+
+class BatchDecoder:
+    """Continuous batching over one ``MedusaDecoder``'s model, heads, tree, acceptance rule and engine."""
+
+    def __init__(self, decoder: MedusaDecoder, max_batch: int = 16):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch > 1 and not batches(decoder):
+            raise EngineError(f"batched decoding runs on the lean engine (Llama-family models); {decoder.loaded.name} "
+                              f"runs on '{decoder.engine.name}': use a batch of 1")
+        self.decoder, self.max_batch = decoder, max_batch
+        self.rows: dict[Hashable, Row] = {}
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def admit(self, key: Hashable, ids: Sequence[int], max_new_tokens: int, seed: int | None = None,
+              accept_cfg: AcceptConfig | None = None) -> None:
+        """A request joins: its prompt's forward alone into a cache of its own, its first token chosen. Its
+        acceptance rule (default: the decoder's) may differ from the other rows': greedy and sampled requests
+        share a batch."""
+        dec = self.decoder
+        rule = accept_cfg or dec.accept_cfg
+        if key in self.rows:
+            raise ValueError(f"request {key!r} is already in the batch")
+        if not self.free:
+            raise ValueError(f"the batch is full ({self.max_batch} rows)")
+        prompt = torch.as_tensor(list(ids), dtype=torch.long, device=dec.device)
+        if prompt.numel() == 0:
+            raise ValueError("the prompt is empty")
+        if prompt.numel() >= dec.loaded.max_length:
+            raise ValueError(f"the prompt has {prompt.numel()} tokens; the model's context is {dec.loaded.max_length}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        gen = None
+        if not rule.is_greedy:
+            gen = torch.Generator()
+            gen.manual_seed(seed if seed is not None else int(torch.seed()))
+        t0 = time.perf_counter()
+        capacity = min(dec.loaded.max_length, prompt.numel() + max_new_tokens) + dec.buffers.num_nodes
+        cache = dec.new_cache(capacity)
+        with torch.inference_mode():
+            logits, hidden = dec.prefill(prompt, cache)
+            root = first_token(logits[-1], rule, gen)
+        stats = GenerateStats(prompt_tokens=int(prompt.numel()), tree_nodes=dec.buffers.num_nodes,
+                              head_hits=[0] * dec.buffers.depth, time_prefill=time.perf_counter() - t0)
+        lookup = dec.config.lookup
+        self.rows[key] = Row(key, max_new_tokens, cache, int(prompt.numel()), root, hidden[-1], rule, gen, stats,
+                             NgramIndex(lookup, prompt.tolist()) if lookup.num_tokens else None,
+                             torch.empty(dec.tree.num_nodes, dtype=torch.long, device=dec.device) if dec.tree else None,
+                             started=t0)
+
+    def drop(self, key: Hashable) -> bool:
+        """A request leaves before its end (its client is gone): its row and cache are freed."""
+        return self.rows.pop(key, None) is not None
+
+    def _stop_before_step(self, row: Row) -> str:
+        """The decoder's own stop checks before a step: the pending root is emitted when the request stops."""
+        eos, depth = self.decoder.eos, self.decoder.buffers.depth
+        if row.root in eos:
+            return "eos"
+        if len(row.out) + 1 >= row.max_new_tokens:
+            return "max_new_tokens"
+        if row.cur_len + depth >= self.decoder.loaded.max_length:
+            return "context"
+        return ""
+
+    def step(self) -> list[StepTokens]:
+        """One decode step of every live row: the tokens each request got, finished requests leave the batch."""
+        done, going = [], []
+        for row in list(self.rows.values()):
+            stop = self._stop_before_step(row)
+            if stop:
+                row.out.append(row.root)
+                self._finish(row, stop)
+                done.append(StepTokens(row.key, [row.root], stop, row.stats))
+            else:
+                going.append(row)
+        if going:
+            with torch.inference_mode():
+                done.extend(self._verify_and_accept(going))
+        return done
+
+    def _propose(self, row: Row) -> tuple[torch.Tensor, TreeBuffers]:
+        dec = self.decoder
+        draft = row.ngrams.draft(row.root) if row.ngrams is not None else []
+        tokens = dec.propose(row.hidden, row.root, draft, row.nodes)
+        # plain decoding's one token lives in the decoder's own root tensor, path-conditioned heads write row.nodes:
+        # each row keeps its tokens until the batch's forward has read them all
+        return tokens.clone(), dec.step_buffers
+
+    def _verify_and_accept(self, rows: list[Row]) -> list[StepTokens]:
+        dec = self.decoder
+        t0 = time.perf_counter()
+        proposed = [self._propose(row) for row in rows]
+        seqs = [Seq(tokens, row.cur_len, row.cache) if tokens.shape[0] == 1 else
+                Seq(tokens, row.cur_len, row.cache, buffers.attn_mask, row.cur_len + buffers.position_offsets)
+                for row, (tokens, buffers) in zip(rows, proposed)]
+        t1 = time.perf_counter()
+        logits, hidden = forward_rows(dec.engine, seqs)
+        t2 = time.perf_counter()
+        results, at = [], 0
+        for row, (tokens, buffers) in zip(rows, proposed):
+            n = tokens.shape[0]
+            acc = accept(tokens, logits[at:at + n], buffers, row.accept_cfg, row.gen)
+            candidates = tokens.tolist()
+            committed = [candidates[i] for i in acc.path]
+            if row.ngrams is not None:
+                row.ngrams.extend(committed)
+            dec.compact(row.cache, row.cur_len, acc.path)
+            row.cur_len += len(acc.path)
+            row.hidden = hidden[at + acc.path[-1]]
+            row.root = acc.next_token
+            before = len(row.out)
+            n_out, stop = emit_committed(row.out, committed, dec.eos, row.max_new_tokens)
+            row.stats.count_step(n_out, (t1 - t0) / len(rows), t2 - t1, 0.0)
+            if stop:
+                self._finish(row, stop)
+            results.append(StepTokens(row.key, row.out[before:], stop or "", row.stats if stop else None))
+            at += n
+        return results
+
+    def _finish(self, row: Row, stop: str) -> None:
+        row.stop = row.stats.stop_reason = stop
+        row.stats.new_tokens = len(row.out)
+        row.stats.time_total = time.perf_counter() - row.started
+        del self.rows[row.key]
+
+
+def generate_batched(decoder: MedusaDecoder, prompts: Iterable[Sequence[int]], max_new_tokens: int,
+                     max_batch: int = 16) -> list[list[int]]:
+    """Every prompt's new tokens, decoded ``max_batch`` at a time in the order given: a request joins as soon as
+    a row is free (continuous batching)."""
+    batch = BatchDecoder(decoder, max_batch)
+    queue = list(enumerate(prompts))
+    out: dict[int, list[int]] = {i: [] for i, _ in queue}
+    queue.reverse()
+    while queue or batch.rows:
+        while queue and batch.free:
+            i, ids = queue.pop()
+            batch.admit(i, ids, max_new_tokens)
+        for got in batch.step():
+            out[got.key].extend(got.tokens)
+    return [out[i] for i in sorted(out)]
