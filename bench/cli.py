@@ -21,7 +21,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     measure.add_model, measure.add_draft_vocab, measure.add_generate, training.add_distill, training.add_train,
     training.add_learning_curve, training.add_self_prompts, measure.add_calibrate, training.add_fidelity,
     measure.add_validate, measure.add_profile, replay.add_speed, replay.add_replay, replay.add_judge, trees.add_search,
-    trees.add_export, trees.add_export_heads, serve.add_serve)
+    trees.add_export, trees.add_export_heads, serve.add_serve, serve.add_load)
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError, OSError)
 

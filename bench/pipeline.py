@@ -355,13 +355,14 @@ def stage_engines(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     the heads exported for it), and the heads vLLM runs calibrated on the replayed questions with vLLM's
     vocabulary (``engines/acceptance-vllm-medusa.json``): what the report predicts vLLM's acceptance from.
     Returns the plan (the peers' configurations) and the engine settings the replay starts them with."""
-    from bench.engines.stage import ACCEPTANCE, prepare  # torch: spawned search workers import this module
+    from bench.engines.stage import ACCEPTANCE, NOTES, prepare  # torch: spawned search workers import this module
 
     settings = EngineSettings(vllm_python=opts.vllm_python)
     folder = out / "engines"
     plan = prepare(opts.engines, opts.model, opts.heads, settings, folder, log=log)
     for note in plan.notes:
         log(f"[engines] {note}")
+    write_json_atomic(folder / NOTES, {"schema": "medusa-engine-notes/1", "left_out": plan.notes})  # the report says them
     acc = folder / ACCEPTANCE
     if plan.medusa_heads is not None:
         job = CalibrateJob(heads=str(plan.medusa_heads), **opts.model_fields(), data=str(out / "calibration.jsonl"),
@@ -460,8 +461,8 @@ def run(opts: BenchOptions) -> None:
     else:
         heads = stage_heads(opts, out, cache)
         workload = stage_workload(opts, prof, out)
+        peers = _engines(opts, prof, out, cache)  # built and smoke-tested before the hours of the other stages
         acc = stage_calibrate(opts, prof, out, cache, heads, workload)
-        peers = _engines(opts, prof, out, cache)
         lat = stage_profile(opts, prof, out, cache, heads, acc)
         searches = stage_search(prof, out, cache, acc, lat, workload, opts.target, opts.engine_costs)
         stage_final(opts, prof, out, cache, acc, lat, workload, heads)

@@ -88,6 +88,7 @@ RANKS = {
     # bench: replay -> judge, engines -> report -> stages -> commands -> the two entry points
     "bench": 10, "bench.replay": 10,
     "bench.judge": 11, "bench.engines": 11,
+    "bench.load": 12,
     "bench.report": 12,
     "bench.stages": 13,
     "bench.commands": 14,

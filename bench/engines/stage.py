@@ -21,6 +21,7 @@ from medusa_runtime.model import locate_gguf, prepare_packaged_model
 
 MEDUSA_DIR = "medusa-heads"  # under the run's engines/ folder: heads/ (runtime layout) and vllm/ (vLLM's)
 ACCEPTANCE = "acceptance-vllm-medusa.json"  # the calibration of those heads (vLLM's vocabulary)
+NOTES = "notes.json"  # the engines (and builds) left out, with the reason: the report lists them
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,19 @@ def prepare(engines: tuple[str, ...], model: str, heads: str, settings: EngineSe
             log: Callable[[str], None] = print) -> EnginePlan:
     folder, name = model_folder(model, log)
     configs: list[dict] = []
-    notes: list[str] = []
+    notes: list[str] = []  # what was left out and why (the report says it)
     medusa_heads = None
     if "llama.cpp" in engines:
-        llamacpp.build(log)
+        llamacpp.build(log)  # the native build: its source tree converts the bf16 GGUF
         bf16 = llamacpp.bf16_gguf(folder, name, log)
-        q4 = None
-        if model == "default":
-            q4 = str(locate_gguf(log=log))
-        configs += llamacpp_configurations(str(bf16), q4, settings)
+        q4 = locate_gguf(log=log) if model == "default" else None
+        try:  # each build smoke-tested on each GGUF (prefill and decode), the first that runs them all kept
+            variant, left_out = llamacpp.working_build([bf16, *([q4] if q4 else [])], log, settings.llama_threads)
+        except EngineError as exc:
+            notes.append(f"llama.cpp left out: {exc}")
+        else:
+            notes += left_out
+            configs += llamacpp_configurations(str(bf16), None if q4 is None else str(q4), settings, variant)
     if "vllm" in engines:
         log(f"[engines] vLLM's environment: {vllm_python(settings)}")
         source = engine_heads(model, heads)

@@ -62,6 +62,7 @@ class MethodConfig:
     speculative: str | None = None  # vllm: medusa | ngram; llama.cpp: ngram (its prompt lookup); None: plain
     draft_tokens: int = 0  # tokens a speculative engine drafts per step
     draft_model: str | None = None  # vllm + medusa: the heads folder exported for vLLM
+    build: str | None = None  # llama.cpp: the build that runs it (native | no-amx: bench.engines.llamacpp.BUILDS)
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -92,7 +93,7 @@ class MethodConfig:
         fields = asdict(self)
         # fields added later, at their defaults, leave a configuration's digest (and so its records) as it was
         for name, default in (("samples", 1), ("weights", None), ("speculative", None), ("draft_tokens", 0),
-                              ("draft_model", None)):
+                              ("draft_model", None), ("build", None)):
             if fields[name] == default:
                 del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]

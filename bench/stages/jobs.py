@@ -490,8 +490,30 @@ class ServeJob(ModelJob):
     api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoadJob(ModelJob):
+    """``medusa-bench load``: the questions' first turns through servers at fixed concurrencies (load.json)."""
+
+    heads: str = defaults.HEADS
+    tree: tuple[str, ...] = (defaults.TREE,)  # Medusa configurations served beside plain decoding
+    lookup: int = defaults.LOOKUP
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    rate: tuple[float, ...] = ()  # Poisson arrivals at these request rates (per second), beside the concurrencies
+    questions: str | None = None  # mt-bench (None) or a JSONL
+    limit: int = 16  # first turns replayed, spread over the categories
+    max_new_tokens: int = 96
+    engines: tuple[str, ...] = ()  # llama.cpp: its llama-server on the bf16 GGUF, as many slots as clients
+    out: str = "results/bench/load.json"
+    progress: bool = True
+
+    def reads(self) -> dict[str, Path]:
+        trees = {f"tree:{t}": Path(t) for t in self.tree if Path(t).is_file()}
+        return {**_heads_path(self.heads), **_file("questions", self.questions), **trees}
+
+
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,
-                              "search": SearchJob, "replay": ReplayJob, "speed": SpeedJob, "judge": JudgeJob}
+                              "search": SearchJob, "replay": ReplayJob, "speed": SpeedJob, "judge": JudgeJob,
+                              "load": LoadJob}
 
 
 _SELF = SelfPromptConfig()

@@ -98,7 +98,6 @@ def _masks(engine: LeanEngine, seqs: list[Seq]) -> list[torch.Tensor | None]:
 def _torch_rows(engine: LeanEngine, seqs: list[Seq], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch path: ``LeanEngine._layers`` with each sequence's cache writes and attention on its own."""
     ids = torch.cat([s.ids for s in seqs]).to(engine.device)
-    rows = ids.shape[0]
     cos, sin = engine._cos[positions][:, None], engine._sin[positions][:, None]  # [rows, 1, D]
     biases = _masks(engine, seqs)
     bounds, at = [], 0

@@ -1,6 +1,7 @@
 """The chat endpoint as an ASGI app (Starlette): requests in, the scheduler's tokens out, whole or streamed.
 
     POST /v1/chat/completions   the OpenAI contract (protocol.py); ``stream: true`` answers server-sent events
+    POST /v1/completions        the same for a prompt as it is (text or token ids), no chat template
     GET  /v1/models             the one model served
     GET  /metrics               Prometheus text: running and waiting requests, tokens, accepted drafts by position
     GET  /health                200 while the server runs (never behind the API key)
@@ -33,9 +34,21 @@ from medusa_runtime.decoding.decode import DecodeConfig, GenerateStats, MedusaDe
 from medusa_runtime.decoding.guided import guided_choice
 from medusa_runtime.decoding.scheduler import Job, QueueFull, Scheduler
 from medusa_runtime.model import LoadedModel, chat_template_ids
-from medusa_runtime.server.protocol import (ChatRequest, Completion, RequestError, ServeConfig, TextStream,
-                                            chunk_body, completion_body, error_body, new_id, parse_request,
-                                            usage_body)
+from medusa_runtime.server.protocol import (
+    ChatRequest,
+    Completion,
+    RequestError,
+    ServeConfig,
+    TextStream,
+    chunk_body,
+    completion_body,
+    error_body,
+    new_id,
+    parse_request,
+    parse_text_request,
+    text_completion_body,
+    usage_body,
+)
 from medusa_runtime.tree.lookup import LookupConfig
 
 
@@ -92,6 +105,7 @@ class ChatServer:
 
     def app(self) -> Starlette:
         routes = [Route("/v1/chat/completions", self._guarded(self.chat), methods=["POST"]),
+                  Route("/v1/completions", self._guarded(self.text), methods=["POST"]),
                   Route("/v1/models", self._guarded(self.models), methods=["GET"]),
                   Route("/metrics", self._guarded(self.prometheus), methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
@@ -127,12 +141,18 @@ class ChatServer:
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def chat(self, request: Request) -> Response:
+        return await self._complete(request, lambda body: parse_request(body, self.cfg))
+
+    async def text(self, request: Request) -> Response:
+        return await self._complete(request, lambda body: parse_text_request(body, self.cfg, self.loaded.vocab_size))
+
+    async def _complete(self, request: Request, parse) -> Response:
         try:
-            req = parse_request(await _json_body(request, self.cfg.max_body_bytes), self.cfg)
+            req = parse(await _json_body(request, self.cfg.max_body_bytes))
             ids = await run_in_threadpool(self._prompt_ids, req)
             if req.choices is not None:
                 completion = await self._guided(ids, req.choices)
-                return self._whole(completion) if not req.stream else self._stream_whole(completion, req)
+                return self._whole(completion, req) if not req.stream else self._stream_whole(completion, req)
             job, events = self._submit(req, ids)
         except RequestError as exc:
             self.metrics.requests.labels(outcome="refused" if exc.status == HTTPStatus.SERVICE_UNAVAILABLE
@@ -141,12 +161,17 @@ class ChatServer:
         if req.stream:
             return StreamingResponse(self._sse(job, events, req, len(ids)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._wait_whole(request, job, events, len(ids))
+        return await self._wait_whole(request, job, events, req, len(ids))
 
     # ------------------------------------------------------------------ a request's path
 
     def _prompt_ids(self, req: ChatRequest) -> list[int]:
-        ids = chat_template_ids(self.loaded, req.messages)
+        if req.messages is not None:
+            ids = chat_template_ids(self.loaded, req.messages)
+        elif isinstance(req.prompt, str):
+            ids = list(self.loaded.tokenizer(req.prompt, add_special_tokens=True)["input_ids"])
+        else:
+            ids = list(req.prompt)
         if len(ids) >= self.loaded.max_length:
             raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.loaded.max_length}",
                                kind="context_length_exceeded")
@@ -177,7 +202,8 @@ class ChatServer:
         steps, tau = (stats.steps, stats.tau) if stats is not None else (0, 0.0)
         return Completion(text, prompt_tokens, len(tokens), "stop" if stop == "eos" else "length", steps, tau)
 
-    async def _wait_whole(self, request: Request, job: Job, events: asyncio.Queue, prompt_tokens: int) -> Response:
+    async def _wait_whole(self, request: Request, job: Job, events: asyncio.Queue, req: ChatRequest,
+                          prompt_tokens: int) -> Response:
         """A non-streamed request: its tokens until it stops, or nothing if its client disconnects first."""
         gone = asyncio.ensure_future(_disconnected(request))
         tokens: list[int] = []
@@ -202,19 +228,21 @@ class ChatServer:
             gone.cancel()
         self.metrics.requests.labels(outcome="ok").inc()
         text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
-        return self._whole(self._completion(tokens, text, stop, stats, prompt_tokens))
+        return self._whole(self._completion(tokens, text, stop, stats, prompt_tokens), req)
 
-    def _whole(self, completion: Completion) -> Response:
-        return JSONResponse(completion_body(completion, self.cfg.name))
+    def _whole(self, completion: Completion, req: ChatRequest) -> Response:
+        body = completion_body if req.kind == "chat.completion" else text_completion_body
+        return JSONResponse(body(completion, self.cfg.name))
 
     async def _sse(self, job: Job, events: asyncio.Queue, req: ChatRequest, prompt_tokens: int
                    ) -> AsyncIterator[str]:
         """A streamed request: a role chunk, a chunk per step with new text, the finish chunk, the usage chunk
         (when asked), then [DONE]. Closing the stream early (the client left) cancels the request."""
-        cid, created, model = new_id(), int(time.time()), self.cfg.name
+        cid, created, model, kind = new_id(), int(time.time()), self.cfg.name, req.kind
         text, tokens, finished = TextStream(self.loaded.tokenizer), [], False
         try:
-            yield _event(chunk_body(cid, created, model, {"role": "assistant", "content": ""}))
+            if kind == "chat.completion":
+                yield _event(chunk_body(cid, created, model, {"role": "assistant", "content": ""}))
             while True:
                 new, stop, stats = await events.get()
                 if stop.startswith("error"):
@@ -226,14 +254,15 @@ class ChatServer:
                 tokens.extend(new)
                 piece = text.push(new) + (text.finish() if stop else "")
                 if piece:
-                    yield _event(chunk_body(cid, created, model, {"content": piece}))
+                    yield _event(chunk_body(cid, created, model, {"content": piece}, kind=kind))
                 if stop:
                     finished = True
                     done = self._completion(tokens, text.sent, stop, stats, prompt_tokens)
                     self.metrics.requests.labels(outcome="ok").inc()
-                    yield _event(chunk_body(cid, created, model, {}, done.finish_reason))
+                    yield _event(chunk_body(cid, created, model, {}, done.finish_reason, kind=kind))
                     if req.include_usage:
-                        yield _event(chunk_body(cid, created, model, {}, usage=usage_body(done), choices=False))
+                        yield _event(chunk_body(cid, created, model, {}, usage=usage_body(done), choices=False,
+                                                kind=kind))
                     break
             yield "data: [DONE]\n\n"
         finally:

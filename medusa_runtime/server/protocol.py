@@ -9,6 +9,8 @@
   greedy decoding constrained to their tokens (``medusa_runtime.decoding.guided``). Reply:
   ``choices[0].message.content``, ``finish_reason`` ("stop" at EOS, "length" at the cap) and ``usage``; plus a
   ``medusa`` object with the steps and tau of the request.
+* ``POST /v1/completions``: the same options for a ``prompt`` as it is (a string, or token ids), no chat template;
+  replies are ``text_completion`` objects (``choices[0].text``), streamed as ``text_completion`` chunks.
 * Errors: ``{"error": {"message", "type", "code"}}`` with the HTTP status.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from medusa_runtime.decoding.guided import check_choices
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -63,13 +66,21 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict]
+    """A chat completion (``messages``) or a text completion (``prompt``: text or token ids) to decode."""
+
+    messages: list[dict] | None
     max_tokens: int
     temperature: float
     seed: int | None = None
     choices: tuple[str, ...] | None = None  # guided_choice: the reply is one of these
     stream: bool = False  # server-sent events, chunk by chunk
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    prompt: str | tuple[int, ...] | None = None  # /v1/completions: the prompt as it is (no chat template)
+
+    @property
+    def kind(self) -> str:
+        """The reply's object: chat.completion or text_completion."""
+        return "text_completion" if self.messages is None else "chat.completion"
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,7 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default=None):
     return value
 
 
-def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
-    """The request a chat-completions body makes, or a RequestError."""
+def _check_model(body: object, cfg: ServeConfig) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     model = _field(body, "model", str)
@@ -101,13 +111,11 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
     if model != cfg.name:
         raise RequestError(f"the model '{model}' does not exist here (served: {cfg.name})", HTTPStatus.NOT_FOUND,
                            "model_not_found")
-    messages = _field(body, "messages", list)
-    if not messages:
-        raise RequestError("'messages' must be a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise RequestError("each message needs a role (system, user, assistant) and a string content")
+    return body
+
+
+def _options(body: dict, cfg: ServeConfig) -> dict:
+    """What chat and text completions share: length, temperature, seed, n, stream."""
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict) or {}
     include_usage = options.get("include_usage", False)
@@ -121,7 +129,21 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
     temperature = float(_field(body, "temperature", (int, float), 1.0))  # OpenAI's default is 1
     if not 0 <= temperature <= 2:
         raise RequestError("temperature must be within [0, 2]")
-    seed = _field(body, "seed", int)
+    return {"max_tokens": min(max_tokens, cfg.max_new_tokens), "temperature": temperature,
+            "seed": _field(body, "seed", int), "stream": stream, "include_usage": stream and include_usage}
+
+
+def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
+    """The request a chat-completions body makes, or a RequestError."""
+    body = _check_model(body, cfg)
+    messages = _field(body, "messages", list)
+    if not messages:
+        raise RequestError("'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise RequestError("each message needs a role (system, user, assistant) and a string content")
+    options = _options(body, cfg)
     choices = _field(body, "guided_choice", list)
     structured = _field(body, "structured_outputs", dict)  # today's vLLM spelling: {"choice": [...]}
     if structured is not None:
@@ -136,8 +158,23 @@ def parse_request(body: object, cfg: ServeConfig) -> ChatRequest:
         except ValueError as exc:
             raise RequestError(str(exc)) from None
     return ChatRequest([{"role": m["role"], "content": m["content"]} for m in messages],
-                       min(max_tokens, cfg.max_new_tokens), temperature, seed, tuple(choices) if choices else None,
-                       stream, stream and include_usage)
+                       choices=tuple(choices) if choices else None, **options)
+
+
+def parse_text_request(body: object, cfg: ServeConfig, vocab_size: int) -> ChatRequest:
+    """The request a (text) completions body makes: ``prompt`` a string or a list of token ids."""
+    body = _check_model(body, cfg)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                 for t in prompt):
+            raise RequestError(f"'prompt' as token ids must be a non-empty list of integers in [0, {vocab_size})")
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string or list of token ids (one prompt)")
+    return ChatRequest(None, prompt=prompt, **_options(body, cfg))
 
 
 def completion_body(c: Completion, model: str) -> dict:
@@ -154,12 +191,23 @@ def usage_body(c: Completion) -> dict:
             "total_tokens": c.prompt_tokens + c.completion_tokens}
 
 
+def text_completion_body(c: Completion, model: str) -> dict:
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}],
+            "usage": usage_body(c), "medusa": {"steps": c.steps, "tau": c.tau}}
+
+
 def chunk_body(cid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               usage: dict | None = None, choices: bool = True) -> dict:
-    """One ``chat.completion.chunk`` of a stream (``choices`` False: the usage chunk, whose choices are empty)."""
-    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-            if choices else []}
+               usage: dict | None = None, choices: bool = True, kind: str = "chat.completion") -> dict:
+    """One chunk of a stream (``choices`` False: the usage chunk, whose choices are empty): a
+    ``chat.completion.chunk`` with a ``delta``, or for a text completion a ``text_completion`` with the delta's
+    content as ``text``."""
+    if kind == "chat.completion":
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason, "logprobs": None}
+    body = {"id": cid, "object": f"{kind}.chunk" if kind == "chat.completion" else kind, "created": created,
+            "model": model, "choices": [choice] if choices else []}
     if usage is not None:
         body["usage"] = usage
     return body
@@ -169,8 +217,8 @@ def error_body(message: str, status: HTTPStatus, kind: str = "invalid_request_er
     return {"error": {"message": message, "type": kind, "code": status.value}}
 
 
-def new_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 class TextStream:

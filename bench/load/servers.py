@@ -1,0 +1,107 @@
+"""The servers a load run drives, each on a free loopback port: the runtime's own (``medusa-bench serve`` in a
+process of its own, one per configuration) and llama.cpp's ``llama-server`` with as many slots as clients."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.engines import EngineError
+from bench.engines.llamacpp import LlamaServer
+
+
+class OwnServer:
+    """``medusa-bench serve`` for one configuration (``tree`` None: plain decoding), batches of ``max_batch``."""
+
+    engine = "own"
+
+    def __init__(self, model: str, heads: str, tree: str | None, max_batch: int, max_new_tokens: int,
+                 dtype: str = "auto", lookup: int = 0, gate: float = 0.0, log_file: Path | None = None,
+                 timeout_s: float = 600.0):
+        args = [sys.executable, "-m", "bench.cli", "serve", "--model", model, "--dtype", dtype, "--port", "0",
+                "--heads", heads if tree else "none", "--max-batch", str(max_batch), "--max-queue", "1024",
+                "--max-new-tokens", str(max_new_tokens), "--name", "load", "--lookup", str(lookup),
+                "--gate", str(gate)]
+        if tree:
+            args += ["--tree", tree]
+        self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
+                                     text=True)
+        t0 = time.perf_counter()
+        line = self.proc.stdout.readline()  # "serving load at http://127.0.0.1:<port>/v1 (...)"
+        match = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+        if match is None:
+            self.close()
+            raise EngineError(f"the runtime's server did not start ({tree or 'plain'}): {line.strip() or 'no output'}")
+        self.url, self.model = match.group(1), "load"
+        _wait_health(self.url, self.proc, t0, timeout_s)
+
+    def counters(self) -> dict:
+        """The server's generated tokens, decode steps and accepted drafts by position so far (/metrics)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out = {"tokens": 0.0, "steps": 0.0, "accepted": {}}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "medusa_generated_tokens_total":
+                    out["tokens"] = s.value
+                elif s.name == "medusa_decode_steps_total":
+                    out["steps"] = s.value
+                elif s.name == "medusa_accepted_drafts_total":
+                    out["accepted"][int(s.labels["position"])] = s.value
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.stdout.close()
+        self._log.close()
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    return {"tokens": after["tokens"] - before["tokens"], "steps": after["steps"] - before["steps"],
+            "accepted": {p: v - before["accepted"].get(p, 0.0) for p, v in after["accepted"].items()}}
+
+
+class LlamaSlots:
+    """``llama-server`` with ``slots`` parallel slots (continuous batching in llama.cpp), its context split among
+    them, serving ``/v1/completions``."""
+
+    engine = "llama.cpp"
+
+    def __init__(self, gguf: Path, slots: int, ctx_per_slot: int = 2048, threads: int | None = None,
+                 log_file: Path | None = None, build: str = "native"):
+        self.server = LlamaServer(gguf, threads, ctx=ctx_per_slot * slots, log_file=log_file, build=build,
+                                  slots=slots)
+        self.url, self.model = self.server.url, "load"
+
+    def counters(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _wait_health(url: str, proc: subprocess.Popen, t0: float, timeout_s: float) -> None:
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise EngineError(f"the server at {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise EngineError(f"the server at {url} did not become ready within {timeout_s:.0f} s")

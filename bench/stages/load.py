@@ -1,0 +1,200 @@
+"""What ``medusa-bench load`` runs (its parser: bench.commands.serve): the bench under concurrency, through servers.
+
+    reference : each question's first turn decoded alone by the runtime, plain greedy (what every server's
+                answer is compared with)
+    servers   : the runtime's, plain and each Medusa configuration (one process each, batches up to the largest
+                concurrency); with --engines llama.cpp, llama-server on the bf16 GGUF with as many slots as clients
+    load      : per server and concurrency, the same requests through the OpenAI completions API, streamed
+                (bench.load.client); rows with throughput, latency percentiles, agreement, accepted drafts
+    load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from bench.engines import EngineError
+from bench.load.client import LoadPlan, LoadRequest, RequestRecord, run_load_sync
+from bench.load.servers import LlamaSlots, OwnServer, counter_delta
+from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
+from bench.replay.analyze import to_markdown
+from bench.replay.suites import load_suite
+from bench.replay.workload import spread_over_categories
+from bench.stages.common import log, show
+from bench.stages.jobs import LoadJob
+from treesearch.fsutil import atomic_file
+from treesearch.tree import load_tree, write_json_atomic
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    return show(args, load_stage, LoadJob.from_namespace(args, progress=not args.json))
+
+
+def load_stage(job: LoadJob) -> tuple[dict, str]:
+    for tree in job.tree:
+        load_tree(tree)  # a bad tree fails before anything starts
+    if not job.concurrency and not job.rate:
+        raise ValueError("give at least one --concurrency or --rate")
+    if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0:
+        raise ValueError("concurrencies must be >= 1 and rates > 0")
+    requests, references, tokenizer, meta = _requests_and_references(job)
+    out = Path(job.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, "concurrencies": list(job.concurrency), "rates": list(job.rate),
+           "questions": [r.key for r in requests], "max_new_tokens": job.max_new_tokens, **meta, "rows": [],
+           "left_out": []}
+    run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out)
+    servers = _own_servers(job, doc, out)
+    try:
+        for i, c in enumerate(job.concurrency):  # configurations interleaved: each concurrency measures all in turn
+            for config, server in servers[i % len(servers):] + servers[:i % len(servers)]:
+                run.measure(server, config, references[config != "plain"], LoadPlan(concurrency=c))
+            if "llama.cpp" in job.engines:
+                _llamacpp_at(run, c, references[False])
+        for rate in job.rate:
+            for config, server in servers:
+                run.measure(server, config, references[config != "plain"], LoadPlan(rate=rate, seed=0))
+    finally:
+        for _, server in servers:
+            server.close()
+    add_speedups(doc["rows"], run.records)
+    doc["stops_paying"] = stops_paying(doc["rows"])
+    run.write()
+    return doc, _table(doc)
+
+
+def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool, dict[str, str]], object, dict]:
+    """The requests (first turns, chat template applied); each one's text under the runtime's plain greedy decoding
+    alone, on the base plain decoding serves (False) and on the base the heads decode with (True: the same but
+    for Medusa-2 heads, whose adapter is merged into it); the tokenizer; the machine and versions."""
+    from bench.stages.common import adapted  # torch: the command line stays light
+    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+    from medusa_runtime.measure.profile import describe_machine
+    from medusa_runtime.model import chat_template_ids, load_model, software_versions
+
+    questions = spread_over_categories(load_suite(job.questions, log=log), job.limit)
+    loaded = load_model(job.model, job.dtype, job.device, log=log)
+    requests = [LoadRequest(f"{q.question_id}", tuple(chat_template_ids(loaded, [{"role": "user",
+                                                                                  "content": q.turns[0]}])),
+                            job.max_new_tokens) for q in questions]
+
+    def alone(model) -> dict[str, str]:
+        plain = MedusaDecoder(model, None, None, config=DecodeConfig(max_new_tokens=job.max_new_tokens))
+        return {r.key: model.tokenizer.decode(plain.generate(list(r.prompt)).token_ids, skip_special_tokens=True)
+                for r in tqdm(requests, desc=f"plain greedy alone ({model.name})", disable=not job.progress,
+                              unit="q")}
+
+    base = alone(loaded)
+    name = loaded.name
+    heads_base = adapted(loaded, job.heads) if job.tree and job.heads != "none" else loaded
+    meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "machine": describe_machine(loaded),
+            "versions": software_versions()}
+    return requests, {False: base, True: base if heads_base.name == name else alone(heads_base)}, \
+        loaded.tokenizer, meta
+
+
+class _Run:
+    """A load run's rows and records, written after each row."""
+
+    def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path):
+        self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
+        self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
+
+    def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
+                ) -> None:
+        """The requests once through a running server under the plan: a row, written at once."""
+        label = f"concurrency {plan.concurrency}" if plan.concurrency is not None else f"rate {plan.rate:g}/s"
+        before = server.counters()
+        with tqdm(total=len(self.requests), desc=f"{server.engine} {config} at {label}", disable=not self.job.progress,
+                  unit="req") as bar:
+            got = run_load_sync(server.url + "/v1", server.model, self.requests, plan, self.count, bar.update)
+        counters = counter_delta(before, server.counters()) if before is not None else None
+        row = load_row(config, server.engine, plan.concurrency or 0, got, reference, counters, build)
+        if plan.rate is not None:
+            row["rate"] = plan.rate
+        else:
+            self.records[(config, server.engine, plan.concurrency)] = got
+        self.doc["rows"].append(row)
+        self.write()
+
+    def write(self) -> None:
+        self.doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_json_atomic(self.out, self.doc)
+        lines = [json.dumps({"config": k[0], "engine": k[1], "concurrency": k[2], "key": r.key, "ok": r.ok,
+                             "error": r.error, "tokens": r.tokens, "latency": r.latency, "ttft": r.ttft, "itl": r.itl,
+                             "text": r.text}) for k, rs in self.records.items() for r in rs]
+        with atomic_file(self.out.with_name(self.out.stem + "-records.jsonl"), suffix=".jsonl") as tmp:
+            tmp.write_text("".join(line + "\n" for line in lines))
+
+
+def _warm(server, requests) -> None:
+    """One request before the timed ones (first-call costs: allocations, kernel builds)."""
+    run_load_sync(server.url + "/v1", server.model, requests[:1], LoadPlan(concurrency=1))
+
+
+def _own_servers(job: LoadJob, doc: dict, out: Path) -> list[tuple[str, OwnServer]]:
+    """The runtime's servers, plain and each tree, started together and warmed (idle ones cost no CPU)."""
+    servers = []
+    for config, tree in [("plain", None), *[(t, t) for t in job.tree]]:
+        try:
+            server = OwnServer(job.model, job.heads, tree, max(job.concurrency, default=16), job.max_new_tokens,
+                               job.dtype, job.lookup if tree else 0,
+                               log_file=out.with_name(f"load-server-{_slug(config)}.log"))
+        except EngineError as exc:
+            doc["left_out"].append(f"the runtime's {config} server: {exc}")
+            log(f"[load] {doc['left_out'][-1]}")
+            continue
+        servers.append((config, server))
+    return servers
+
+
+def _llamacpp_at(run: _Run, c: int, reference: dict[str, str]) -> None:
+    """llama-server on the bf16 GGUF of the same weights with ``c`` slots, on the first build that runs it (native,
+    else without AMX); what keeps it from running is said in load.json, the other rows go on."""
+    from bench.engines import llamacpp
+    from bench.engines.stage import model_folder
+
+    doc = run.doc
+    try:
+        folder, name = model_folder(run.job.model, log)
+        llamacpp.build(log)
+        gguf = llamacpp.bf16_gguf(folder, name, log)
+        variant, notes = llamacpp.working_build([gguf], log)
+        doc["left_out"] += [n for n in notes if n not in doc["left_out"]]
+        server = LlamaSlots(gguf, c, log_file=run.out.with_name(f"load-llama-server-{c}.log"), build=variant)
+    except EngineError as exc:
+        doc["left_out"].append(f"llama.cpp at concurrency {c}: {exc}")
+        log(f"[load] {doc['left_out'][-1]}")
+        return
+    try:
+        _warm(server, run.requests)
+        run.measure(server, "plain", reference, LoadPlan(concurrency=c), build=variant)
+    finally:
+        server.close()
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
+def _table(doc: dict) -> str:
+    import pandas as pd
+
+    cols = ["config", "engine", "concurrency", "output_tokens_per_s", "speedup_vs_plain", "per_request_tokens_per_s",
+            "accepted_per_step", "identical_to_plain", "failed"]
+    df = pd.DataFrame([{k: r.get(k) for k in cols} | {"ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
+                                                        "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50")}
+                       for r in doc["rows"]])
+    lines = [to_markdown(df.round(3)) if not df.empty else "(no rows)"]
+    for config, s in doc.get("stops_paying", {}).items():
+        at = s["stops_paying_at"]
+        lines.append(f"{config}: " + (f"stops paying at concurrency {at}" + (" (its interval below 1)" if s["certain"]
+                                                                          else " (its interval reaches 1)")
+                                      if at is not None else "pays at every concurrency measured"))
+    lines += [f"left out: {x}" for x in doc["left_out"]]
+    return "\n".join(lines)

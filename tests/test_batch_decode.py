@@ -1,0 +1,136 @@
+"""Batched Medusa decoding (medusa_runtime/decoding/batch.py, engines/rows.py) against each request decoded alone
+by the decoder's own loop: the same tokens at batch 1, 4 and 16, in any arrival order, for plain decoding and for
+trees, greedy and sampled; and the batched forward's rows against each sequence's own forward, bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from medusa_runtime import kernels
+from medusa_runtime.decoding.acceptance import AcceptConfig
+from medusa_runtime.decoding.batch import BatchDecoder, generate_batched
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.engines.base import EngineError
+from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.engines.rows import Seq, forward_rows
+from medusa_runtime.heads.medusa import resolve_heads
+from medusa_runtime.tree.compiler import compile_tree
+from medusa_runtime.tree.lookup import LookupConfig
+from treesearch.tree import load_tree
+
+from .conftest import tiny_gpt2, tiny_llama
+
+
+def _prompts(loaded, questions, n):
+    return [encode_prompt(loaded, q["turns"][0], chat=True) for q in questions[:n]]
+
+
+@pytest.mark.parametrize("tree,lookup", [(None, 0), ("chain:3", 0), ("mc_sim_7b_63", 4)])
+def test_greedy_tokens_are_the_same_alone_and_in_any_batch(default_model, mt_bench_first_turns, tree, lookup):
+    """The default model on the runtime's own path here (float32: PyTorch with oneDNN's packed layers), shipped
+    heads: each request's tokens at batch 4 (arrivals reversed) and 16 (shuffled) are those it gets alone."""
+    heads = resolve_heads("default", default_model.hidden_size, default_model.vocab_size) if tree else None
+    dec = MedusaDecoder(default_model, heads, tree,
+                        config=DecodeConfig(max_new_tokens=20, lookup=LookupConfig(lookup)))
+    prompts = _prompts(default_model, mt_bench_first_turns[::9], 9)
+    alone = [dec.generate(p).token_ids for p in prompts]
+    for rows, order in ((4, list(range(9))[::-1]), (16, random.Random(3).sample(range(9), 9))):
+        got = generate_batched(dec, [prompts[i] for i in order], 20, rows)
+        assert {i: g for i, g in zip(order, got)} == dict(enumerate(alone)), rows
+    if tree is not None:  # the tree drafted and accepted: the check is not plain against plain
+        assert sum(dec.generate(p).stats.steps for p in prompts) < sum(len(a) for a in alone)
+
+
+def test_rows_of_a_batched_forward_are_each_sequence_alone_bit_for_bit(default_model, default_bf16, monkeypatch):
+    """Three sequences (a plain row, a tree, a tree over a longer cache) through one forward: every row's logits and
+    hidden state equal those of its sequence's own forward, on the PyTorch path (float32) and the C forward (bf16),
+    and each cache holds what its own forward wrote."""
+    monkeypatch.setattr(kernels, "fast_path", lambda: True)  # the C forward even without AVX-512 BF16 (slower)
+    buffers = compile_tree(load_tree("chain:3"), 3, 10, 0, 0.0, torch.device("cpu")).variants[0]
+    for loaded, kernel in ((default_model, False), (default_bf16, True)):
+        engine = LeanEngine(loaded, max_nodes=buffers.num_nodes, use_kernels=kernel)
+        assert engine.uses_kernels == kernel
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=g) for n in (5, 9, 30)]
+        steps = [torch.randint(0, loaded.vocab_size, (k,), generator=g) for k in (1, 4, 4)]
+        alone, batched = [], []
+        with torch.inference_mode():
+            for own in (alone, batched):
+                caches = [engine.new_cache(40) for _ in prompts]
+                for p, c in zip(prompts, caches):
+                    engine.forward(p, 0, c, last_only=True)
+                seqs = [Seq(t, len(p), c) if len(t) == 1 else
+                        Seq(t, len(p), c, buffers.attn_mask, len(p) + buffers.position_offsets)
+                        for p, t, c in zip(prompts, steps, caches)]
+                if own is alone:
+                    own.extend((*engine.forward(s.ids, s.start, s.cache, s.tree, s.positions), s.cache) for s in seqs)
+                else:
+                    logits, hidden = forward_rows(engine, seqs)
+                    at = [0, 1, 5, 9]
+                    own.extend((logits[a:b], hidden[a:b], s.cache) for a, b, s in zip(at, at[1:], seqs))
+        for (la, ha, ca), (lb, hb, cb), p in zip(alone, batched, prompts):
+            assert torch.equal(la, lb) and torch.equal(ha, hb), (loaded.dtype, len(p))
+            assert torch.equal(ca.keys[:, :, :len(p) + 4], cb.keys[:, :, :len(p) + 4])
+
+
+@pytest.mark.parametrize("rule", ["sample", "typical"])
+def test_sampled_requests_draw_the_same_tokens_alone_and_in_a_batch(rule):
+    """A seeded request's RNG is its own: its sampled tokens are the same alone and beside other requests, with
+    greedy requests in the same batch."""
+    loaded = tiny_llama(seed=4)
+    from .conftest import random_heads
+
+    heads = random_heads(loaded, "none", seed=1)
+    cfg = AcceptConfig(rule=rule, temperature=0.9)
+    dec = MedusaDecoder(loaded, heads, "chain:3", cfg, DecodeConfig(max_new_tokens=16, seed=11))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(loaded.vocab_size) for _ in range(rng.randint(2, 20))] for _ in range(5)]
+    alone = []
+    for p in prompts:
+        dec.generator.manual_seed(11)
+        alone.append(dec.generate(p).token_ids)
+    batch = BatchDecoder(dec, 10)
+    for i, p in enumerate(prompts):
+        batch.admit(i, p, 16, seed=11)
+        batch.admit(f"greedy{i}", p, 16, accept_cfg=AcceptConfig())
+    out: dict = {}
+    while batch.rows:
+        for got in batch.step():
+            out.setdefault(got.key, []).extend(got.tokens)
+    assert [out[i] for i in range(5)] == alone
+    greedy = MedusaDecoder(loaded, heads, "chain:3", AcceptConfig(), DecodeConfig(max_new_tokens=16))
+    assert [out[f"greedy{i}"] for i in range(5)] == [greedy.generate(p).token_ids for p in prompts]
+
+
+def test_a_dropped_request_frees_its_row_and_the_others_go_on():
+    loaded = tiny_llama(seed=6)
+    dec = MedusaDecoder(loaded, None, None, config=DecodeConfig(max_new_tokens=12, stop_on_eos=False))
+    batch = BatchDecoder(dec, 2)
+    batch.admit("a", [1, 2, 3], 12)
+    batch.admit("b", [4, 5], 12)
+    with pytest.raises(ValueError, match="full"):
+        batch.admit("c", [6], 12)
+    batch.step()
+    assert batch.drop("a") and not batch.drop("a") and batch.free == 1
+    batch.admit("c", [6], 12)
+    out: dict = {}
+    while batch.rows:
+        for got in batch.step():
+            out.setdefault(got.key, []).extend(got.tokens)
+    assert len(out["c"]) == 12 and out["c"] == dec.generate([6]).token_ids
+    assert "a" not in out
+
+
+def test_batched_decoding_refuses_what_it_cannot_run():
+    dec = MedusaDecoder(tiny_gpt2(), None, None, config=DecodeConfig(max_new_tokens=4))
+    with pytest.raises(EngineError, match="batch of 1"):
+        BatchDecoder(dec, 4)
+    alone = BatchDecoder(dec, 1)  # transformers' engine: one request at a time, the same loop
+    assert generate_batched(dec, [[1, 2, 3]], 4, 1) == [dec.generate([1, 2, 3]).token_ids]
+    with pytest.raises(ValueError, match="empty"):
+        alone.admit("x", [], 4)
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchDecoder(dec, 0)
