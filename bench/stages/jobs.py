@@ -501,7 +501,7 @@ class LoadJob(ModelJob):
     rate: tuple[float, ...] = ()  # Poisson arrivals at these request rates (per second), beside the concurrencies
     questions: str | None = None  # mt-bench (None) or a JSONL
     limit: int = 16  # first turns replayed, spread over the categories
-    max_new_tokens: int = 96
+    max_new_tokens: int | None = defaults.MAX_NEW_TOKENS  # None: defaults.NEW_TOKENS
     engines: tuple[str, ...] = ()  # llama.cpp: its llama-server on the bf16 GGUF, as many slots as clients
     out: str = "results/bench/load.json"
     progress: bool = True

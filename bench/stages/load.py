@@ -14,19 +14,26 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 from tqdm.auto import tqdm
 
-from bench.engines import EngineError
+from bench.engines import EngineError, llamacpp
+from bench.engines.stage import model_folder
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, run_load_sync
 from bench.load.servers import LlamaSlots, OwnServer, counter_delta
 from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
 from bench.replay.suites import load_suite
 from bench.replay.workload import spread_over_categories
-from bench.stages.common import log, show
+from bench.stages import defaults
+from bench.stages.common import adapted, log, show
 from bench.stages.jobs import LoadJob
+from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.measure.profile import describe_machine
+from medusa_runtime.model import chat_template_ids, load_model, software_versions
 from treesearch.fsutil import atomic_file
 from treesearch.tree import load_tree, write_json_atomic
 
@@ -42,6 +49,7 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
         raise ValueError("give at least one --concurrency or --rate")
     if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0:
         raise ValueError("concurrencies must be >= 1 and rates > 0")
+    job = replace(job, max_new_tokens=defaults.new_tokens(job.max_new_tokens))
     requests, references, tokenizer, meta = _requests_and_references(job)
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,10 +80,6 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     """The requests (first turns, chat template applied); each one's text under the runtime's plain greedy decoding
     alone, on the base plain decoding serves (False) and on the base the heads decode with (True: the same but
     for Medusa-2 heads, whose adapter is merged into it); the tokenizer; the machine and versions."""
-    from bench.stages.common import adapted  # torch: the command line stays light
-    from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
-    from medusa_runtime.measure.profile import describe_machine
-    from medusa_runtime.model import chat_template_ids, load_model, software_versions
 
     questions = spread_over_categories(load_suite(job.questions, log=log), job.limit)
     loaded = load_model(job.model, job.dtype, job.device, log=log)
@@ -156,8 +160,6 @@ def _own_servers(job: LoadJob, doc: dict, out: Path) -> list[tuple[str, OwnServe
 def _llamacpp_at(run: _Run, c: int, reference: dict[str, str]) -> None:
     """llama-server on the bf16 GGUF of the same weights with ``c`` slots, on the first build that runs it (native,
     else without AMX); what keeps it from running is said in load.json, the other rows go on."""
-    from bench.engines import llamacpp
-    from bench.engines.stage import model_folder
 
     doc = run.doc
     try:
@@ -183,8 +185,6 @@ def _slug(name: str) -> str:
 
 
 def _table(doc: dict) -> str:
-    import pandas as pd
-
     cols = ["config", "engine", "concurrency", "output_tokens_per_s", "speedup_vs_plain", "per_request_tokens_per_s",
             "accepted_per_step", "identical_to_plain", "failed"]
     df = pd.DataFrame([{k: r.get(k) for k in cols} | {"ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),

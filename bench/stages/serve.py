@@ -9,14 +9,17 @@ import os
 import socket
 import sys
 
+import uvicorn
+import uvicorn.config
+
 from bench.stages import defaults
 from bench.stages.common import model_and_heads
+from medusa_runtime.server.app import ChatServer
+from medusa_runtime.server.protocol import ServeConfig
 from treesearch.tree import load_tree
 
 
 def serve_config(args: argparse.Namespace):
-    from medusa_runtime.server.protocol import ServeConfig  # light: no model, no torch
-
     return ServeConfig(args.name or args.model, args.host, args.port, defaults.new_tokens(args.max_new_tokens),
                        None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate,
                        max_batch=args.max_batch, max_queue=args.max_queue,
@@ -25,18 +28,12 @@ def serve_config(args: argparse.Namespace):
 
 def log_config() -> dict:
     """uvicorn's logging with the access lines on stderr too: stdout carries the one line that says where."""
-    import uvicorn.config
-
     config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     return config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from medusa_runtime.server.app import ChatServer
-
     cfg = serve_config(args)
     if cfg.tree is not None:
         load_tree(cfg.tree)  # a bad tree fails before the model loads
@@ -49,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}", file=sys.stderr)
         return 2
+    sock.listen(2048)  # connections wait in the backlog from now on, until uvicorn takes them
     host, port = sock.getsockname()[:2]
     # the first stdout line says where (a script that asked for port 0 reads it)
     print(f"serving {cfg.name} at http://{host}:{port}/v1 ({'tree ' + cfg.tree if cfg.tree else 'plain decoding'}, "

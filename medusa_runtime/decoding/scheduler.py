@@ -14,6 +14,9 @@ must not block: it hands the tokens over (an asyncio queue's ``call_soon_threads
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import itertools
 import threading
 from collections import deque
@@ -136,6 +139,8 @@ class Scheduler:
                 self._admit(job)
             if self.batch.rows:
                 self._step()
+                if not self.batch.rows:
+                    _release_freed_memory()
 
     def _admit(self, job: Job) -> None:
         try:
@@ -160,6 +165,22 @@ class Scheduler:
                 job.on_tokens(step.tokens, step.stop, step.stats)
         if self.on_step is not None:
             self.on_step(got)
+
+
+def _release_freed_memory() -> None:
+    """Hand the freed requests' caches back to the system when the batch empties (glibc keeps freed heap
+    memory for reuse; a server idle after a burst would otherwise hold the burst's peak)."""
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def _run_call(fn: Callable[[], object], done: Future) -> None:

@@ -284,15 +284,18 @@ class ChatServer:
 
 
 async def _json_body(request: Request, limit: int) -> object:
-    """The request's JSON body, refused when over ``limit`` bytes or not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the body is over {limit} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-    body = bytearray()
+    """The request's JSON body, refused when over ``limit`` bytes or not JSON. An oversize body is read to its end
+    (up to 16 times the limit) and dropped, so that the client, still sending, reads the 413 rather than a broken
+    connection."""
+    body, size = bytearray(), 0
     async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise RequestError(f"the body is over {limit} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        size += len(part)
+        if size <= limit:
+            body += part
+        elif size > 16 * limit:
+            break
+    if size > limit:
+        raise RequestError(f"the body is over {limit} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
     try:
         return json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError):
