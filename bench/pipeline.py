@@ -42,6 +42,7 @@ from bench.stages.jobs import (
     CalibrateJob,
     Job,
     JudgeJob,
+    LoadJob,
     ProfileJob,
     ReplayJob,
     SearchJob,
@@ -61,7 +62,8 @@ from treesearch.typical import SEARCH_TEMPERATURE
 # in spawned processes, import this module and only the search's, which load no torch
 STAGES = {TrainJob: "bench.stages.training:train_stage", CalibrateJob: "bench.stages.measure:calibrate_stage",
           ProfileJob: "bench.stages.measure:profile_stage", SearchJob: "bench.stages.search:search_stage",
-          ReplayJob: "bench.stages.replay:replay_stage", JudgeJob: "bench.stages.replay:judge_stage"}
+          ReplayJob: "bench.stages.replay:replay_stage", JudgeJob: "bench.stages.replay:judge_stage",
+          LoadJob: "bench.stages.load:load_stage"}
 
 WORKLOAD_SCHEMA = "medusa-workload/1"
 
@@ -78,6 +80,7 @@ class BenchProfile:
     search_trials: int
     peers: int  # transformers' generate and prompt lookup run on this many of the replayed
     #             questions (spread over the categories): slow here, and not what the search is checked against
+    load_questions: int = 12  # first turns the load stage sends at each concurrency (0: no load stage)
 
 
 PROFILES = {
@@ -89,10 +92,10 @@ PROFILES = {
     # full: all of MT-Bench at FastChat's answer length (gen_model_answer's max_new_token, 1024), what its judge
     # grades; hours on a 2-core CPU (the replay alone ~8 h at 120 tokens/s)
     "full": BenchProfile(80, 5, 2, 1024, (1, 2, 3, 4, 5, 6, 8, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128, 160, 192),
-                         7, 128, 120, 80),
+                         7, 128, 120, 80, 40),
     # smoke: every stage on a few questions and short answers (nox -s gpu runs it after its tests); its figures
     # check that the job runs, not what a configuration is worth
-    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2),
+    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2, 4),
 }
 
 
@@ -407,6 +410,42 @@ def stage_replay(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stage
     _cached(cache, "replay", job, [replay_dir / "summary.csv"])
 
 
+LOAD_CONFIGURATIONS = 2  # the fastest fixed Medusa configurations of the replay that the load stage serves
+
+
+def fastest_fixed(out: Path, n: int = LOAD_CONFIGURATIONS) -> list[dict]:
+    """The replay's ``n`` fastest greedy Medusa configurations that every question ran (not a fold's pick), by
+    overall tokens/s."""
+    import pandas as pd  # pandas: spawned search workers import this module
+
+    if not (out / "replay" / "summary.csv").is_file():
+        return []
+    configs = json.loads((out / "replay_config.json").read_text())["configurations"]
+    fixed = {c["name"]: c for c in configs if c.get("method") == "medusa" and not c.get("question_ids")
+             and c.get("accept", "greedy") == "greedy" and not c.get("temperature")}
+    table = pd.read_csv(out / "replay" / "summary.csv")
+    overall = table[(table["category"] == "overall") & table["config"].isin(fixed)]
+    return [fixed[name] for name in overall.sort_values("tokens_per_s", ascending=False)["config"].head(n)]
+
+
+def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path) -> None:
+    """The bench under concurrency (``bench.stages.load``): plain decoding and the replay's fastest fixed Medusa
+    configurations through the runtime's server at concurrencies 1-16 (and llama-server with --engines
+    llama.cpp): ``load.json``."""
+    if not prof.load_questions:
+        return
+    picks = fastest_fixed(out)
+    if not picks:
+        log("[load] no fixed greedy Medusa configuration in the replay's summary: no load stage")
+        return
+    cfg_file = out / "load_config.json"
+    write_json_atomic(cfg_file, {"configurations": picks})
+    job = LoadJob(config=str(cfg_file), heads=str(heads), **opts.model_fields(), limit=prof.load_questions,
+                  max_new_tokens=prof.max_new_tokens, engines=tuple(e for e in opts.engines if e == "llama.cpp"),
+                  out=str(out / "load.json"))
+    _cached(cache, "load", job, [out / "load.json"])
+
+
 LOOKUPS_WITHOUT_HEADS = (2, 4, 6, 8)  # --heads none: the runtime's prompt-lookup chains replayed
 
 
@@ -467,6 +506,7 @@ def run(opts: BenchOptions) -> None:
         searches = stage_search(prof, out, cache, acc, lat, workload, opts.target, opts.engine_costs)
         stage_final(opts, prof, out, cache, acc, lat, workload, heads)
         stage_replay(opts, prof, out, cache, heads, acc, lat, searches, workload, peers)
+        stage_load(opts, prof, out, cache, heads)
     stage_quality(opts, out, cache)
 
     written = report(out)

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bench.engines.stage import ACCEPTANCE
+from bench.engines.stage import ACCEPTANCE, NOTES
 from bench.replay.analyze import greedy_equality, records_frame, summary, to_markdown  # noqa: E402
 from bench.replay.distributed import machine_dir
 from bench.replay.mtbench import CATEGORIES  # noqa: E402
@@ -27,6 +27,7 @@ from bench.replay.runner import (
 )
 from bench.replay.workload import MIN_POSITIONS, fold_stats, predict_configs
 from bench.report.html import write_html
+from bench.report.load import load_section
 from bench.report.plots import (  # noqa: E402
     distinct_colours,
     plot_engines_headline,
@@ -163,8 +164,12 @@ def report(out: Path) -> list[Path]:
     judged = _read(out / "judge" / "judge_scores.json")
     quality = _read(out / "quality.json")
     written = _category_figures(df, table, plots) + _quality_figure(table, eq_both, judged, plots)
-    section, scored = _scorecard_files(out, df, records, quality, judged, plots)
-    written += scored + _typical_measured(out, df, quality, plots) + _training_figure(out, plots)
+    load_md, load_doc, load_figures = load_section(out, plots)
+    section, scored = _scorecard_files(out, df, records, quality, judged, plots, load_doc)
+    section += load_md
+    notes = (_read(out / "engines" / NOTES) or {}).get("left_out", [])
+    section += "".join(f"\nEngine left out: {n}\n" for n in notes)
+    written += scored + load_figures + _typical_measured(out, df, quality, plots) + _training_figure(out, plots)
     overall = table[table["category"] == "overall"][["config", "tokens", "seconds", "tokens_per_s", "tau",
                                                        "speedup_vs_generate", "speedup_vs_plain"]]
     by_category = table.pivot(index="category", columns="config", values="speedup_vs_generate").reset_index()
@@ -216,7 +221,7 @@ def _quality_figure(table: pd.DataFrame, eq_both: pd.DataFrame, judged: dict | N
 
 
 def _scorecard_files(out: Path, df: pd.DataFrame, records: list[dict], quality: dict | None, judged: dict | None,
-                     plots: Path) -> tuple[str, list[Path]]:
+                     plots: Path, load: dict | None = None) -> tuple[str, list[Path]]:
     """The scorecard's section of summary.md, report.json and the figures drawn from it (none without
     predictions to score)."""
     scored = scorecard_of(out, df)
@@ -234,7 +239,9 @@ def _scorecard_files(out: Path, df: pd.DataFrame, records: list[dict], quality: 
                                                 "machine": _machine(out), "questions": questions,
                                                 "quality": quality_of(card, quality, judged),
                                                 "distribution_checks": (quality or {}).get("distribution_checks"),
-                                                "deploy": deploy},
+                                                "deploy": deploy, "load": load,
+                                                "engines_left_out": (_read(out / "engines" / NOTES) or {}).get(
+                                                    "left_out", [])},
                                 out / "report.json"))
     # the headline: every engine's plain and fastest speculative configuration
     configs = json.loads((out / "report.json").read_text())["configs"]

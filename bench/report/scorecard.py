@@ -107,7 +107,7 @@ def scorecard(df: pd.DataFrame, configs: Sequence[MethodConfig], predictions: di
         gates = sorted({float(c.gate) for c in mine})
         pred = predictions.get(name)
         engine = engine_of(cfg.method)
-        row = {"config": name, "method": cfg.method, "engine": engine,
+        row = {"config": name, "method": cfg.method, "engine": engine, "build": cfg.build,
                "uses_heads": cfg.method == "medusa" or cfg.speculative == "medusa",
                "heads": cfg.heads if cfg.heads is not None else ("main" if engine == "own" else None),
                "model": str(sub["model"].iloc[0]) if "model" in sub else None,
@@ -227,7 +227,7 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
             "questions", "tokens", "tokens_per_s", "tokens_per_s_ci", "tau", "tau_ci", "speedup_vs_plain",
             "speedup_vs_plain_ci", "predicted_tau", "predicted_tau_ci", "predicted_speedup_vs_plain", "predicted_on",
             "fit_positions", "searched", "identical_to_plain"]
-    engine_keep = ["speculative", "draft_tokens", "weights", "startup_s", "draft_acceptance", "accepted_per_position",
+    engine_keep = ["build", "speculative", "draft_tokens", "weights", "startup_s", "draft_acceptance", "accepted_per_position",
                    "predicted_accepted_per_position", "accepted_per_position_error", "engine_plain",
                    "speedup_vs_engine_plain", "speedup_vs_engine_plain_ci", "step_cost_vs_engine_plain"]
 

@@ -497,6 +497,7 @@ class LoadJob(ModelJob):
     heads: str = defaults.HEADS
     tree: tuple[str, ...] = (defaults.TREE,)  # Medusa configurations served beside plain decoding
     lookup: int = defaults.LOOKUP
+    config: str | None = None  # or: a replay configuration file whose greedy Medusa configurations are served
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     rate: tuple[float, ...] = ()  # Poisson arrivals at these request rates (per second), beside the concurrencies
     questions: str | None = None  # mt-bench (None) or a JSONL
@@ -508,7 +509,8 @@ class LoadJob(ModelJob):
 
     def reads(self) -> dict[str, Path]:
         trees = {f"tree:{t}": Path(t) for t in self.tree if Path(t).is_file()}
-        return {**_heads_path(self.heads), **_file("questions", self.questions), **trees}
+        return {**_heads_path(self.heads), **_file("questions", self.questions), **_file("config", self.config),
+                **trees}
 
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,

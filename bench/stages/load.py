@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -26,11 +26,12 @@ from bench.load.client import LoadPlan, LoadRequest, RequestRecord, run_load_syn
 from bench.load.servers import LlamaSlots, OwnServer, counter_delta
 from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
+from bench.replay.runner import MethodConfig
 from bench.replay.suites import load_suite
 from bench.replay.workload import spread_over_categories
 from bench.stages import defaults
 from bench.stages.common import adapted, log, show
-from bench.stages.jobs import LoadJob
+from bench.stages.jobs import LoadJob, read_replay_config
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.measure.profile import describe_machine
 from medusa_runtime.model import chat_template_ids, load_model, software_versions
@@ -42,9 +43,32 @@ def cmd_load(args: argparse.Namespace) -> int:
     return show(args, load_stage, LoadJob.from_namespace(args, progress=not args.json))
 
 
+@dataclass(frozen=True)
+class Served:
+    """A configuration of the runtime's server: plain decoding (tree None), or a tree with its lookup chain and
+    gate."""
+
+    name: str
+    tree: str | None = None
+    lookup: int = 0
+    gate: float = 0.0
+
+
+def served_configurations(job: LoadJob) -> list[Served]:
+    """Plain decoding, then each --tree (with --lookup), or the greedy Medusa configurations of --config."""
+    if job.config is None:
+        return [Served("plain"), *[Served(t, t, job.lookup) for t in job.tree]]
+    configs = [MethodConfig(**c) for c in read_replay_config(job.config).get("configurations", [])]
+    configs = [c for c in configs if c.method == "medusa" and c.temperature == 0 and c.accept == "greedy"]
+    if not configs:
+        raise ValueError(f"{job.config}: no greedy Medusa configuration to serve")
+    return [Served("plain"), *[Served(c.name, c.tree, c.lookup_tokens, c.gate) for c in configs]]
+
+
 def load_stage(job: LoadJob) -> tuple[dict, str]:
-    for tree in job.tree:
-        load_tree(tree)  # a bad tree fails before anything starts
+    served = served_configurations(job)
+    for s in served[1:]:
+        load_tree(s.tree)  # a bad tree fails before anything starts
     if not job.concurrency and not job.rate:
         raise ValueError("give at least one --concurrency or --rate")
     if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0:
@@ -57,7 +81,7 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
            "questions": [r.key for r in requests], "max_new_tokens": job.max_new_tokens, **meta, "rows": [],
            "left_out": []}
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out)
-    servers = _own_servers(job, doc, out)
+    servers = _own_servers(job, served, requests, doc, out)
     try:
         for i, c in enumerate(job.concurrency):  # configurations interleaved: each concurrency measures all in turn
             for config, server in servers[i % len(servers):] + servers[:i % len(servers)]:
@@ -141,19 +165,20 @@ def _warm(server, requests) -> None:
     run_load_sync(server.url + "/v1", server.model, requests[:1], LoadPlan(concurrency=1))
 
 
-def _own_servers(job: LoadJob, doc: dict, out: Path) -> list[tuple[str, OwnServer]]:
-    """The runtime's servers, plain and each tree, started together and warmed (idle ones cost no CPU)."""
+def _own_servers(job: LoadJob, served: list[Served], requests: list[LoadRequest], doc: dict, out: Path
+                 ) -> list[tuple[str, OwnServer]]:
+    """The runtime's servers, plain and each configuration, started together and warmed (idle ones cost no CPU)."""
     servers = []
-    for config, tree in [("plain", None), *[(t, t) for t in job.tree]]:
+    for s in served:
         try:
-            server = OwnServer(job.model, job.heads, tree, max(job.concurrency, default=16), job.max_new_tokens,
-                               job.dtype, job.lookup if tree else 0,
-                               log_file=out.with_name(f"load-server-{_slug(config)}.log"))
+            server = OwnServer(job.model, job.heads, s.tree, max(job.concurrency, default=16), job.max_new_tokens,
+                               job.dtype, s.lookup, s.gate, log_file=out.with_name(f"load-server-{_slug(s.name)}.log"))
+            _warm(server, requests)
         except EngineError as exc:
-            doc["left_out"].append(f"the runtime's {config} server: {exc}")
+            doc["left_out"].append(f"the runtime's {s.name} server: {exc}")
             log(f"[load] {doc['left_out'][-1]}")
             continue
-        servers.append((config, server))
+        servers.append((s.name, server))
     return servers
 
 

@@ -1,0 +1,99 @@
+"""The report's load section: load.json (the bench under concurrency) as a table, two charts and sentences.
+
+    throughput_vs_concurrency : output tokens/s of every (configuration, engine) against the concurrency, each a
+                                line with its 95 % interval as a band
+    speedup_vs_concurrency    : each Medusa configuration's speed-up over the same server's plain decoding at equal
+                                concurrency, with its interval; the line at 1 is where it stops paying
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from bench.replay.analyze import to_markdown
+from bench.report.plots import distinct_colours, plt, save_figure
+
+
+def read_load(out: Path) -> dict | None:
+    path = out / "load.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_frame(doc: dict) -> pd.DataFrame:
+    """The fixed-concurrency rows: one per (configuration, engine, concurrency)."""
+    rows = [r for r in doc.get("rows", []) if r.get("concurrency") and "output_tokens_per_s" in r]
+    return pd.DataFrame([{"config": r["config"], "engine": r["engine"], "concurrency": r["concurrency"],
+                          "tokens_per_s": r["output_tokens_per_s"], "lo": r["output_tokens_per_s_ci"][0],
+                          "hi": r["output_tokens_per_s_ci"][1], "speedup": r.get("speedup_vs_plain"),
+                          "speedup_lo": (r.get("speedup_vs_plain_ci") or [None, None])[0],
+                          "speedup_hi": (r.get("speedup_vs_plain_ci") or [None, None])[1],
+                          "ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
+                          "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50"),
+                          "accepted_per_step": r.get("accepted_per_step"),
+                          "identical_to_plain": r.get("identical_to_plain"), "build": r.get("build")}
+                         for r in rows])
+
+
+def stop_sentences(doc: dict) -> list[str]:
+    """Where each configuration stops paying, in words."""
+    out = []
+    for config, s in (doc.get("stops_paying") or {}).items():
+        at = s.get("stops_paying_at")
+        if at is None:
+            out.append(f"{config} pays at every concurrency measured ({', '.join(map(str, doc['concurrencies']))}).")
+        else:
+            sure = "its interval lies below 1" if s.get("certain") else "its interval still reaches 1"
+            out.append(f"{config} stops paying at concurrency {at}: slower than plain decoding there ({sure}).")
+    return out
+
+
+def plot_load(df: pd.DataFrame, plots: Path) -> list[Path]:
+    if df.empty:
+        return []
+    written = []
+    lines = sorted({(c, e) for c, e in zip(df["config"], df["engine"])})
+    colours = dict(zip(lines, distinct_colours(len(lines))))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key in lines:
+        part = df[(df["config"] == key[0]) & (df["engine"] == key[1])].sort_values("concurrency")
+        ax.plot(part["concurrency"], part["tokens_per_s"], "o-", color=colours[key], label=f"{key[0]} ({key[1]})")
+        ax.fill_between(part["concurrency"], part["lo"], part["hi"], color=colours[key], alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s, all requests (95 % interval)")
+    ax.set_title("throughput under load")
+    ax.legend(fontsize=7)
+    written += save_figure(fig, plots, "throughput_vs_concurrency")
+    medusa = df[df["speedup"].notna()]
+    if not medusa.empty:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for key in sorted({(c, e) for c, e in zip(medusa["config"], medusa["engine"])}):
+            part = medusa[(medusa["config"] == key[0]) & (medusa["engine"] == key[1])].sort_values("concurrency")
+            ax.plot(part["concurrency"], part["speedup"], "o-", color=colours[key], label=key[0])
+            ax.fill_between(part["concurrency"], part["speedup_lo"], part["speedup_hi"], color=colours[key], alpha=0.2)
+        ax.axhline(1.0, color="grey", lw=1, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("speed-up over plain decoding (95 % interval)")
+        ax.set_title("Medusa's speed-up at equal concurrency (below 1: it stops paying)")
+        ax.legend(fontsize=7)
+        written += save_figure(fig, plots, "speedup_vs_concurrency")
+    return written
+
+
+def load_section(out: Path, plots: Path) -> tuple[str, dict | None, list[Path]]:
+    """(summary.md's section, report.json's ``load``, the figures) of a run with a load.json, else ("", None, [])."""
+    doc = read_load(out)
+    if doc is None:
+        return "", None, []
+    df = load_frame(doc)
+    section = "\n## Under load (load.json)\n\n"
+    section += (to_markdown(df.drop(columns=["lo", "hi", "speedup_lo", "speedup_hi"]).round(3)) if not df.empty
+                else "(no rows)")
+    section += "\n\n" + "\n".join(stop_sentences(doc) + [f"Left out: {x}" for x in doc.get("left_out", [])]) + "\n"
+    summary = {k: doc.get(k) for k in ("concurrencies", "rates", "questions", "max_new_tokens", "rows",
+                                       "stops_paying", "left_out")}
+    return section, summary, plot_load(df, plots)

@@ -1,0 +1,115 @@
+"""The load stage: its figures against closed forms, llama.cpp's build fallback against a binary that faults, and
+``medusa-bench load`` end to end on the default model (two servers, two concurrencies, load.json checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from bench.cli import main as cli_main
+from bench.engines import EngineError, llamacpp
+from bench.load.client import LoadPlan, RequestRecord
+from bench.load.summary import SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
+from bench.report.load import load_section
+
+
+def _rec(key: str, tokens: int, latency: float, chunks: int = 4) -> RequestRecord:
+    r = RequestRecord(key, ok=True, sent=10.0, ended=10.0 + latency, tokens=tokens, text=f"t{key}")
+    r.chunks = list(np.linspace(10.1, 10.0 + latency, chunks))
+    return r
+
+
+def test_rows_follow_their_definitions():
+    recs = [_rec(str(i), 10 + i, 1.0 + 0.5 * i) for i in range(6)]
+    row = load_row("chain:2", "own", 4, recs, {"0": "t0", "1": "other"}, {"steps": 10, "accepted": {1: 6, 2: 2}})
+    assert row["output_tokens_per_s"] == pytest.approx(4 * sum(r.tokens for r in recs) / sum(r.latency for r in recs))
+    lo, hi = row["output_tokens_per_s_ci"]
+    assert lo <= row["output_tokens_per_s"] <= hi
+    assert row["per_request_tokens_per_s"] == pytest.approx(np.median([r.tokens / r.latency for r in recs]))
+    assert row["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert row["accepted_per_step"] == pytest.approx(0.8) and row["accepted_per_position"] == [0.6, 0.2]
+    assert row["identical_to_plain"] == pytest.approx(1 / 6)  # one of six replies equals its reference
+    p = percentiles_ms([0.001 * i for i in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01)
+    assert p["ci"]["p50"][0] <= 50.5 <= p["ci"]["p50"][1]
+    failed = load_row("plain", "own", 1, [RequestRecord("x", error="APIError: boom")])
+    assert failed["failed"] == 1 and "output_tokens_per_s" not in failed
+
+
+def test_speedup_pairs_questions_and_says_where_it_stops_paying():
+    plain = [_rec(str(i), 20, 2.0) for i in range(8)]
+    fast = [_rec(str(i), 20, 1.0) for i in range(8)]
+    assert paired_speedup(fast, plain)[0] == pytest.approx(2.0)
+    assert paired_speedup(fast, plain)[1] == pytest.approx([2.0, 2.0])  # no spread: every question the same
+    rows = [{"config": "m", "engine": "own", "concurrency": c, "speedup_vs_plain": s, "speedup_vs_plain_ci": ci}
+            for c, s, ci in ((1, 1.5, [1.3, 1.7]), (4, 0.97, [0.9, 1.02]), (16, 0.8, [0.7, 0.9]))]
+    assert stops_paying(rows) == {"m": {"engine": "own", "stops_paying_at": 4, "certain": False}}
+    with pytest.raises(ValueError, match="not both"):
+        LoadPlan(concurrency=2, rate=1.0)
+
+
+def _fake_build(tmp_path, monkeypatch, faulting: set[str]):
+    """llama.cpp builds whose llama-bench is a script: one that dies of SIGILL (as the native AMX build does on
+    prefill) for the variants in ``faulting``, one that succeeds for the others."""
+    monkeypatch.setattr(llamacpp, "cache_root", lambda: tmp_path)
+    built = []
+    for variant in llamacpp.BUILDS:
+        folder = llamacpp.build_dir(variant=variant)
+        (folder / "bin").mkdir(parents=True)
+        (folder / llamacpp.BUILT).write_text("{}")
+        for name in llamacpp.TARGETS:
+            exe = folder / "bin" / name
+            exe.write_text("#!/bin/sh\n" + ("kill -ILL $$\n" if variant in faulting else "exit 0\n"))
+            exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(llamacpp, "build", lambda log=print, jobs=None, variant="native": built.append(variant))
+    return built
+
+
+def test_a_build_that_faults_is_replaced_by_one_without_amx(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    built = _fake_build(tmp_path, monkeypatch, {"native"})
+    assert llamacpp.smoke_test(gguf, "native") == "llama-bench died of SIGILL on m.gguf (prefill 64, decode 8)"
+    variant, notes = llamacpp.working_build([gguf], log=lambda m: None)
+    assert variant == "no-amx" and built == ["native", "no-amx"] and "SIGILL" in notes[0]
+    opts = llamacpp.build_options("no-amx")
+    assert "-DGGML_NATIVE=OFF" in opts and "-DGGML_AMX_INT8=OFF" in opts
+
+
+def test_no_working_build_is_one_line(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    _fake_build(tmp_path, monkeypatch, set(llamacpp.BUILDS))
+    with pytest.raises(EngineError, match="no llama.cpp build runs here"):
+        llamacpp.working_build([gguf], log=lambda m: None)
+    with pytest.raises(EngineError, match="unknown llama.cpp build"):
+        llamacpp.build_options("fast")
+
+
+def test_load_command_end_to_end(tmp_path, capsys):
+    """Plain decoding and chain:2 through the runtime's server at concurrency 1 and 3: load.json's rows, each reply
+    the runtime's plain greedy decoding alone (the tree's on the base its heads adapt), and the report's section."""
+    out = tmp_path / "load.json"
+    assert cli_main(["load", "--tree", "chain:2", "--limit", "3", "--concurrency", "1", "3", "--max-new-tokens", "12",
+                     "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == SCHEMA and doc["concurrencies"] == [1, 3] and len(doc["questions"]) == 3
+    rows = {(r["config"], r["concurrency"]): r for r in doc["rows"]}
+    assert set(rows) == {("plain", 1), ("plain", 3), ("chain:2", 1), ("chain:2", 3)}
+    for row in rows.values():
+        assert row["failed"] == 0 and row["identical_to_plain"] == 1.0 and row["output_tokens_per_s"] > 0
+        assert row["ttft_ms"]["p50"] > 0 and row["output_tokens_per_s_ci"][0] <= row["output_tokens_per_s"]
+    assert rows[("plain", 1)]["accepted_per_step"] == 0 and rows[("chain:2", 1)]["accepted_per_step"] > 0
+    assert "speedup_vs_plain" in rows[("chain:2", 3)] and "chain:2" in doc["stops_paying"]
+    records = (tmp_path / "load-records.jsonl").read_text().splitlines()
+    assert len(records) == 12 and all(json.loads(line)["ok"] for line in records)
+    section, summary, figures = load_section(tmp_path, tmp_path / "plots")
+    assert "Under load" in section and summary["rows"] == doc["rows"]
+    assert {f.name for f in figures} >= {"throughput_vs_concurrency.png", "speedup_vs_concurrency.png"}
+    assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
+    printed = capsys.readouterr().out
+    assert "chain:2: " in printed and ("stops paying at concurrency" in printed or "pays at every" in printed)
