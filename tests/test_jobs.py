@@ -24,7 +24,7 @@ REQUIRED = {"calibrate": {"heads": "fresh:2"}, "profile": {"heads": "fresh:2"},
             "judge": {"records": "records.jsonl"}, "train": {}, "speed": {},
             "model": {}, "draft-vocab": {"size": 64, "replies": "r.jsonl", "out": "o"}, "generate": {"prompt": "Hi"},
             "fidelity": {}, "validate": {"acceptance": "acc.json"}, "export": {}, "export-heads": {"out": "o"},
-            "serve": {}, "self-prompts": {}, "distill": {}, "learning-curve": {}}
+            "serve": {}, "self-prompts": {}, "distill": {}, "learning-curve": {}, "load": {}}
 NOT_FIELDS = {"func", "command", "json"}  # argparse's bookkeeping and the output format
 
 
