@@ -430,10 +430,12 @@ def fastest_fixed(out: Path, n: int = LOAD_CONFIGURATIONS) -> list[dict]:
 
 def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path) -> None:
     """The bench under concurrency (``bench.stages.load``): plain decoding and the replay's fastest fixed Medusa
-    configurations through the runtime's server at concurrencies 1-16 (and llama-server with --engines
-    llama.cpp): ``load.json``."""
+    configurations through the runtime's server at concurrencies 1-16, and the engines' servers with --engines:
+    ``load.json``."""
     if not prof.load_questions:
         return
+    if opts.vllm_python:  # the load stage's vLLM server reads it where the replay's workers take the option
+        os.environ["MEDUSA_VLLM_PYTHON"] = opts.vllm_python
     picks = fastest_fixed(out)
     if not picks:
         log("[load] no fixed greedy Medusa configuration in the replay's summary: no load stage")
@@ -441,7 +443,7 @@ def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCa
     cfg_file = out / "load_config.json"
     write_json_atomic(cfg_file, {"configurations": picks})
     job = LoadJob(config=str(cfg_file), heads=str(heads), **opts.model_fields(), limit=prof.load_questions,
-                  max_new_tokens=prof.max_new_tokens, engines=tuple(e for e in opts.engines if e == "llama.cpp"),
+                  max_new_tokens=prof.max_new_tokens, engines=tuple(opts.engines),
                   out=str(out / "load.json"))
     _cached(cache, "load", job, [out / "load.json"])
 

@@ -42,8 +42,9 @@ def add_load(sub) -> None:
     flags.add_limit(p, "first turns replayed, spread over the categories (default 16)")
     flags.add_new_tokens(p)
     p.add_argument("--engines", type=lambda s: tuple(x for x in s.split(",") if x), metavar="LIST",
-                   help="engines measured beside the runtime: llama.cpp (llama-server on the bf16 GGUF, as many "
-                        "slots as clients; built into the cache on first use)")
+                   help="engines measured beside the runtime, comma-separated: llama.cpp (llama-server on the bf16 "
+                        "GGUF, as many slots as clients; built into the cache on first use), vllm (its OpenAI server "
+                        "on the same weights; the Python of its environment in MEDUSA_VLLM_PYTHON)")
     p.add_argument("--out", help="load.json's path (default results/bench/load.json)")
     p.add_argument("--json", action="store_true", help=flags.JSON_HELP)
     p.set_defaults(func="bench.stages.load:cmd_load", **LoadJob.defaults())

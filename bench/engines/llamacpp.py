@@ -224,7 +224,8 @@ def bf16_gguf(model_dir: Path, name: str, log: Callable[[str], None] = print) ->
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now (the server about to start binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -255,7 +256,7 @@ class LlamaServer:
             raise EngineError(f"llama.cpp's {build} build is missing (python -m bench.pipeline --engines llama.cpp "
                               "builds it)")
         self.build = build
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # weights read into the server's memory (--load-mode none), as the runtime's and vLLM's are: a mapped
         # file's pages may be dropped under memory pressure and read again in the middle of an answer

@@ -1,5 +1,6 @@
 """The servers a load run drives, each on a free loopback port: the runtime's own (``medusa-bench serve`` in a
-process of its own, one per configuration) and llama.cpp's ``llama-server`` with as many slots as clients."""
+process of its own, one per configuration), llama.cpp's ``llama-server`` with as many slots as clients, and
+vLLM's OpenAI server (in vLLM's own environment)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.engines import EngineError
-from bench.engines.llamacpp import LlamaServer
+from bench.engines import EngineError, EngineSettings
+from bench.engines.llamacpp import LlamaServer, free_port
 
 
 class OwnServer:
@@ -91,6 +92,45 @@ class LlamaSlots:
 
     def close(self) -> None:
         self.server.close()
+
+
+class VllmServer:
+    """vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``) on the transformers folder of the same weights,
+    plain decoding, up to ``max_num_seqs`` requests in its batch; run by the Python of vLLM's environment."""
+
+    engine = "vllm"
+
+    def __init__(self, python: str, model_folder: Path, max_num_seqs: int, settings: EngineSettings,
+                 dtype: str = "bfloat16", log_file: Path | None = None, timeout_s: float = 900.0):
+        port = free_port()
+        self.url, self.model = f"http://127.0.0.1:{port}", "load"
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
+                "--served-model-name", "load", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                "--max-num-seqs", str(max_num_seqs), "--max-model-len", "4096",
+                *(["--enforce-eager"] if settings.vllm_eager else [])]
+        # its KV cache: room for max_num_seqs sequences (the replay's engines hold a batch of one)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(max(settings.vllm_kv_cache_gb, 4)),
+                   TOKENIZERS_PARALLELISM="false")
+        self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
+        try:
+            _wait_health(self.url, self.proc, time.perf_counter(), timeout_s)
+        except EngineError:
+            self.close()
+            raise
+
+    def counters(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
 
 
 def _wait_health(url: str, proc: subprocess.Popen, t0: float, timeout_s: float) -> None:

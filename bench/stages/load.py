@@ -20,10 +20,11 @@ from pathlib import Path
 import pandas as pd
 from tqdm.auto import tqdm
 
-from bench.engines import EngineError, llamacpp
+from bench.engines import EngineError, EngineSettings, llamacpp
 from bench.engines.stage import model_folder
+from bench.engines.vllm_engine import vllm_python
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, run_load_sync
-from bench.load.servers import LlamaSlots, OwnServer, counter_delta
+from bench.load.servers import LlamaSlots, OwnServer, VllmServer, counter_delta
 from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
 from bench.replay.runner import MethodConfig
@@ -82,14 +83,17 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
            "left_out": []}
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out)
     servers = _own_servers(job, served, requests, doc, out)
+    if "vllm" in job.engines:
+        servers += _vllm_server(job, requests, doc, out)
     try:
         for i, c in enumerate(job.concurrency):  # configurations interleaved: each concurrency measures all in turn
             for config, server in servers[i % len(servers):] + servers[:i % len(servers)]:
-                run.measure(server, config, references[config != "plain"], LoadPlan(concurrency=c))
+                reference = references[config != "plain" and server.engine == "own"]
+                run.measure(server, config, reference, LoadPlan(concurrency=c))
             if "llama.cpp" in job.engines:
                 _llamacpp_at(run, c, references[False])
         for rate in job.rate:
-            for config, server in servers:
+            for config, server in [(c, s) for c, s in servers if s.engine == "own"]:
                 run.measure(server, config, references[config != "plain"], LoadPlan(rate=rate, seed=0))
     finally:
         for _, server in servers:
@@ -180,6 +184,22 @@ def _own_servers(job: LoadJob, served: list[Served], requests: list[LoadRequest]
             continue
         servers.append((s.name, server))
     return servers
+
+
+def _vllm_server(job: LoadJob, requests: list[LoadRequest], doc: dict, out: Path) -> list[tuple[str, VllmServer]]:
+    """vLLM's OpenAI server on the same weights (its own environment: --vllm-python / MEDUSA_VLLM_PYTHON), plain
+    decoding, batches up to the largest concurrency; none, with the reason in load.json, where it cannot start."""
+    settings = EngineSettings()
+    try:
+        folder, _ = model_folder(job.model, log)
+        server = VllmServer(vllm_python(settings), folder, max(job.concurrency, default=16), settings,
+                            log_file=out.with_name("load-vllm-server.log"))
+        _warm(server, requests)
+    except EngineError as exc:
+        doc["left_out"].append(f"vLLM: {exc}")
+        log(f"[load] {doc['left_out'][-1]}")
+        return []
+    return [("plain", server)]
 
 
 def _llamacpp_at(run: _Run, c: int, reference: dict[str, str]) -> None:

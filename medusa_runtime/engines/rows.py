@@ -55,7 +55,9 @@ class Seq:
 
     def rope_positions(self) -> torch.Tensor:
         n = self.ids.shape[0]
-        return torch.arange(self.start, self.start + n) if self.positions is None else self.positions
+        if self.positions is None:
+            return torch.arange(self.start, self.start + n, device=self.ids.device)
+        return self.positions.to(self.ids.device)
 
 
 def forward_rows(engine, seqs: list[Seq]) -> tuple[torch.Tensor, torch.Tensor]:
