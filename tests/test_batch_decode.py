@@ -134,3 +134,34 @@ def test_batched_decoding_refuses_what_it_cannot_run():
         alone.admit("x", [], 4)
     with pytest.raises(ValueError, match="max_batch"):
         BatchDecoder(dec, 0)
+
+
+def test_a_schedule_switches_configurations_by_batch_size_without_changing_greedy_tokens(default_model,
+                                                                                       mt_bench_first_turns):
+    """A schedule of plain decoding at batch 1, chain:3 at 2-3 and mc_sim_7b_63 with a lookup chain from 4 on:
+    requests of different lengths leave at different steps, so the live batch crosses every range, and every
+    request's tokens are still those plain greedy decoding gives it alone."""
+    from medusa_runtime.decoding.batch import Scheduled
+
+    heads = resolve_heads("default", default_model.hidden_size, default_model.vocab_size)
+    cfg = DecodeConfig(max_new_tokens=24)
+    plain = MedusaDecoder(default_model, None, None, config=cfg)
+    chain3 = MedusaDecoder(default_model, heads, "chain:3", config=cfg)
+    wide = MedusaDecoder(default_model, heads, "mc_sim_7b_63", config=DecodeConfig(max_new_tokens=24,
+                                                                                   lookup=LookupConfig(4)))
+    prompts = _prompts(default_model, mt_bench_first_turns[1::7], 7)
+    lengths = [24, 6, 18, 3, 12, 9, 24]
+    alone = [plain.generate(p).token_ids[:n] for p, n in zip(prompts, lengths)]
+    batch = BatchDecoder(plain, 5, [Scheduled(1, 1, plain), Scheduled(2, 3, chain3), Scheduled(4, 16, wide)])
+    assert batch.decoder_for(1) is plain and batch.decoder_for(3) is chain3 and batch.decoder_for(30) is wide
+    queue, out = list(enumerate(prompts))[::-1], {i: [] for i in range(len(prompts))}
+    while queue or batch.rows:
+        while queue and batch.free:
+            i, ids = queue.pop()
+            batch.admit(i, ids, lengths[i])
+        for got in batch.step():
+            out[got.key].extend(got.tokens)
+    assert [out[i] for i in range(len(prompts))] == alone
+    assert all(batch.steps_by_range), batch.steps_by_range  # every configuration verified some steps
+    with pytest.raises(ValueError, match="contiguously from 1"):
+        BatchDecoder(plain, 4, [Scheduled(1, 1, plain), Scheduled(3, 8, chain3)])

@@ -17,6 +17,14 @@ rows being what the heads score (one per parent node for path-conditioned heads,
 ``bookkeeping(n)`` (acceptance, cache compaction, the loop) likewise where it was timed per size, else
 the one ``bookkeeping_ms``. ``prefill(p)``, the prompt forward of p tokens, lets a whole generate be
 predicted (``treesearch.replay``), since measured tokens/s include it.
+
+Under load a step verifies every live request's tree at once. ``batch_step(B, n, context)`` is one step of B
+requests each verifying n nodes (heads, the forward of B x n rows, acceptance and compaction per row), measured
+in real batched decode steps (``batch_step_ms[batch][nodes]`` at ``batch_context``) and interpolated in n within
+each measured batch size, then linearly in B (beyond the largest batch, its last segment extended). At another
+context each row's attention moves as its own verify does: ``+ B * (verify(n, c) - verify(n, batch_context))``.
+Below ``compute_bound_rows`` verified rows a step costs less than twice a one-row step: it is bound by reading
+the weights, which every row shares; above it, by the rows' arithmetic.
 """
 
 from __future__ import annotations
@@ -59,6 +67,43 @@ class LatencyProfile:
     # size, timed in real decode loops (ms, by verified nodes; () when not measured: counted as 0)
     sampling_nodes: tuple[int, ...] = ()
     sampling_extra_ms: tuple[float, ...] = ()
+    # whole batched decode steps: B requests, each verifying n nodes (root included), at one context
+    batch_sizes: tuple[int, ...] = ()  # requests per step measured (ascending, 1 first)
+    batch_nodes: tuple[int, ...] = ()  # nodes per request measured (ascending, 1 = plain decoding)
+    batch_step_ms: tuple[tuple[float, ...], ...] = ()  # [batch_sizes][batch_nodes] ms per step
+    batch_context: int = 0  # the cached positions of every request while it was timed
+
+    @property
+    def has_batch(self) -> bool:
+        return bool(self.batch_sizes)
+
+    def batch_step(self, batch: int, num_nodes: int, context: int | None = None) -> float:
+        """One step of ``batch`` requests each verifying ``num_nodes`` nodes (ms), at ``context``."""
+        if not self.batch_sizes:
+            raise StatsError("this latency profile has no batched steps: profile again with --batch-sizes")
+        table = np.asarray(self.batch_step_ms, dtype=float)  # [batch, nodes]
+        by_batch = np.array([np.interp(num_nodes, self.batch_nodes, row) for row in table])  # [batch]
+        sizes = np.asarray(self.batch_sizes, dtype=float)
+        if len(sizes) == 1:
+            ms = by_batch[0] * batch / sizes[0]
+        elif batch > sizes[-1]:  # the last segment extended: rows beyond the largest batch cost as the last did
+            ms = by_batch[-1] + (batch - sizes[-1]) * (by_batch[-1] - by_batch[-2]) / (sizes[-1] - sizes[-2])
+        else:
+            ms = float(np.interp(batch, sizes, by_batch))
+        if context is not None and self.batch_context:
+            ms += batch * (self.verify(num_nodes, context) - self.verify(num_nodes, self.batch_context))
+        return float(max(ms, 1e-6))
+
+    @property
+    def compute_bound_rows(self) -> int | None:
+        """The fewest verified rows (batch x nodes) measured at which a step costs at least twice the one-row
+        step (None: never, within what was measured)."""
+        if not self.batch_sizes:
+            return None
+        one = self.batch_step(1, 1)
+        cells = sorted((b * n, ms) for b, row in zip(self.batch_sizes, self.batch_step_ms)
+                       for n, ms in zip(self.batch_nodes, row))
+        return next((rows for rows, ms in cells if ms >= 2 * one), None)
 
     def _by_context(self, values: np.ndarray, context: int | None) -> np.ndarray:
         """values [contexts, ...] at ``context``: linear between measured contexts, the last segment extended
@@ -166,7 +211,9 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
             "bookkeeping_by_nodes_ms": list(p.bookkeeping_by_nodes_ms), "prefill_tokens": list(p.prefill_tokens),
             "prefill_ms": list(p.prefill_ms), "lookup_ms": p.lookup_ms, "heads_fit": list(p.heads_fit),
             "heads_path_conditioned": p.heads_path_conditioned, "sampling_nodes": list(p.sampling_nodes),
-            "sampling_extra_ms": list(p.sampling_extra_ms)}
+            "sampling_extra_ms": list(p.sampling_extra_ms), "batch_sizes": list(p.batch_sizes),
+            "batch_nodes": list(p.batch_nodes), "batch_step_ms": [list(r) for r in p.batch_step_ms],
+            "batch_context": p.batch_context, "compute_bound_rows": p.compute_bound_rows}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -195,6 +242,10 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         path_conditioned = bool(obj.get("heads_path_conditioned", False))
         sampling_nodes = tuple(int(n) for n in obj.get("sampling_nodes", ()))
         sampling_extra = tuple(float(x) for x in obj.get("sampling_extra_ms", ()))
+        batch_sizes = tuple(int(b) for b in obj.get("batch_sizes", ()))
+        batch_nodes = tuple(int(n) for n in obj.get("batch_nodes", ()))
+        batch_step = tuple(tuple(float(x) for x in row) for row in obj.get("batch_step_ms", ()))
+        batch_context = int(obj.get("batch_context", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -217,12 +268,20 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency 'contexts' must be ascending and distinct, 'lookup_ms' non-negative")
     if len(heads_fit) not in (0, 3):
         raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
+    if batch_sizes and (list(batch_sizes) != sorted(set(batch_sizes)) or batch_sizes[0] != 1
+                        or list(batch_nodes) != sorted(set(batch_nodes)) or not batch_nodes or batch_nodes[0] < 1
+                        or len(batch_step) != len(batch_sizes) or any(len(r) != len(batch_nodes) for r in batch_step)
+                        or any(x <= 0 for r in batch_step for x in r) or batch_context < 0):
+        raise StatsError("latency 'batch_sizes' must be ascending from 1 and 'batch_nodes' ascending from >= 1, with "
+                         "one positive 'batch_step_ms' per (batch size, nodes)")
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
             "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
-            "lookup_ms", "heads_fit", "heads_path_conditioned", "sampling_nodes", "sampling_extra_ms"}
+            "lookup_ms", "heads_fit", "heads_path_conditioned", "sampling_nodes", "sampling_extra_ms", "batch_sizes",
+            "batch_nodes", "batch_step_ms", "batch_context", "compute_bound_rows"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
-                          heads_fit, path_conditioned, sampling_nodes, sampling_extra)
+                          heads_fit, path_conditioned, sampling_nodes, sampling_extra, batch_sizes, batch_nodes,
+                          batch_step, batch_context)
 
 
 def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
@@ -231,10 +290,11 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
     Profiles on other grids are refused (StatsError)."""
     first = profiles[0]
     grid = (first.nodes, first.contexts, first.heads_nodes, first.bookkeeping_nodes, first.prefill_tokens,
-            len(first.heads_fit), first.heads_path_conditioned, first.sampling_nodes)
+            len(first.heads_fit), first.heads_path_conditioned, first.sampling_nodes, first.batch_sizes,
+            first.batch_nodes, first.batch_context)
     for p in profiles[1:]:
         if (p.nodes, p.contexts, p.heads_nodes, p.bookkeeping_nodes, p.prefill_tokens, len(p.heads_fit),
-                p.heads_path_conditioned, p.sampling_nodes) != grid:
+                p.heads_path_conditioned, p.sampling_nodes, p.batch_sizes, p.batch_nodes, p.batch_context) != grid:
             raise StatsError("latency profiles measured on different grids cannot be averaged")
 
     def mean(values):  # values: one float, or nested tuples of floats, per profile
@@ -244,7 +304,7 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
         return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
     fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
-              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms")
+              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms", "batch_step_ms")
     averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
     meta = {**first.meta, "averaged_profiles": len(profiles)}
     return replace(first, meta=meta, **averaged)

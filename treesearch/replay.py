@@ -76,6 +76,9 @@ class RolloutReplay:
     accept_lengths: tuple[int, ...]  # tokens committed per step
     tokens: int  # new tokens of the generate (the rollout's length)
     time_ms: float  # predicted: prefill + every step (0 without a latency profile)
+    verified: tuple[int, ...] = ()  # [steps] nodes each step verified (root included)
+    contexts: tuple[int, ...] = ()  # [steps] cached positions before each step
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ def replay_rollout(dec: Decoding, text: RolloutText, ranks: Sequence[Sequence[in
     index = NgramIndex(LookupConfig(dec.lookup, look.max_ngram, look.min_ngram), list(text.prompt)) \
         if dec.lookup else None
     lengths: list[int] = []
+    verified_nodes: list[int] = []
     time_ms = latency.prefill(len(text.prompt)) if latency is not None else 0.0
     t = 0
     while t < n:
@@ -158,14 +162,16 @@ def replay_rollout(dec: Decoding, text: RolloutText, ranks: Sequence[Sequence[in
         while d_look < len(draft) and t + 1 + d_look < len(y) and draft[d_look] == y[t + 1 + d_look]:
             d_look += 1
         step = 1 + max(d_heads, d_look)
+        verified = level_nodes[cut] + len(draft)
+        verified_nodes.append(verified)
         if latency is not None:
-            verified = level_nodes[cut] + len(draft)
             time_ms += latency.step_ms(verified, len(text.prompt) + t, heads_ms=heads_ms, lookup=index is not None)
         if index is not None:
             index.extend(list(y[t:t + step]))
         lengths.append(step)
         t += step
-    return RolloutReplay(text.id, tuple(lengths), len(y), time_ms)
+    contexts = tuple(len(text.prompt) + t for t in np.cumsum([0] + lengths[:-1]).tolist())
+    return RolloutReplay(text.id, tuple(lengths), len(y), time_ms, tuple(verified_nodes), contexts, len(text.prompt))
 
 
 def replay(dec: Decoding, stats: AcceptanceStats, latency: LatencyProfile | None = None,

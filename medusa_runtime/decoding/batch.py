@@ -7,6 +7,11 @@ One step::
     together: ONE forward of all rows' trees (engines.rows)             # [sum of nodes, V] logits
     per row : acceptance (greedy | typical | sample) -> path, next root; compaction of the row's cache
 
+With a schedule, the configuration a step runs follows the number of rows it verifies: each range of batch sizes
+has its own decoder (tree, lookup chain, gate) over the same model and heads. A row's state (cache, root,
+hidden state, n-gram index) belongs to the request, not to a tree, so a step may switch configurations without
+losing anything, and greedy tokens stay the model's own whichever tree verified them.
+
 A request joins between two steps (its prompt's forward alone, then its first token) and leaves when it stops
 (EOS, its length cap, the context) or is dropped (a client gone): the other rows go on. Each row makes the
 same calls the decoder's own loop (``MedusaDecoder.generate_steps``) makes for it alone, and the batched
@@ -27,7 +32,7 @@ from medusa_runtime.engines.base import EngineError
 from medusa_runtime.engines.lean import LeanEngine
 from medusa_runtime.engines.rows import Seq, forward_rows
 from medusa_runtime.tree.buffers import TreeBuffers
-from medusa_runtime.tree.lookup import NgramIndex
+from medusa_runtime.tree.lookup import LookupConfig, NgramIndex
 
 
 @dataclass
@@ -43,8 +48,8 @@ class Row:
     accept_cfg: AcceptConfig  # this request's acceptance rule and temperature
     gen: torch.Generator | None  # its own RNG (a seed gives the same sample whatever shares the batch)
     stats: GenerateStats
-    ngrams: NgramIndex | None
-    nodes: torch.Tensor | None  # path-conditioned heads write the tree's tokens here
+    ngrams: dict[LookupConfig, NgramIndex]  # one per lookup chain the configurations draft
+    nodes: dict[int, torch.Tensor]  # per configuration with heads: path-conditioned heads write its tokens here
     out: list[int] = field(default_factory=list)
     stop: str = ""  # why it stopped (eos | max_new_tokens | context), "" while live
     started: float = field(default_factory=time.perf_counter)
@@ -65,17 +70,49 @@ def batches(decoder: MedusaDecoder) -> bool:
     return isinstance(decoder.engine, LeanEngine)
 
 
-class BatchDecoder:
-    """Continuous batching over one ``MedusaDecoder``'s model, heads, tree, acceptance rule and engine."""
+@dataclass(frozen=True)
+class Scheduled:
+    """The decoder a step runs when it verifies ``first``..``last`` rows (inclusive)."""
 
-    def __init__(self, decoder: MedusaDecoder, max_batch: int = 16):
+    first: int
+    last: int
+    decoder: MedusaDecoder
+
+
+class BatchDecoder:
+    """Continuous batching over one ``MedusaDecoder``'s model, heads, tree, acceptance rule and engine, or over a
+    schedule of decoders by batch size (ascending contiguous ranges from 1; beyond the last, the last's)."""
+
+    def __init__(self, decoder: MedusaDecoder, max_batch: int = 16, schedule: Sequence[Scheduled] = ()):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch > 1 and not batches(decoder):
             raise EngineError(f"batched decoding runs on the lean engine (Llama-family models); {decoder.loaded.name} "
                               f"runs on '{decoder.engine.name}': use a batch of 1")
+        expect = 1
+        for s in schedule:
+            if s.first != expect or s.last < s.first:
+                raise ValueError(f"schedule ranges must run contiguously from 1: got [{s.first}, {s.last}]")
+            if s.decoder.loaded is not decoder.loaded:
+                raise ValueError("a schedule's decoders must share one model")
+            expect = s.last + 1
         self.decoder, self.max_batch = decoder, max_batch
+        self.schedule = tuple(schedule) or (Scheduled(1, max_batch, decoder),)
+        decoders = [s.decoder for s in self.schedule]
+        # every row's cache holds the largest tree; the forward runs on the engine sized for it
+        self.widest = max(decoders, key=lambda d: d.buffers.num_nodes)
+        self.depth = max(d.buffers.depth for d in decoders)
+        self.lookups = sorted({d.config.lookup for d in decoders if d.config.lookup.num_tokens},
+                              key=lambda c: c.num_tokens)
         self.rows: dict[Hashable, Row] = {}
+        self.steps_by_range = [0] * len(self.schedule)  # steps each configuration ran
+
+    def decoder_for(self, rows: int) -> MedusaDecoder:
+        """The configuration a step of ``rows`` requests runs."""
+        return self.schedule[self._range_of(rows)].decoder
+
+    def _range_of(self, rows: int) -> int:
+        return next((i for i, s in enumerate(self.schedule) if s.first <= rows <= s.last), len(self.schedule) - 1)
 
     @property
     def free(self) -> int:
@@ -104,18 +141,16 @@ class BatchDecoder:
             gen = torch.Generator()
             gen.manual_seed(seed if seed is not None else int(torch.seed()))
         t0 = time.perf_counter()
-        capacity = min(dec.loaded.max_length, prompt.numel() + max_new_tokens) + dec.buffers.num_nodes
+        capacity = min(dec.loaded.max_length, prompt.numel() + max_new_tokens) + self.widest.buffers.num_nodes
         cache = dec.new_cache(capacity)
         with torch.inference_mode():
             logits, hidden = dec.prefill(prompt, cache)
             root = first_token(logits[-1], rule, gen)
-        stats = GenerateStats(prompt_tokens=int(prompt.numel()), tree_nodes=dec.buffers.num_nodes,
-                              head_hits=[0] * dec.buffers.depth, time_prefill=time.perf_counter() - t0)
-        lookup = dec.config.lookup
+        stats = GenerateStats(prompt_tokens=int(prompt.numel()), tree_nodes=self.widest.buffers.num_nodes,
+                              head_hits=[0] * self.depth, time_prefill=time.perf_counter() - t0)
+        ngrams = {cfg: NgramIndex(cfg, prompt.tolist()) for cfg in self.lookups}
         self.rows[key] = Row(key, max_new_tokens, cache, int(prompt.numel()), root, hidden[-1], rule, gen, stats,
-                             NgramIndex(lookup, prompt.tolist()) if lookup.num_tokens else None,
-                             torch.empty(dec.tree.num_nodes, dtype=torch.long, device=dec.device) if dec.tree else None,
-                             started=t0)
+                             ngrams, {}, started=t0)
 
     def drop(self, key: Hashable) -> bool:
         """A request leaves before its end (its client is gone): its row and cache are freed."""
@@ -123,7 +158,7 @@ class BatchDecoder:
 
     def _stop_before_step(self, row: Row) -> str:
         """The decoder's own stop checks before a step: the pending root is emitted when the request stops."""
-        eos, depth = self.decoder.eos, self.decoder.buffers.depth
+        eos, depth = self.decoder.eos, self.depth
         if row.root in eos:
             return "eos"
         if len(row.out) + 1 >= row.max_new_tokens:
@@ -148,23 +183,30 @@ class BatchDecoder:
                 done.extend(self._verify_and_accept(going))
         return done
 
-    def _propose(self, row: Row) -> tuple[torch.Tensor, TreeBuffers]:
-        dec = self.decoder
-        draft = row.ngrams.draft(row.root) if row.ngrams is not None else []
-        tokens = dec.propose(row.hidden, row.root, draft, row.nodes)
+    def _propose(self, dec: MedusaDecoder, row: Row) -> tuple[torch.Tensor, TreeBuffers]:
+        lookup = dec.config.lookup
+        draft = row.ngrams[lookup].draft(row.root) if lookup.num_tokens else []
+        nodes = None
+        if dec.tree is not None:
+            nodes = row.nodes.get(id(dec))
+            if nodes is None:
+                nodes = row.nodes[id(dec)] = torch.empty(dec.tree.num_nodes, dtype=torch.long, device=dec.device)
+        tokens = dec.propose(row.hidden, row.root, draft, nodes)
         # plain decoding's one token lives in the decoder's own root tensor, path-conditioned heads write row.nodes:
         # each row keeps its tokens until the batch's forward has read them all
         return tokens.clone(), dec.step_buffers
 
     def _verify_and_accept(self, rows: list[Row]) -> list[StepTokens]:
-        dec = self.decoder
+        at_range = self._range_of(len(rows))
+        self.steps_by_range[at_range] += 1
+        dec = self.schedule[at_range].decoder
         t0 = time.perf_counter()
-        proposed = [self._propose(row) for row in rows]
+        proposed = [self._propose(dec, row) for row in rows]
         seqs = [Seq(tokens, row.cur_len, row.cache) if tokens.shape[0] == 1 else
                 Seq(tokens, row.cur_len, row.cache, buffers.attn_mask, row.cur_len + buffers.position_offsets)
                 for row, (tokens, buffers) in zip(rows, proposed)]
         t1 = time.perf_counter()
-        logits, hidden = forward_rows(dec.engine, seqs)
+        logits, hidden = forward_rows(self.widest.engine, seqs)
         t2 = time.perf_counter()
         results, at = [], 0
         for row, (tokens, buffers) in zip(rows, proposed):
@@ -172,9 +214,9 @@ class BatchDecoder:
             acc = accept(tokens, logits[at:at + n], buffers, row.accept_cfg, row.gen)
             candidates = tokens.tolist()
             committed = [candidates[i] for i in acc.path]
-            if row.ngrams is not None:
-                row.ngrams.extend(committed)
-            dec.compact(row.cache, row.cur_len, acc.path)
+            for index in row.ngrams.values():
+                index.extend(committed)
+            self.widest.compact(row.cache, row.cur_len, acc.path)
             row.cur_len += len(acc.path)
             row.hidden = hidden[at + acc.path[-1]]
             row.root = acc.next_token

@@ -1,0 +1,175 @@
+"""A configuration for each load: the batch-size schedule written into tree.json.
+
+Under load one step verifies every live request's tree. With B requests decoding together (a closed loop of B
+clients: one leaves, the next joins), a request of M new tokens takes its own steps, each costing a whole
+batched step, plus the prefills of the requests that join while it runs (about B of them over its life)::
+
+    latency_r(B)  = sum over its steps i of batch_step(B, nodes_i, context_i) + B * prefill(prompt_r)
+    tokens/s (B)  = B * sum_r M_r / sum_r latency_r(B)          # output throughput of the server
+    speed-up (B)  = tokens/s (B) / tokens/s of plain decoding (B)
+
+The steps (their nodes and contexts) come from replaying each candidate configuration on the calibration
+rollouts (``treesearch.replay``), the step costs from the latency profile's batched steps
+(``LatencyProfile.batch_step``). Per batch size the candidate with the highest predicted throughput wins;
+adjacent batch sizes with the same pick merge into one inclusive range, and the range of a searched size runs
+up to the next searched size. Intervals are percentile bootstraps over the rollouts resampled whole.
+
+What a target can run bounds the candidates: chain targets (vLLM, TGI) take plain decoding and the heads'
+chains 1..K, which is the whole space, so the pick is exact; TensorRT-LLM's engine keeps one ``medusa_choices``
+and shortens its draft, so its candidates are plain and the prefixes of the searched tree (in the engine's
+order) within its node limit; this runtime takes those and the search's own recommendation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .cost import LatencyProfile
+from .replay import Decoding, ReplayResult, replay
+from .stats import AcceptanceStats, StatsError, bootstrap_ratio
+from .targets import Target
+from .tree import Tree, chain, make_tree
+
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class LoadPrediction:
+    """One configuration's predicted throughput at one batch size."""
+
+    batch: int
+    output_tokens_per_s: float
+    output_tokens_per_s_ci: tuple[float, float]
+    speedup_vs_plain: float
+    speedup_vs_plain_ci: tuple[float, float]
+    tau: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"batch": self.batch, "output_tokens_per_s": round(self.output_tokens_per_s, 3),
+                "output_tokens_per_s_ci": [round(x, 3) for x in self.output_tokens_per_s_ci],
+                "speedup_vs_plain": round(self.speedup_vs_plain, 6),
+                "speedup_vs_plain_ci": [round(x, 6) for x in self.speedup_vs_plain_ci], "tau": round(self.tau, 6)}
+
+
+@dataclass(frozen=True)
+class ScheduleRange:
+    first: int
+    last: int
+    decoding: Decoding
+    predictions: tuple[LoadPrediction, ...]  # at each searched batch size within the range
+
+
+def request_latencies(res: ReplayResult, latency: LatencyProfile, batch: int) -> list[float]:
+    """[rollouts] ms from a request's arrival to its last token with ``batch`` requests decoding together."""
+    out = []
+    for r in res.rollouts:
+        steps = sum(latency.batch_step(batch, n, c) for n, c in zip(r.verified, r.contexts))
+        out.append(steps + batch * latency.prefill(r.prompt_tokens))
+    return out
+
+
+def predict_at(res: ReplayResult, plain_latencies: list[float], latency: LatencyProfile, batch: int,
+               level: float = LEVEL) -> LoadPrediction:
+    """``res``'s output throughput at ``batch`` and its speed-up over plain decoding's (``plain_latencies``)."""
+    lat = request_latencies(res, latency, batch)
+    tokens = [float(r.tokens) for r in res.rollouts]
+    scale = 1000.0 * batch
+    tps = scale * sum(tokens) / sum(lat)
+    lo, hi = bootstrap_ratio(tokens, lat, level)
+    s_lo, s_hi = bootstrap_ratio(plain_latencies, lat, level)
+    return LoadPrediction(batch, tps, (scale * lo, scale * hi), sum(plain_latencies) / sum(lat), (s_lo, s_hi),
+                          res.tau)
+
+
+def prefixes(tree: Tree, max_nodes: int | None = None) -> list[Tree]:
+    """The trees made of the first 1..n draft nodes of ``tree`` in its (official) order: every parent comes
+    before its children there, so each prefix is a tree; what an engine verifies when it shortens the draft."""
+    n = len(tree.paths) if max_nodes is None else min(len(tree.paths), max_nodes)
+    return [make_tree(tree.paths[:k], name=f"{tree.name}[:{k}]") for k in range(1, n + 1)]
+
+
+def candidates(target: Target, num_heads: int, tree: Tree | None = None, recommended: Decoding | None = None
+               ) -> list[Decoding]:
+    """What the schedule chooses from for ``target``, plain decoding first (see the module doc)."""
+    out = [Decoding()]
+    if target.chain_only:
+        return out + [Decoding(chain(k)) for k in range(1, num_heads + 1)]
+    if tree is not None:
+        out += [Decoding(t) for t in prefixes(tree, target.max_nodes)]
+    if target.name == "own":
+        out += [Decoding(chain(k)) for k in range(1, num_heads + 1)]
+        if recommended is not None:
+            out.append(recommended)
+    seen, unique = set(), []
+    for dec in out:  # the same configuration under two names is priced once
+        key = (dec.tree.paths if dec.tree is not None else None, dec.lookup, dec.gate)
+        if key not in seen:
+            seen.add(key)
+            unique.append(dec)
+    return unique
+
+
+def search_schedule(stats: AcceptanceStats, latency: LatencyProfile, batch_sizes: Sequence[int],
+                    options: Sequence[Decoding], level: float = LEVEL) -> list[ScheduleRange]:
+    """Per searched batch size the option with the highest predicted throughput, as merged ranges."""
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if not sizes or sizes[0] != 1:
+        raise StatsError(f"a schedule's batch sizes start at 1, got {list(batch_sizes)}")
+    if not latency.has_batch:
+        raise StatsError("the latency profile has no batched steps: profile again with --batch-sizes")
+    if not options or options[0].tree is not None or options[0].lookup:
+        raise StatsError("a schedule's options start with plain decoding")
+    results = [replay(dec, stats, latency) for dec in options]
+    picks: list[tuple[int, LoadPrediction]] = []
+    for batch in sizes:
+        plain = request_latencies(results[0], latency, batch)
+        scored = [(predict_at(res, plain, latency, batch, level), i) for i, res in enumerate(results)]
+        best, i = max(scored, key=lambda s: (s[0].output_tokens_per_s, -s[1]))  # ties: the simpler option
+        picks.append((i, best))
+    ranges: list[ScheduleRange] = []
+    for k, (i, pred) in enumerate(picks):
+        last = sizes[k + 1] - 1 if k + 1 < len(sizes) else sizes[-1]
+        if ranges and ranges[-1].decoding is options[i]:
+            prev = ranges[-1]
+            ranges[-1] = ScheduleRange(prev.first, last, prev.decoding, prev.predictions + (pred,))
+        else:
+            ranges.append(ScheduleRange(sizes[k], last, options[i], (pred,)))
+    return ranges
+
+
+def schedule_json(ranges: list[ScheduleRange]) -> list[dict[str, Any]]:
+    """tree.json's ``schedule``: ``{batch: [first, last], configuration, prediction}`` per range, the prediction
+    at the range's first batch size with every searched size of the range in ``by_batch``."""
+    from .deploy import configuration_json  # deploy imports the search, which this module's callers import
+
+    return [{"batch": [r.first, r.last], "configuration": configuration_json(r.decoding),
+             "prediction": {**r.predictions[0].as_json(), "level": LEVEL,
+                            "by_batch": [p.as_json() for p in r.predictions]}} for r in ranges]
+
+
+def decoding_at(schedule: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """The configuration a schedule gives ``batch`` live requests (the last range's beyond it)."""
+    for entry in schedule:
+        if entry["batch"][0] <= batch <= entry["batch"][1]:
+            return entry["configuration"]
+    return schedule[-1]["configuration"]
+
+
+def check_schedule(schedule: Any) -> list[dict[str, Any]]:
+    """A tree.json ``schedule`` as read: ranges ascending, inclusive, contiguous from 1 (StatsError otherwise)."""
+    if not isinstance(schedule, list) or not schedule:
+        raise StatsError("a schedule is a non-empty list of {batch: [first, last], configuration, prediction}")
+    expect = 1
+    for entry in schedule:
+        try:
+            first, last = (int(x) for x in entry["batch"])
+            entry["configuration"]["config"]
+        except (KeyError, TypeError, ValueError):
+            raise StatsError(f"schedule entry {entry!r} lacks batch: [first, last] or a configuration") from None
+        if first != expect or last < first:
+            raise StatsError(f"schedule ranges must run contiguously from batch 1: got [{first}, {last}] where "
+                             f"{expect} was due")
+        expect = last + 1
+    return schedule
