@@ -115,7 +115,7 @@ def test_final_tree_json_predicts_its_configuration_with_intervals(tmp_path, fit
     search = write_search(res, stats, cfg, tmp_path / "search.json")
     heads = {"name": "unconditioned", "digest": "x", "num_heads": 4, "conditioning": "none"}
     final = json.loads(write_final(search, stats, latency, heads, tmp_path / "tree.json", ["a", "b"]).read_text())
-    assert final["schema"] == "medusa-tree/1" and final["target"] == "vllm" and final["heads"] == heads
+    assert final["schema"] == "medusa-tree/2" and final["target"] == "vllm" and final["heads"] == heads
     conf = final["configuration"]
     assert conf["uses_heads"] and is_chain(conf["medusa_choices"]) and conf["lookup"] == 0 and conf["gate"] == 0
     pred = predict_decoding(Decoding(make_tree(conf["medusa_choices"])), stats, latency)

@@ -114,7 +114,7 @@ def test_must_show_vicuna_optimum_beats_mc_sim(tmp_path, capsys):
                  "--quiet"])
     assert code == 0
     tree_json = json.loads(out.read_text())
-    assert tree_json["schema"] == "medusa-tree/1" and tree_json["num_nodes"] == 64
+    assert tree_json["schema"] == "medusa-tree/2" and tree_json["num_nodes"] == 64
     assert tree_json["predicted_tau"] == pytest.approx(2.3845, abs=5e-5)
     mc_sim = tau_independent(load_tree("mc_sim_7b_63"), m)
     assert mc_sim == pytest.approx(2.34, abs=5e-3)

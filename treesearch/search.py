@@ -596,9 +596,11 @@ def _decoding_json(score: TreeScore) -> dict[str, Any]:
 
 
 def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig, out: str | Path,
-                 acceptance_file: str | None = None, latency_file: str | None = None) -> Path:
+                 acceptance_file: str | None = None, latency_file: str | None = None,
+                 schedule: list[dict[str, Any]] | None = None) -> Path:
     """tree.json: the best tree with heads (what engines load) with its provenance and, for a configuration
-    search, ``recommended``: the fastest configuration overall, which may use no heads at all."""
+    search, ``recommended``: the fastest configuration overall, which may use no heads at all; with
+    ``schedule`` (``treesearch.schedule``), the configuration for each range of batch sizes too."""
     best, headed = result.best, result.best_with_heads
     tree_score = best if best.tree is not None else (headed if headed is not None else result.optimum)
     joint = cfg.joint if cfg.joint is not None else stats.has_joint
@@ -630,6 +632,8 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
                                                 "posterior_threshold": s.typical.posterior_threshold,
                                                 "posterior_alpha": s.typical.posterior_alpha}
                                                for s in result.pareto]}
+    if schedule is not None:
+        provenance["schedule"] = schedule
     if headed is not None or best.tree is None:
         provenance["recommended"] = _decoding_json(best)
         if best.tree is None:

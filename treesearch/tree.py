@@ -21,7 +21,8 @@ from typing import Any
 
 from .fsutil import atomic_file
 
-TREE_SCHEMA = "medusa-tree/1"
+TREE_SCHEMA = "medusa-tree/2"  # /2 added the batch-size schedule; /1 files read as they are
+READABLE_SCHEMAS = ("medusa-tree/1", TREE_SCHEMA)
 
 Path_ = tuple[int, ...]
 
@@ -119,13 +120,13 @@ def preset_names() -> list[str]:
 
 
 def tree_from_json(obj: Any, name: str = "custom") -> Tree:
-    """Accept ``{"schema": "medusa-tree/1", "medusa_choices": [...]}`` (or a bare list of paths)."""
+    """Accept ``{"schema": "medusa-tree/2", "medusa_choices": [...]}`` (or /1, or a bare list of paths)."""
     if isinstance(obj, list):
         return make_tree(obj, name=name)
     if not isinstance(obj, dict):
         raise TreeError(f"tree JSON must be an object with 'medusa_choices', got {type(obj).__name__}")
     schema = obj.get("schema")
-    if schema != TREE_SCHEMA:
+    if schema not in READABLE_SCHEMAS:
         raise TreeError(f"tree JSON has schema {schema!r}, expected {TREE_SCHEMA!r}")
     if "medusa_choices" not in obj:
         raise TreeError("tree JSON has no 'medusa_choices'")

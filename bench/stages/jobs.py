@@ -252,6 +252,7 @@ class SearchJob(Job):
     lookup: int = defaults.LOOKUP  # longest prompt-lookup chain a configuration may draft
     target: str = "own"  # own | vllm | trtllm | tgi (treesearch.targets)
     engine_costs: str | None = None  # report.json of an engines run: the target's measured step costs
+    batch_sizes: tuple[int, ...] = ()  # also a schedule: the fastest configuration per batch size (from 1)
     exclude_ids: tuple[str, ...] = ()
     out: str = "results/tree.json"
     plots: str | None = None

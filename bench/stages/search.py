@@ -11,8 +11,10 @@ from pathlib import Path
 from bench.stages.common import show
 from bench.stages.jobs import SearchJob
 from treesearch.cost import load_profile
+from treesearch.schedule import candidates, schedule_json, search_schedule
 from treesearch.search import SearchConfig, run_search, write_search
 from treesearch.stats import load_stats, select
+from treesearch.targets import TARGETS
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -32,14 +34,23 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
                        context=job.context, baseline=job.baseline, accept=job.accept,
                        max_regret=job.max_regret, configurations=not job.trees_only, max_lookup=job.lookup,
                        target=job.target, engine_costs=job.engine_costs)
+    if job.batch_sizes and latency is None:
+        raise ValueError("--batch-sizes prices batched steps: give --latency (a profile with --batch-sizes)")
     result = run_search(stats, cfg, latency, show_progress=not job.quiet)
-    path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None)
+    schedule = load_schedule(result, stats, latency, job) if job.batch_sizes else None
+    path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None,
+                        schedule)
     lines = [format_search_table(result)]
     if result.space == "configurations":
         best = result.best
         verdict = "use no heads" if not best.uses_heads else "use the heads"
         lines.append(f"\nrecommended: {best.label} ({verdict}; predicted tau {best.tau:.3f}, {best.speedup:.3f}x "
                      "plain decoding)")
+    if schedule is not None:
+        lines.append("\nschedule (batch sizes: configuration, predicted output tokens/s, speed-up over plain):")
+        lines += [f"  {e['batch'][0]}-{e['batch'][1]}: {e['configuration']['config']}, "
+                  f"{e['prediction']['output_tokens_per_s']:.1f} tok/s, {e['prediction']['speedup_vs_plain']:.3f}x"
+                  for e in schedule]
     lines.append(f"\nwritten: {path}")
     plots = []
     if job.plots:
@@ -48,6 +59,15 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
         plots = [str(p) for p in plot_search(result, stats, latency, job.plots)]
         lines += [f"plot: {p}" for p in plots]
     return {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines)
+
+
+def load_schedule(result, stats, latency, job: SearchJob) -> list[dict]:
+    """tree.json's schedule: per batch size the fastest of what the target runs (``treesearch.schedule``)."""
+    headed = result.best_with_heads or (result.best if result.best.tree is not None else None)
+    tree = headed.tree if headed is not None else result.optimum.tree
+    options = candidates(TARGETS[job.target], stats.num_heads, tree,
+                         result.best.decoding if job.target == "own" else None)
+    return schedule_json(search_schedule(stats, latency, job.batch_sizes, options))
 
 
 def format_search_table(result) -> str:

@@ -1,0 +1,131 @@
+"""The batch-size schedule (treesearch/schedule.py): batched step costs in closed form, the pick per batch size
+against brute force for chain targets, ranges merged and contiguous, and what tree.json carries."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from treesearch.cost import profile_from_json, profile_to_json
+from treesearch.replay import Decoding, replay
+from treesearch.schedule import candidates, check_schedule, decoding_at, prefixes, schedule_json, search_schedule
+from treesearch.search import SearchConfig, run_search, write_search
+from treesearch.stats import StatsError
+from treesearch.targets import TARGETS
+from treesearch.tree import chain, load_tree, make_tree, tree_from_json
+
+from .conftest import tiny_llama
+from .test_calibration import _heads_that_guess
+from .test_workload_replay import _profile, _rollouts, _stats
+
+SIZES = (1, 2, 4, 8, 16)
+NODES = (1, 2, 3, 4, 5, 8, 16)
+
+
+def _batched(per_row_ms: float = 1.0):
+    """A profile whose batched step costs 10 ms plus ``per_row_ms`` per verified row (batch x nodes)."""
+    table = tuple(tuple(10.0 + per_row_ms * b * n for n in NODES) for b in SIZES)
+    return replace(_profile(), batch_sizes=SIZES, batch_nodes=NODES, batch_step_ms=table, batch_context=100)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    loaded = tiny_llama(vocab=32, seed=2)
+    heads = _heads_that_guess(loaded, k=4, seed=1)
+    texts, ranks = _rollouts(loaded, heads, 6, 50, 6)
+    return _stats(texts, ranks, 4, 6)
+
+
+def test_batched_step_costs_interpolate_in_nodes_and_batch_and_follow_the_context():
+    prof = _batched()
+    assert prof.batch_step(4, 3) == pytest.approx(22.0)
+    assert prof.batch_step(4, 6) == pytest.approx(10 + 4 * 6)  # between measured nodes 5 and 8
+    assert prof.batch_step(3, 2) == pytest.approx(16.0)  # between batch 2 (14) and 4 (18)
+    assert prof.batch_step(20, 2) == pytest.approx(10 + 40)  # beyond 16: the last segment extended
+    # each row's attention moves with its context as its own verify does: + B * (verify(n, c) - verify(n, 100))
+    assert prof.batch_step(4, 3, 300) == pytest.approx(22.0 + 4 * (prof.verify(3, 300) - prof.verify(3, 100)))
+    # the fewest rows measured at >= 2 x the one-row step (11 ms): 4 x 3 = 12 rows (22 ms); 2 x 5 rows cost 20
+    assert prof.compute_bound_rows == 12
+    back = profile_from_json(json.loads(json.dumps(profile_to_json(prof))))
+    assert back == prof and profile_to_json(back)["compute_bound_rows"] == 12
+    bad = profile_to_json(prof) | {"batch_sizes": [2, 4, 8, 16, 32]}
+    with pytest.raises(StatsError, match="batch_sizes"):
+        profile_from_json(bad)
+    with pytest.raises(StatsError, match="profile again with --batch-sizes"):
+        _profile().batch_step(2, 2)
+
+
+def _brute_force(stats, latency, batch: int, depth: int) -> float:
+    """Output tokens/s of plain decoding (depth 0) or chain:depth at ``batch``, step by step: each step of a
+    request costs a whole batched step of its verified nodes, and about ``batch`` prefills join during it."""
+    dec = Decoding(chain(depth)) if depth else Decoding()
+    tokens = total_ms = 0.0
+    for r in replay(dec, stats).rollouts:
+        tokens += r.tokens
+        total_ms += batch * latency.prefill(r.prompt_tokens)
+        for nodes, context in zip(r.verified, r.contexts):
+            assert nodes == 1 + (depth if depth else 0)
+            total_ms += latency.batch_step(batch, nodes, context)
+    return 1000.0 * batch * tokens / total_ms
+
+
+@pytest.mark.parametrize("target", ["vllm", "tgi"])
+def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted, target):
+    stats, latency = fitted, _batched(per_row_ms=0.05)  # these heads' chains commit ~1.05 tokens a step
+    options = candidates(TARGETS[target], stats.num_heads)
+    assert [o.tree.name if o.tree else "plain" for o in options] == ["plain"] + [f"chain:{k}" for k in range(1, 5)]
+    ranges = search_schedule(stats, latency, SIZES, options)
+    picks = {}
+    for r in ranges:
+        for pred in r.predictions:
+            picks[pred.batch] = (r.decoding, pred)
+    for b in SIZES:
+        speeds = {k: _brute_force(stats, latency, b, k) for k in range(stats.num_heads + 1)}
+        dec, pred = picks[b]
+        got = len(dec.tree.paths) if dec.tree is not None else 0
+        assert speeds[got] == pytest.approx(max(speeds.values())), (b, speeds)
+        assert pred.output_tokens_per_s == pytest.approx(speeds[got])
+        assert pred.speedup_vs_plain == pytest.approx(speeds[got] / speeds[0])
+        lo, hi = pred.output_tokens_per_s_ci
+        assert lo * (1 - 1e-9) <= pred.output_tokens_per_s <= hi * (1 + 1e-9)
+    # the step turns compute-bound as rows grow: a chain pays at batch 1, plain decoding wins at 16
+    assert picks[1][0].tree is not None and picks[16][0].tree is None
+    # ranges: ascending, contiguous from 1 to the largest size, adjacent picks merged
+    assert ranges[0].first == 1 and ranges[-1].last == 16
+    assert all(a.last + 1 == b.first and a.decoding is not b.decoding for a, b in zip(ranges, ranges[1:]))
+    sched = check_schedule(schedule_json(ranges))
+    assert decoding_at(sched, 1)["config"] == picks[1][0].label and decoding_at(sched, 100)["config"] == "plain"
+
+
+def test_trtllm_chooses_among_prefixes_of_its_tree_within_its_limit():
+    tree = load_tree("mc_sim_7b_63")
+    pre = prefixes(tree, 10)
+    assert [len(t.paths) for t in pre] == list(range(1, 11))
+    assert all(t.paths == tree.paths[:len(t.paths)] for t in pre)  # what shortening the draft verifies
+    options = candidates(TARGETS["trtllm"], 4, make_tree(tree.paths[:70]))
+    assert options[0].tree is None and max(len(o.tree.paths) for o in options[1:]) == 63
+    own = candidates(TARGETS["own"], 3, chain(2), Decoding(chain(2), lookup=4))
+    assert [o.label for o in own] == ["plain", "tree chain:2[:1]", "tree chain:2[:2]", "tree chain:3",
+                                      "tree chain:2 +lookup4"]  # chain:1 and chain:2 priced once
+
+
+def test_search_writes_the_schedule_into_tree_json_and_old_files_still_read(tmp_path, fitted):
+    stats, latency = fitted, _batched(per_row_ms=0.05)
+    cfg = SearchConfig(budget=8, trials=12, storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s",
+                       target="vllm")
+    res = run_search(stats, cfg, latency, show_progress=False)
+    sched = schedule_json(search_schedule(stats, latency, SIZES, candidates(TARGETS["vllm"], stats.num_heads)))
+    obj = json.loads(write_search(res, stats, cfg, tmp_path / "t.json", latency_file="l.json",
+                                  schedule=sched).read_text())
+    assert obj["schema"] == "medusa-tree/2" and obj["schedule"] == sched
+    assert obj["medusa_choices"] == res.best_with_heads.tree.as_lists()  # batch 1's reading place is kept
+    first = obj["schedule"][0]
+    assert first["batch"][0] == 1 and set(first["prediction"]) >= {
+        "output_tokens_per_s", "output_tokens_per_s_ci", "speedup_vs_plain", "speedup_vs_plain_ci", "by_batch"}
+    old = {"schema": "medusa-tree/1", "medusa_choices": [[0], [0, 0]]}
+    assert tree_from_json(old).paths == ((0,), (0, 0))
+    with pytest.raises(StatsError, match="contiguously"):
+        check_schedule([{"batch": [1, 2], "configuration": {"config": "plain"}},
+                        {"batch": [4, 8], "configuration": {"config": "plain"}}])
