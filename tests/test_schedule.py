@@ -129,3 +129,80 @@ def test_search_writes_the_schedule_into_tree_json_and_old_files_still_read(tmp_
     with pytest.raises(StatsError, match="contiguously"):
         check_schedule([{"batch": [1, 2], "configuration": {"config": "plain"}},
                         {"batch": [4, 8], "configuration": {"config": "plain"}}])
+
+
+def _scheduled_file(tmp_path, ranges, heads="unconditioned", target="vllm"):
+    """A final tree.json (batch 1's configuration on top) with a schedule of ``(first, last, choices)``."""
+    from bench.stages.deploy import heads_reference
+    from medusa_runtime.heads.medusa import shipped_heads_dir
+    from treesearch.tree import tree_to_json, write_json_atomic
+
+    def conf(choices):
+        return {"config": "plain" if not choices else f"tree {len(choices)}", "uses_heads": bool(choices),
+                "medusa_choices": choices or None, "tree_nodes": len(choices) if choices else None, "lookup": 0,
+                "gate": 0.0}
+
+    top = next(c for _, _, c in ranges if c)
+    obj = tree_to_json(make_tree(top, name="final"), target=target, configuration=conf(top),
+                       heads=heads_reference(shipped_heads_dir(heads)),
+                       schedule=[{"batch": [a, b], "configuration": conf(c), "prediction": {}} for a, b, c in ranges])
+    return write_json_atomic(tmp_path / f"tree-{target}.json", obj)
+
+
+def _vllm_reads(ranges, max_batch: int, k: int) -> list[int]:
+    """K per batch size 1..max_batch as vLLM expands the schedule (vllm/v1/spec_decode/dynamic/utils.py,
+    build_dynamic_sd_schedule_lookup): every listed range gives its K, clamped to num_speculative_tokens; batch
+    sizes past the last range keep the last K."""
+    dense = [0] * (max_batch + 1)
+    last = None
+    for first, end, kk in sorted(ranges):
+        for b in range(first, min(end, max_batch) + 1):
+            dense[b] = min(k, kk)
+        last = (end, kk)
+    for b in range(last[0] + 1, max_batch + 1):
+        dense[b] = min(k, last[1])
+    return dense[1:]
+
+
+def test_vllm_export_writes_the_schedule_as_per_batch_size_draft_lengths(tmp_path):
+    from .test_targets import _cli
+
+    tree = _scheduled_file(tmp_path, [(1, 1, [[0], [0, 0], [0, 0, 0]]), (2, 7, [[0]]), (8, 16, [])])
+    out = tmp_path / "vllm"
+    proc = _cli("export", "--tree", tree, "--target", "vllm", "--out", out, "--json")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out / "speculative_config.json").read_text())
+    assert spec["num_speculative_tokens"] == 3  # the longest chain: vLLM clamps every K to it
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 7, 1], [8, 16, 0]]
+    assert _vllm_reads(spec["num_speculative_tokens_per_batch_size"], 20, 3) == [3] + [1] * 6 + [0] * 13
+    # a tree in any range is refused in one line, naming the range
+    bad = _scheduled_file(tmp_path, [(1, 3, [[0], [0, 0]]), (4, 16, [[0], [1]])])
+    proc = _cli("export", "--tree", bad, "--target", "vllm", "--out", tmp_path / "bad")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "batch sizes 4-16: vLLM cannot run a tree of 2 nodes" in proc.stderr
+
+
+def test_trtllm_export_writes_draft_len_schedule_as_its_llm_args_validator_reads_it(tmp_path):
+    """tensorrt_llm/llmapi/llm_args.py (DecodingBaseConfig.validate_draft_len_schedule_and_sort): a dict of batch
+    size thresholds to draft lengths >= 0, holding batch 1, whose entry equals max_draft_len."""
+    from bench.stages.deploy import TRTLLM_OPTIONS
+
+    from .test_targets import _cli
+
+    big = [[0], [1], [0, 0], [2], [0, 1]]
+    tree = _scheduled_file(tmp_path, [(1, 3, big), (4, 7, big[:2]), (8, 16, [])], target="trtllm")
+    out = tmp_path / "trt"
+    proc = _cli("export", "--tree", tree, "--target", "trtllm", "--out", out, "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out / TRTLLM_OPTIONS).read_text())["speculative_config"]
+    schedule = {int(k): v for k, v in spec["draft_len_schedule"].items()}
+    assert schedule == {1: 5, 4: 2, 8: 0}
+    assert 1 in schedule and schedule[1] == spec["max_draft_len"] == len(spec["medusa_choices"])
+    assert all(b >= 1 and d >= 0 for b, d in schedule.items())
+    # a range whose tree is not a prefix of batch 1's cannot be a shortened draft
+    bad = _scheduled_file(tmp_path, [(1, 3, big), (4, 16, [[0], [0, 0]])], target="trtllm")
+    proc = _cli("export", "--tree", bad, "--target", "trtllm", "--out", tmp_path / "bad", "--dtype", "float32")
+    assert proc.returncode == 2 and "is not a prefix of batch 1's" in proc.stderr
+    chains = _scheduled_file(tmp_path, [(1, 1, [[0]]), (2, 16, [])], target="tgi")
+    proc = _cli("export", "--tree", chains, "--target", "tgi", "--out", tmp_path / "tgi")
+    assert proc.returncode == 2 and "cannot run a schedule" in proc.stderr

@@ -18,6 +18,15 @@ Per target, ``DIR`` holds:
 * ``tgi``: the TGI Medusa folder and ``speculate.json`` (the ``--speculate`` chain length);
 * ``own``: ``tree.json`` and the command line that serves it with this runtime.
 
+A tree.json with a ``schedule`` (a configuration per range of batch sizes) goes to the engines that switch by
+batch size: vLLM's ``num_speculative_tokens_per_batch_size`` (inclusive ``[first, last, K]`` ranges, K = 0
+where the schedule decodes plain; ``vllm/v1/spec_decode/dynamic/utils.py`` reads them, clamping K to
+``num_speculative_tokens``, which is the schedule's longest chain) and TensorRT-LLM's ``draft_len_schedule``
+(``{first batch size: draft tokens}``, its entry for batch 1 equal to ``max_draft_len``:
+``tensorrt_llm/llmapi/llm_args.py``, ``validate_draft_len_schedule_and_sort``). TensorRT-LLM keeps one
+``medusa_choices`` and shortens the draft, so every range's tree must be a prefix of batch 1's (the schedule
+search for ``--target trtllm`` only picks such trees). TGI takes no schedule: refused.
+
 Medusa-2 heads decode on an adapted base: it is written to ``DIR/base`` and named as the model to serve.
 """
 
@@ -37,7 +46,9 @@ from medusa_runtime.heads.medusa import SHIPPED, adapter_entry, heads_folder, re
 from medusa_runtime.model import load_model
 from treesearch.export import to_trtllm_config
 from treesearch.targets import get_target, heads_conditioning, is_chain, refusal_line, refusals
-from treesearch.tree import make_tree, read_json
+from treesearch.schedule import check_schedule
+from treesearch.stats import StatsError
+from treesearch.tree import make_tree, official_order, read_json
 
 TRTLLM_CHOICES = "medusa_choices.txt"
 TRTLLM_OPTIONS = "extra_llm_api_options.yaml"  # JSON is YAML: trtllm-serve --extra_llm_api_options FILE
@@ -117,7 +128,58 @@ def export(tree_file: str | Path, target: str, out: str | Path, model: str = "de
     out = Path(out)
     if target == "own":
         return _export_own(tree_file, obj, conf, spec, out)
-    return _export_engine(target, conf, spec, out, model, dtype, base_model, log)
+    return _export_engine(target, conf, spec, out, model, dtype, base_model, log, schedule_for(obj, target))
+
+
+def schedule_for(obj: dict[str, Any], target_name: str) -> list[tuple[int, int, dict[str, Any]]] | None:
+    """A tree file's schedule as ``(first, last, configuration)``, each range checked against the target (None:
+    the file has no schedule)."""
+    if "schedule" not in obj:
+        return None
+    target = get_target(target_name)
+    try:
+        entries = check_schedule(obj["schedule"])
+    except StatsError as exc:
+        raise DeployError(str(exc)) from None
+    if target.name == "tgi":
+        raise DeployError("text-generation-inference takes one --speculate for every batch size: it cannot run a "
+                          "schedule (export a file without one)")
+    out = []
+    for e in entries:
+        conf, (first, last) = e["configuration"], e["batch"]
+        if conf.get("medusa_choices"):
+            reasons = refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
+                               obj["heads"].get("conditioning", "none"), obj["heads"].get("num_heads"))
+            if reasons:
+                raise DeployError(f"batch sizes {first}-{last}: " + refusal_line(target, reasons))
+        elif conf.get("lookup"):
+            raise DeployError(f"batch sizes {first}-{last}: {target.engine} cannot run a prompt-lookup chain of "
+                              f"{conf['lookup']} tokens without heads: search for it with --target {target.name}")
+        out.append((int(first), int(last), conf))
+    return out
+
+
+def vllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> list[list[int]]:
+    """``num_speculative_tokens_per_batch_size``: ``[first, last, K]`` per range, K the chain's length (0: plain)."""
+    return [[first, last, len(conf.get("medusa_choices") or [])] for first, last, conf in schedule]
+
+
+def trtllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> tuple[list[list[int]], dict[str, int]]:
+    """(``medusa_choices``: batch 1's tree, ``draft_len_schedule``: ``{first: draft tokens}``), refused where a
+    range's tree is not a prefix of batch 1's (the engine only shortens its one draft)."""
+    choices = schedule[0][2].get("medusa_choices") or []
+    if not choices:
+        raise DeployError("TensorRT-LLM's draft_len_schedule starts from batch 1's draft (max_draft_len): this "
+                          "schedule decodes plain at batch 1")
+    order = official_order(choices)
+    lengths = {}
+    for first, last, conf in schedule:
+        tree = official_order(conf.get("medusa_choices") or [])
+        if tree != order[:len(tree)]:
+            raise DeployError(f"batch sizes {first}-{last}: TensorRT-LLM keeps one medusa_choices and shortens its "
+                              "draft; this range's tree is not a prefix of batch 1's (search with --target trtllm)")
+        lengths[str(first)] = len(tree)
+    return [list(p) for p in order], lengths
 
 
 def _export_own(tree_file, obj, conf, spec, out: Path) -> dict[str, Any]:
@@ -130,7 +192,7 @@ def _export_own(tree_file, obj, conf, spec, out: Path) -> dict[str, Any]:
 
 
 def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dtype: str, base_model: str | None,
-                   log) -> dict[str, Any]:
+                   log, schedule: list[tuple[int, int, dict[str, Any]]] | None = None) -> dict[str, Any]:
     loaded = load_model(model, "float32", "cpu", log=log)
     heads = resolve_heads(spec, loaded.hidden_size, loaded.vocab_size, model)
     merged = adapted(loaded, spec)
@@ -142,14 +204,26 @@ def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dt
     base_path = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else None
     base_name = base_model or (str(loaded.model.config._name_or_path) if model == "default" else model)
     if target == "vllm":
-        serving.export_vllm(heads, lm, out, len(choices), torch_dtype, base=base, warn=notes.append)
+        ranges = vllm_schedule(schedule) if schedule else None
+        if ranges is not None and not any(k for _, _, k in ranges):
+            raise DeployError("the schedule decodes plain at every batch size: serve vLLM without speculation")
+        depth = max(k for _, _, k in ranges) if ranges else len(choices)
+        serving.export_vllm(heads, lm, out, depth, torch_dtype, base=base, warn=notes.append)
         spec_cfg = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
+        if ranges is not None:
+            spec_cfg["num_speculative_tokens_per_batch_size"] = ranges
+            (out / serving.VLLM_SPEC_FILE).write_text(json.dumps(spec_cfg, indent=1) + "\n")
         serve = base_path or base_name
         cmd = f"vllm serve {serve} --speculative-config '{json.dumps(spec_cfg)}'"
         result = {"speculative_config": spec_cfg}
     elif target == "trtllm":
+        draft_lens = None
+        if schedule:
+            choices, draft_lens = trtllm_schedule(schedule)
         serving.export_trtllm(heads, lm, out, base_name, torch_dtype, warn=notes.append, base=base)
         options = json.loads(to_trtllm_config(make_tree(choices), heads.num_heads))
+        if draft_lens is not None:
+            options["speculative_config"]["draft_len_schedule"] = draft_lens
         options["speculative_config"]["speculative_model"] = str(out.resolve())
         (out / TRTLLM_OPTIONS).write_text(json.dumps(options, indent=1) + "\n")
         (out / TRTLLM_CHOICES).write_text(f"{choices}\n")
