@@ -45,9 +45,9 @@ from medusa_runtime.heads import export as serving
 from medusa_runtime.heads.medusa import SHIPPED, adapter_entry, heads_folder, resolve_heads, shipped_heads_dir
 from medusa_runtime.model import load_model
 from treesearch.export import to_trtllm_config
-from treesearch.targets import get_target, heads_conditioning, is_chain, refusal_line, refusals
 from treesearch.schedule import check_schedule
 from treesearch.stats import StatsError
+from treesearch.targets import get_target, heads_conditioning, is_chain, refusal_line, refusals
 from treesearch.tree import make_tree, official_order, read_json
 
 TRTLLM_CHOICES = "medusa_choices.txt"
