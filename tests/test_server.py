@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from treesearch.tree import load_tree
 
 KEY = "test-key"
 NEW = 16  # tokens per answer
@@ -120,6 +121,38 @@ def test_answers_are_the_runtimes_greedy_decoding_alone_at_concurrency_1_4_and_1
         with ThreadPoolExecutor(concurrency) as pool:
             got = list(pool.map(lambda qa: _ask(client, qa[0]), alone))
         assert got == [a for _, a in alone], concurrency
+
+
+def test_a_schedule_switches_the_tree_with_the_live_batch_and_answers_stay_plain_greedy(tmp_path, alone):
+    """``serve --schedule``: chain:3 alone, plain decoding at 2-3 requests, mc_sim_7b_63 with a lookup chain from 4
+    (Medusa-1 heads, which decode on the base model): a request alone and 8 at once get plain greedy answers, and
+    /metrics counts steps under the batch-1 configuration and under the one from 4 on."""
+    def conf(name, choices, lookup=0):
+        return {"config": name, "uses_heads": bool(choices), "medusa_choices": choices, "lookup": lookup, "gate": 0.0}
+
+    wide = load_tree("mc_sim_7b_63").as_lists()
+    schedule = [{"batch": [1, 1], "configuration": conf("chain:3", [[0], [0, 0], [0, 0, 0]])},
+                {"batch": [2, 3], "configuration": conf("plain", None)},
+                {"batch": [4, 16], "configuration": conf("wide", wide, 4)}]
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps({"schema": "medusa-tree/2", "medusa_choices": wide, "schedule": schedule}))
+    proc, url = _start("--heads", "medusa1", "--schedule", str(path), "--max-batch", "8", "--api-key", KEY)
+    try:
+        with _client(url) as client:
+            assert _ask(client, alone[0][0]) == alone[0][1]
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda qa: _ask(client, qa[0]), alone[1:9]))
+        assert got == [a for _, a in alone[1:9]]
+        steps = {s.labels["batch_sizes"]: s.value for f in text_string_to_metric_families(_get(url, "/metrics")[1])
+                 if f.name == "medusa_schedule_steps" for s in f.samples}
+        assert set(steps) == {"1-1", "2-3", "4-16"} and steps["1-1"] > 0 and steps["4-16"] > 0, steps
+    finally:
+        _stop(proc)
+    bad = tmp_path / "none.json"
+    bad.write_text(json.dumps({"schema": "medusa-tree/2", "medusa_choices": [[0]]}))
+    out = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--schedule", str(bad), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "holds no schedule" in out.stderr and out.stderr.count("\n") == 1
 
 
 def test_openai_stream_joins_into_the_non_streamed_reply(server, alone):

@@ -30,7 +30,7 @@ from .cost import LatencyProfile
 from .replay import Decoding, ReplayResult, replay
 from .stats import AcceptanceStats, StatsError, bootstrap_ratio
 from .targets import Target
-from .tree import Tree, chain, make_tree
+from .tree import Tree, chain, make_tree, read_json
 
 LEVEL = 0.95
 
@@ -155,6 +155,14 @@ def decoding_at(schedule: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         if entry["batch"][0] <= batch <= entry["batch"][1]:
             return entry["configuration"]
     return schedule[-1]["configuration"]
+
+
+def read_schedule(path: str) -> list[dict[str, Any]]:
+    """The schedule of a tree.json (StatsError, one line, where the file has none or a malformed one)."""
+    obj = read_json(path, StatsError, "schedule file")
+    if not isinstance(obj, dict) or "schedule" not in obj:
+        raise StatsError(f"{path} holds no schedule (search with --batch-sizes)")
+    return check_schedule(obj["schedule"])
 
 
 def check_schedule(schedule: Any) -> list[dict[str, Any]]:

@@ -14,6 +14,9 @@ def add_serve(sub) -> None:
     flags.add_lookup(p, "a chain laid beside the heads' tree")
     p.add_argument("--gate", type=float,
                    help="confidence gate on the tree's levels (0: off; a search's pick may carry one)")
+    p.add_argument("--schedule", metavar="TREE_JSON",
+                   help="a tree.json with a schedule (search --batch-sizes): each step runs the configuration of its "
+                        "range of batch sizes (instead of --tree, --lookup and --gate)")
     p.add_argument("--name", help="the model id clients send (default: --model)")
     p.add_argument("--host")
     p.add_argument("--port", type=int, help="0: any free port (printed)")

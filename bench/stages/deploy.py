@@ -185,6 +185,9 @@ def trtllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> tuple[li
 def _export_own(tree_file, obj, conf, spec, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tree_file, out / "tree.json")
+    if "schedule" in obj:  # the configuration follows the live batch size
+        cmd = f"medusa-bench serve --heads {heads_spec(obj['heads'])} --schedule {out.resolve() / 'tree.json'}"
+        return {"target": "own", "out": str(out), "command": cmd}
     tree = f" --tree {out.resolve() / 'tree.json'}" if spec != "none" else ""
     cmd = (f"medusa-bench serve --heads {spec}{tree} --lookup {conf.get('lookup', 0)}"
            + (f" --gate {conf['gate']:g}" if conf.get("gate") else ""))

@@ -482,6 +482,7 @@ class ServeJob(ModelJob):
     tree: str = defaults.TREE
     lookup: int = defaults.LOOKUP
     gate: float = 0.0
+    schedule: str | None = None  # a tree.json with a schedule: the configuration follows the live batch size
     name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000

@@ -16,13 +16,14 @@ from bench.stages import defaults
 from bench.stages.common import model_and_heads
 from medusa_runtime.server.app import ChatServer
 from medusa_runtime.server.protocol import ServeConfig
+from treesearch.schedule import read_schedule
 from treesearch.tree import load_tree
 
 
 def serve_config(args: argparse.Namespace):
     return ServeConfig(args.name or args.model, args.host, args.port, defaults.new_tokens(args.max_new_tokens),
                        None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate,
-                       max_batch=args.max_batch, max_queue=args.max_queue,
+                       max_batch=args.max_batch, max_queue=args.max_queue, schedule=args.schedule,
                        api_key=args.api_key or os.environ.get("MEDUSA_API_KEY") or None)
 
 
@@ -35,8 +36,15 @@ def log_config() -> dict:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
-    if cfg.tree is not None:
+    if cfg.schedule is not None:
+        ranges = read_schedule(cfg.schedule)  # a bad schedule fails before the model loads
+        what = "schedule " + ", ".join(f"{e['batch'][0]}-{e['batch'][1]}: {e['configuration']['config']}"
+                                       for e in ranges)
+    elif cfg.tree is not None:
         load_tree(cfg.tree)  # a bad tree fails before the model loads
+        what = "tree " + cfg.tree
+    else:
+        what = "plain decoding"
     loaded, heads = model_and_heads(args)
     server = ChatServer(loaded, heads, cfg)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -49,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.listen(2048)  # connections wait in the backlog from now on, until uvicorn takes them
     host, port = sock.getsockname()[:2]
     # the first stdout line says where (a script that asked for port 0 reads it)
-    print(f"serving {cfg.name} at http://{host}:{port}/v1 ({'tree ' + cfg.tree if cfg.tree else 'plain decoding'}, "
+    print(f"serving {cfg.name} at http://{host}:{port}/v1 ({what}, "
           f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}, batches of {server.max_batch} at most, "
           f"queue {cfg.max_queue})", flush=True)
     config = uvicorn.Config(server.app(), log_config=log_config(), timeout_graceful_shutdown=5)

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from medusa_runtime.decoding.acceptance import AcceptConfig
-from medusa_runtime.decoding.batch import BatchDecoder, StepTokens, batches
+from medusa_runtime.decoding.batch import BatchDecoder, Scheduled, StepTokens, batches
 from medusa_runtime.decoding.decode import DecodeConfig, GenerateStats, MedusaDecoder
 from medusa_runtime.decoding.guided import guided_choice
 from medusa_runtime.decoding.scheduler import Job, QueueFull, Scheduler
@@ -50,6 +50,8 @@ from medusa_runtime.server.protocol import (
     usage_body,
 )
 from medusa_runtime.tree.lookup import LookupConfig
+from treesearch.schedule import read_schedule
+from treesearch.tree import make_tree
 
 
 class Metrics:
@@ -67,6 +69,13 @@ class Metrics:
         self.accepted = Counter("medusa_accepted_drafts", "draft tokens accepted at each tree depth (1: the first "
                                 "head's), finished requests", ["position"], registry=r)
         self.requests = Counter("medusa_requests", "requests by outcome", ["outcome"], registry=r)
+        ranges = Gauge("medusa_schedule_steps", "batched decode steps run by each configuration of the schedule "
+                       "(one range: every step)", ["batch_sizes", "configuration"], registry=r)
+        batch = scheduler.batch
+        for i, s in enumerate(batch.schedule):
+            label = s.decoder.tree.name if s.decoder.tree is not None else "plain"
+            ranges.labels(batch_sizes=f"{s.first}-{s.last}", configuration=label).set_function(
+                lambda i=i: batch.steps_by_range[i])
 
     def on_step(self, got: list[StepTokens]) -> None:
         self.tokens.inc(sum(len(s.tokens) for s in got))
@@ -90,16 +99,34 @@ class ChatServer:
     def __init__(self, loaded: LoadedModel, heads, cfg: ServeConfig):
         if not getattr(loaded.tokenizer, "chat_template", None):
             raise ValueError(f"model {loaded.name} has no chat template, which a chat endpoint needs")
-        tree = cfg.tree if heads is not None else None
-        self.decoder = MedusaDecoder(loaded, heads if tree else None, tree, AcceptConfig(),
-                                     DecodeConfig(max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
-                                                  lookup=LookupConfig(cfg.lookup),
-                                                  gate=cfg.gate if tree is not None else 0.0))
         self.loaded, self.cfg = loaded, cfg
+        tree = cfg.tree if heads is not None else None
+        schedule = self._schedule(heads) if cfg.schedule else []
+        self.decoder = schedule[0].decoder if schedule else self._decoder(heads, tree, cfg.lookup, cfg.gate)
         self.max_batch = cfg.max_batch if batches(self.decoder) else 1  # one at a time on transformers' engine
-        self.scheduler = Scheduler(BatchDecoder(self.decoder, self.max_batch), cfg.max_queue)
+        self.scheduler = Scheduler(BatchDecoder(self.decoder, self.max_batch, schedule), cfg.max_queue)
         self.metrics = Metrics(self.scheduler)
         self.scheduler.on_step = self.metrics.on_step
+
+    def _decoder(self, heads, tree, lookup: int, gate: float) -> MedusaDecoder:
+        cfg = self.cfg
+        return MedusaDecoder(self.loaded, heads if tree else None, tree, AcceptConfig(),
+                             DecodeConfig(max_new_tokens=cfg.max_new_tokens, topk=cfg.topk,
+                                          lookup=LookupConfig(lookup), gate=gate if tree is not None else 0.0))
+
+    def _schedule(self, heads) -> list[Scheduled]:
+        """One decoder per range of the schedule file (``treesearch.schedule``), over these heads."""
+        out = []
+        for entry in read_schedule(self.cfg.schedule):
+            conf, (first, last) = entry["configuration"], entry["batch"]
+            choices = conf.get("medusa_choices")
+            if choices and heads is None:
+                raise ValueError(f"the schedule's configuration for batch sizes {first}-{last} uses heads: serve it "
+                                 "with --heads")
+            tree = make_tree(choices, name=str(conf.get("config"))) if choices else None
+            out.append(Scheduled(int(first), int(last),
+                                 self._decoder(heads, tree, int(conf.get("lookup", 0)), float(conf.get("gate", 0.0)))))
+        return out
 
     # ------------------------------------------------------------------ the app
 

@@ -35,6 +35,7 @@ class ServeConfig:
     lookup: int = 0  # prompt-lookup draft tokens beside the tree (0: none)
     gate: float = 0.0  # confidence gate on the tree's levels (DecodeConfig.gate; 0: off)
     max_batch: int = 16  # requests decoded together at most (continuous batching)
+    schedule: str | None = None  # a tree.json with a schedule: the configuration follows the live batch size
     max_queue: int = 64  # requests waiting for a row at most; beyond, 503
     api_key: str | None = None  # when set, every request but /health needs "Authorization: Bearer <key>"
     max_body_bytes: int = 1 << 20  # a request body's size at most; beyond, 413
