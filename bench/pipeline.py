@@ -81,6 +81,7 @@ class BenchProfile:
     peers: int  # transformers' generate and prompt lookup run on this many of the replayed
     #             questions (spread over the categories): slow here, and not what the search is checked against
     load_questions: int = 12  # first turns the load stage sends at each concurrency (0: no load stage)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # profiled batched steps; tree.json's schedule; load concurrencies
 
 
 PROFILES = {
@@ -95,7 +96,7 @@ PROFILES = {
                          7, 128, 120, 80, 40),
     # smoke: every stage on a few questions and short answers (nox -s gpu runs it after its tests); its figures
     # check that the job runs, not what a configuration is worth
-    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2, 4),
+    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2, 4, (1, 2, 4)),
 }
 
 
@@ -281,7 +282,8 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     lat = out / "latency.json"
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
     job = ProfileJob(heads=str(heads), **opts.model_fields(), nodes=prof.latency_nodes, contexts=contexts,
-                     prefill=prefill, repeats=prof.latency_repeats, out=str(lat), plots=str(out / "plots"))
+                     prefill=prefill, repeats=prof.latency_repeats, batch_sizes=prof.batch_sizes, out=str(lat),
+                     plots=str(out / "plots"))
     _cached(cache, "profile", job, [lat])
     return lat
 
@@ -344,7 +346,8 @@ def stage_final(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageC
     search = out / "search" / f"final-{opts.target}.json"
     replayed = tuple(map(str, workload["replayed"]))
     job = SearchJob(**_search_fields(prof, out, acc, lat), target=opts.target, engine_costs=opts.engine_costs,
-                    study=f"{_study(acc, lat)}-final-{opts.target}-{_ids_digest(replayed)}", out=str(search))
+                    study=f"{_study(acc, lat)}-final-{opts.target}-{_ids_digest(replayed)}", out=str(search),
+                    batch_sizes=prof.batch_sizes)
     _cached(cache, f"search-final-{opts.target}", job, [search])
     # the acceptance file holds the replayed questions' rollouts (or, with --calibration, another prompt set's)
     fitted = list(replayed) if opts.calibration is None else None
@@ -429,9 +432,9 @@ def fastest_fixed(out: Path, n: int = LOAD_CONFIGURATIONS) -> list[dict]:
 
 
 def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCache, heads: Path) -> None:
-    """The bench under concurrency (``bench.stages.load``): plain decoding and the replay's fastest fixed Medusa
-    configurations through the runtime's server at concurrencies 1-16, and the engines' servers with --engines:
-    ``load.json``."""
+    """The bench under concurrency (``bench.stages.load``): plain decoding, the replay's fastest fixed Medusa
+    configurations and tree.json's schedule through the runtime's server at the profile's batch sizes as
+    concurrencies, and the engines' servers with --engines: ``load.json``."""
     if not prof.load_questions:
         return
     if opts.vllm_python:  # the load stage's vLLM server reads it where the replay's workers take the option
@@ -442,8 +445,11 @@ def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCa
         return
     cfg_file = out / "load_config.json"
     write_json_atomic(cfg_file, {"configurations": picks})
+    final = out / "tree.json"
+    scheduled = final.is_file() and "schedule" in json.loads(final.read_text())
     job = LoadJob(config=str(cfg_file), heads=str(heads), **opts.model_fields(), limit=prof.load_questions,
                   max_new_tokens=prof.max_new_tokens, engines=tuple(opts.engines),
+                  concurrency=prof.batch_sizes, schedule=str(final) if scheduled else None,
                   out=str(out / "load.json"))
     _cached(cache, "load", job, [out / "load.json"])
 

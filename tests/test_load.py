@@ -91,24 +91,34 @@ def test_no_working_build_is_one_line(tmp_path, monkeypatch):
 
 
 def test_load_command_end_to_end(tmp_path, capsys):
-    """Plain decoding and chain:2 through the runtime's server at concurrency 1 and 3: load.json's rows, each reply
-    the runtime's plain greedy decoding alone (the tree's on the base its heads adapt), and the report's section."""
+    """Plain decoding, chain:2 and a schedule (chain:2 alone, plain from 2 on) through the runtime's server at
+    concurrency 1 and 3: load.json's rows, each reply the runtime's plain greedy decoding alone (the tree's on the
+    base its heads adapt), the schedule's rows marked with the search's prediction, and the report's section."""
     out = tmp_path / "load.json"
+    pred = {"by_batch": [{"batch": 1, "output_tokens_per_s": 20.0}, {"batch": 3, "output_tokens_per_s": 50.0}]}
+    schedule = tmp_path / "tree.json"
+    schedule.write_text(json.dumps({"schema": "medusa-tree/2", "medusa_choices": [[0], [0, 0]], "schedule": [
+        {"batch": [1, 1], "configuration": {"config": "chain:2", "medusa_choices": [[0], [0, 0]]}, "prediction": pred},
+        {"batch": [2, 16], "configuration": {"config": "plain", "medusa_choices": None}, "prediction": pred}]}))
     assert cli_main(["load", "--tree", "chain:2", "--limit", "3", "--concurrency", "1", "3", "--max-new-tokens", "12",
-                     "--out", str(out)]) == 0
+                     "--schedule", str(schedule), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA and doc["concurrencies"] == [1, 3] and len(doc["questions"]) == 3
     rows = {(r["config"], r["concurrency"]): r for r in doc["rows"]}
-    assert set(rows) == {("plain", 1), ("plain", 3), ("chain:2", 1), ("chain:2", 3)}
+    assert set(rows) == {(c, n) for c in ("plain", "chain:2", "schedule") for n in (1, 3)}
+    assert [rows[("schedule", n)]["predicted_output_tokens_per_s"] for n in (1, 3)] == [20.0, 50.0]
+    assert all(r["schedule"] == (r["config"] == "schedule") for r in rows.values())
+    assert rows[("schedule", 1)]["accepted_per_step"] > 0  # chain:2 alone; plain decoding from 2 requests on
     for row in rows.values():
         assert row["failed"] == 0 and row["identical_to_plain"] == 1.0 and row["output_tokens_per_s"] > 0
         assert row["ttft_ms"]["p50"] > 0 and row["output_tokens_per_s_ci"][0] <= row["output_tokens_per_s"]
     assert rows[("plain", 1)]["accepted_per_step"] == 0 and rows[("chain:2", 1)]["accepted_per_step"] > 0
     assert "speedup_vs_plain" in rows[("chain:2", 3)] and "chain:2" in doc["stops_paying"]
     records = (tmp_path / "load-records.jsonl").read_text().splitlines()
-    assert len(records) == 12 and all(json.loads(line)["ok"] for line in records)
+    assert len(records) == 18 and all(json.loads(line)["ok"] for line in records)
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
+    assert "schedule at concurrency 3: predicted 50.0 output tokens/s" in section
     assert {f.name for f in figures} >= {"throughput_vs_concurrency.png", "speedup_vs_concurrency.png"}
     assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
     printed = capsys.readouterr().out

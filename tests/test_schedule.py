@@ -44,6 +44,7 @@ def test_batched_step_costs_interpolate_in_nodes_and_batch_and_follow_the_contex
     assert prof.batch_step(4, 6) == pytest.approx(10 + 4 * 6)  # between measured nodes 5 and 8
     assert prof.batch_step(3, 2) == pytest.approx(16.0)  # between batch 2 (14) and 4 (18)
     assert prof.batch_step(20, 2) == pytest.approx(10 + 40)  # beyond 16: the last segment extended
+    assert prof.batch_step(4, 20) == pytest.approx(10 + 80)  # beyond 16 nodes too
     # each row's attention moves with its context as its own verify does: + B * (verify(n, c) - verify(n, 100))
     assert prof.batch_step(4, 3, 300) == pytest.approx(22.0 + 4 * (prof.verify(3, 300) - prof.verify(3, 100)))
     # the fewest rows measured at >= 2 x the one-row step (11 ms): 4 x 3 = 12 rows (22 ms); 2 x 5 rows cost 20

@@ -21,7 +21,7 @@ predicted (``treesearch.replay``), since measured tokens/s include it.
 Under load a step verifies every live request's tree at once. ``batch_step(B, n, context)`` is one step of B
 requests each verifying n nodes (heads, the forward of B x n rows, acceptance and compaction per row), measured
 in real batched decode steps (``batch_step_ms[batch][nodes]`` at ``batch_context``) and interpolated in n within
-each measured batch size, then linearly in B (beyond the largest batch, its last segment extended). At another
+each measured batch size, then linearly in B (beyond the largest measured, the last segment extended). At another
 context each row's attention moves as its own verify does: ``+ B * (verify(n, c) - verify(n, batch_context))``.
 Below ``compute_bound_rows`` verified rows a step costs less than twice a one-row step: it is bound by reading
 the weights, which every row shares; above it, by the rows' arithmetic.
@@ -82,7 +82,7 @@ class LatencyProfile:
         if not self.batch_sizes:
             raise StatsError("this latency profile has no batched steps: profile again with --batch-sizes")
         table = np.asarray(self.batch_step_ms, dtype=float)  # [batch, nodes]
-        by_batch = np.array([np.interp(num_nodes, self.batch_nodes, row) for row in table])  # [batch]
+        by_batch = np.array([_extended(num_nodes, self.batch_nodes, row) for row in table])  # [batch]
         sizes = np.asarray(self.batch_sizes, dtype=float)
         if len(sizes) == 1:
             ms = by_batch[0] * batch / sizes[0]
@@ -173,6 +173,13 @@ class LatencyProfile:
         if num_nodes <= 1 and heads <= 0:
             return self.plain(context) + extra
         return heads + self.verify(num_nodes, context) + self.bookkeeping(num_nodes) + extra
+
+
+def _extended(x: float, xs: tuple[int, ...], ys: np.ndarray) -> float:
+    """ys at x: linear between the points, the last segment extended beyond the last (held below the first)."""
+    if len(xs) > 1 and x > xs[-1]:
+        return float(ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return float(np.interp(x, xs, ys))
 
 
 def head_rows(tree: Tree, path_conditioned: bool) -> tuple[int, int]:

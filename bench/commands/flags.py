@@ -170,3 +170,19 @@ CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": 
 # old spellings (hidden, still parsed) of the concepts above, for the test that walks the parsers
 OLD_SPELLINGS = ("--count", "--trees", "--max-tokens", "--max-lookup", "--study", "--backend", "--judge-model", "--judge-local",
                  "--gen-batch")
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """``1,2,4,8,16``: batch sizes, ascending from 1."""
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes are integers separated by commas, got {text!r}") from None
+    if not sizes or sizes[0] != 1:
+        raise argparse.ArgumentTypeError(f"batch sizes start at 1, got {text!r}")
+    return sizes
+
+
+def add_batch_sizes(p, role: str) -> None:
+    p.add_argument("--batch-sizes", type=batch_sizes, metavar="LIST", help=f"{role} (comma-separated, from 1: "
+                   "1,2,4,8,16)")

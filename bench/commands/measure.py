@@ -108,6 +108,8 @@ def add_profile(sub) -> None:
     p.add_argument("--prefill", type=int, nargs="+",
                    help="prompt lengths whose prefill is timed (default: the contexts)")
     p.add_argument("--repeats", type=int)
+    flags.add_batch_sizes(p, "also time whole batched steps of this many requests by tree size (what a schedule is "
+                             "priced with)")
     p.add_argument("--out")
     p.add_argument("--plots")
     p.add_argument("--json", action="store_true", help=flags.JSON_HELP)

@@ -38,6 +38,9 @@ def add_load(sub) -> None:
     flags.add_lookup(p, "a chain laid beside each tree")
     p.add_argument("--config", help="serve the greedy Medusa configurations of this replay configuration file "
                                     "(tree, lookup chain, gate) instead of --tree")
+    p.add_argument("--schedule", metavar="TREE_JSON",
+                   help="also a server that follows this tree.json's schedule (search --batch-sizes): its rows are "
+                        "named 'schedule' and carry the search's predicted throughput")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="clients at once (default 1 2 4 8 16)")
     p.add_argument("--rate", type=float, nargs="+", metavar="R",
                    help="also Poisson arrivals at these request rates (per second), the runtime's servers")

@@ -10,16 +10,6 @@ from treesearch.export import FORMATS as EXPORT_FORMATS
 from treesearch.targets import TARGETS
 
 
-def _batch_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"batch sizes are integers separated by commas, got {text!r}") from None
-    if not sizes or sizes[0] != 1:
-        raise argparse.ArgumentTypeError(f"batch sizes start at 1, got {text!r}")
-    return sizes
-
-
 def add_search(sub) -> None:
     p = sub.add_parser("search", help="Optuna search for the best tree from acceptance statistics (and latency)")
     p.add_argument("--acceptance", required=True, help="acceptance.json from calibrate")
@@ -52,9 +42,8 @@ def add_search(sub) -> None:
     p.add_argument("--engine-costs", metavar="REPORT",
                    help="with --target vllm: price its chains with vLLM's own step costs, measured by an engines run "
                         "(its report.json), instead of this runtime's")
-    p.add_argument("--batch-sizes", type=_batch_sizes, metavar="LIST",
-                   help="also a schedule: per batch size (comma-separated, from 1, e.g. 1,2,4,8,16) the configuration "
-                        "of the highest predicted throughput, priced by the latency profile's batched steps")
+    flags.add_batch_sizes(p, "also a schedule: per batch size the configuration of the highest predicted "
+                             "throughput, priced by the latency profile's batched steps")
     p.add_argument("--exclude-ids", nargs="+", metavar="ID",
                    help="fit without the rollouts of these prompt / question ids (cross-fitting: the questions a "
                         "search's pick will be measured on)")

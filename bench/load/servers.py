@@ -19,18 +19,21 @@ from bench.engines.llamacpp import LlamaServer, free_port
 
 
 class OwnServer:
-    """``medusa-bench serve`` for one configuration (``tree`` None: plain decoding), batches of ``max_batch``."""
+    """``medusa-bench serve`` for one configuration (``tree`` None: plain decoding) or a schedule of them, batches of
+    ``max_batch``."""
 
     engine = "own"
 
     def __init__(self, model: str, heads: str, tree: str | None, max_batch: int, max_new_tokens: int,
                  dtype: str = "auto", lookup: int = 0, gate: float = 0.0, log_file: Path | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, schedule: str | None = None):
         args = [sys.executable, "-m", "bench.cli", "serve", "--model", model, "--dtype", dtype, "--port", "0",
-                "--heads", heads if tree else "none", "--max-batch", str(max_batch), "--max-queue", "1024",
-                "--max-new-tokens", str(max_new_tokens), "--name", "load", "--lookup", str(lookup),
+                "--heads", heads if tree or schedule else "none", "--max-batch", str(max_batch), "--max-queue",
+                "1024", "--max-new-tokens", str(max_new_tokens), "--name", "load", "--lookup", str(lookup),
                 "--gate", str(gate)]
-        if tree:
+        if schedule:  # the configuration follows the live batch size (tree.json's schedule)
+            args += ["--schedule", schedule]
+        elif tree:
             args += ["--tree", tree]
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,

@@ -4,6 +4,9 @@
                                 line with its 95 % interval as a band
     speedup_vs_concurrency    : each Medusa configuration's speed-up over the same server's plain decoding at equal
                                 concurrency, with its interval; the line at 1 is where it stops paying
+
+The row that follows tree.json's schedule (``schedule``) is drawn bold with star markers, its predicted
+throughput dashed beside the measured one, and the section puts the two side by side per concurrency.
 """
 
 from __future__ import annotations
@@ -33,8 +36,18 @@ def load_frame(doc: dict) -> pd.DataFrame:
                           "ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
                           "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50"),
                           "accepted_per_step": r.get("accepted_per_step"),
-                          "identical_to_plain": r.get("identical_to_plain"), "build": r.get("build")}
+                          "identical_to_plain": r.get("identical_to_plain"), "build": r.get("build"),
+                          "schedule": bool(r.get("schedule")), "predicted": r.get("predicted_output_tokens_per_s")}
                          for r in rows])
+
+
+def prediction_sentences(df: pd.DataFrame) -> list[str]:
+    """The schedule's predicted against measured throughput, per concurrency."""
+    if df.empty:
+        return []
+    rows = df[df["schedule"] & df["predicted"].notna()].sort_values("concurrency")
+    return [f"schedule at concurrency {r.concurrency}: predicted {r.predicted:.1f} output tokens/s, measured "
+            f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction)." for r in rows.itertuples()]
 
 
 def stop_sentences(doc: dict) -> list[str]:
@@ -50,36 +63,44 @@ def stop_sentences(doc: dict) -> list[str]:
     return out
 
 
+def _lines(ax, frame: pd.DataFrame, colours: dict, y: str, lo: str, hi: str, engine_in_label: bool) -> None:
+    """One line per (configuration, engine) with its interval as a band; the schedule's bold with stars."""
+    for key in sorted({(c, e) for c, e in zip(frame["config"], frame["engine"])}):
+        part = frame[(frame["config"] == key[0]) & (frame["engine"] == key[1])].sort_values("concurrency")
+        scheduled = bool(part["schedule"].any())
+        label = f"{key[0]} ({key[1]})" if engine_in_label else key[0]
+        ax.plot(part["concurrency"], part[y], "*-" if scheduled else "o-", color=colours[key], lw=2.5 if scheduled
+                else 1.5, ms=10 if scheduled else 5, label=label + (" = tree.json's schedule" if scheduled else ""))
+        ax.fill_between(part["concurrency"], part[lo], part[hi], color=colours[key], alpha=0.2)
+        if scheduled and y == "tokens_per_s" and part["predicted"].notna().any():
+            ax.plot(part["concurrency"], part["predicted"], "--", color=colours[key], lw=1.5,
+                    label=f"{key[0]}: predicted by the search")
+
+
+def _axes(ax, ylabel: str, title: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+
+
 def plot_load(df: pd.DataFrame, plots: Path) -> list[Path]:
     if df.empty:
         return []
-    written = []
     lines = sorted({(c, e) for c, e in zip(df["config"], df["engine"])})
     colours = dict(zip(lines, distinct_colours(len(lines))))
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key in lines:
-        part = df[(df["config"] == key[0]) & (df["engine"] == key[1])].sort_values("concurrency")
-        ax.plot(part["concurrency"], part["tokens_per_s"], "o-", color=colours[key], label=f"{key[0]} ({key[1]})")
-        ax.fill_between(part["concurrency"], part["lo"], part["hi"], color=colours[key], alpha=0.2)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens/s, all requests (95 % interval)")
-    ax.set_title("throughput under load")
-    ax.legend(fontsize=7)
-    written += save_figure(fig, plots, "throughput_vs_concurrency")
+    _lines(ax, df, colours, "tokens_per_s", "lo", "hi", engine_in_label=True)
+    _axes(ax, "output tokens/s, all requests (95 % interval)", "throughput under load")
+    written = save_figure(fig, plots, "throughput_vs_concurrency")
     medusa = df[df["speedup"].notna()]
     if not medusa.empty:
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for key in sorted({(c, e) for c, e in zip(medusa["config"], medusa["engine"])}):
-            part = medusa[(medusa["config"] == key[0]) & (medusa["engine"] == key[1])].sort_values("concurrency")
-            ax.plot(part["concurrency"], part["speedup"], "o-", color=colours[key], label=key[0])
-            ax.fill_between(part["concurrency"], part["speedup_lo"], part["speedup_hi"], color=colours[key], alpha=0.2)
+        _lines(ax, medusa, colours, "speedup", "speedup_lo", "speedup_hi", engine_in_label=False)
         ax.axhline(1.0, color="grey", lw=1, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("speed-up over plain decoding (95 % interval)")
-        ax.set_title("Medusa's speed-up at equal concurrency (below 1: it stops paying)")
-        ax.legend(fontsize=7)
+        _axes(ax, "speed-up over plain decoding (95 % interval)",
+              "Medusa's speed-up at equal concurrency (below 1: it stops paying)")
         written += save_figure(fig, plots, "speedup_vs_concurrency")
     return written
 
@@ -93,7 +114,8 @@ def load_section(out: Path, plots: Path) -> tuple[str, dict | None, list[Path]]:
     section = "\n## Under load (load.json)\n\n"
     section += (to_markdown(df.drop(columns=["lo", "hi", "speedup_lo", "speedup_hi"]).round(3)) if not df.empty
                 else "(no rows)")
-    section += "\n\n" + "\n".join(stop_sentences(doc) + [f"Left out: {x}" for x in doc.get("left_out", [])]) + "\n"
+    section += "\n\n" + "\n".join(stop_sentences(doc) + prediction_sentences(df)
+                                   + [f"Left out: {x}" for x in doc.get("left_out", [])]) + "\n"
     summary = {k: doc.get(k) for k in ("concurrencies", "rates", "questions", "max_new_tokens", "rows",
                                        "stops_paying", "left_out")}
     return section, summary, plot_load(df, plots)

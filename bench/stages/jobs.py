@@ -221,6 +221,7 @@ class ProfileJob(ModelJob):
     contexts: tuple[int, ...] = (128, 512)
     prefill: tuple[int, ...] = ()
     repeats: int = 7
+    batch_sizes: tuple[int, ...] = ()  # also batched steps of this many requests (what a schedule is priced with)
     out: str = "results/latency.json"
     plots: str | None = None
 
@@ -500,6 +501,7 @@ class LoadJob(ModelJob):
     tree: tuple[str, ...] = (defaults.TREE,)  # Medusa configurations served beside plain decoding
     lookup: int = defaults.LOOKUP
     config: str | None = None  # or: a replay configuration file whose greedy Medusa configurations are served
+    schedule: str | None = None  # also a server following this tree.json's schedule (its row: "schedule")
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     rate: tuple[float, ...] = ()  # Poisson arrivals at these request rates (per second), beside the concurrencies
     questions: str | None = None  # mt-bench (None) or a JSONL
@@ -512,7 +514,7 @@ class LoadJob(ModelJob):
     def reads(self) -> dict[str, Path]:
         trees = {f"tree:{t}": Path(t) for t in self.tree if Path(t).is_file()}
         return {**_heads_path(self.heads), **_file("questions", self.questions), **_file("config", self.config),
-                **trees}
+                **_file("schedule", self.schedule), **trees}
 
 
 JOBS: dict[str, type[Job]] = {"train": TrainJob, "calibrate": CalibrateJob, "profile": ProfileJob,

@@ -37,6 +37,7 @@ from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.measure.profile import describe_machine
 from medusa_runtime.model import chat_template_ids, load_model, software_versions
 from treesearch.fsutil import atomic_file
+from treesearch.schedule import read_schedule
 from treesearch.tree import load_tree, write_json_atomic
 
 
@@ -53,23 +54,40 @@ class Served:
     tree: str | None = None
     lookup: int = 0
     gate: float = 0.0
+    schedule: str | None = None  # a tree.json whose schedule the server follows (tree, lookup, gate unused)
+
+
+SCHEDULE = "schedule"  # the name of the row that follows tree.json's schedule
 
 
 def served_configurations(job: LoadJob) -> list[Served]:
-    """Plain decoding, then each --tree (with --lookup), or the greedy Medusa configurations of --config."""
+    """Plain decoding, then each --tree (with --lookup), or the greedy Medusa configurations of --config; and the
+    --schedule."""
+    extra = [Served(SCHEDULE, schedule=job.schedule)] if job.schedule else []
     if job.config is None:
-        return [Served("plain"), *[Served(t, t, job.lookup) for t in job.tree]]
+        return [Served("plain"), *[Served(t, t, job.lookup) for t in job.tree], *extra]
     configs = [MethodConfig(**c) for c in read_replay_config(job.config).get("configurations", [])]
     configs = [c for c in configs if c.method == "medusa" and c.temperature == 0 and c.accept == "greedy"]
     if not configs:
         raise ValueError(f"{job.config}: no greedy Medusa configuration to serve")
-    return [Served("plain"), *[Served(c.name, c.tree, c.lookup_tokens, c.gate) for c in configs]]
+    return [Served("plain"), *[Served(c.name, c.tree, c.lookup_tokens, c.gate) for c in configs], *extra]
+
+
+def predicted_at(schedule: list[dict], concurrency: int) -> float | None:
+    """The schedule's predicted output tokens/s at a concurrency it was searched at (None elsewhere)."""
+    for entry in schedule:
+        for p in entry.get("prediction", {}).get("by_batch", []):
+            if p.get("batch") == concurrency:
+                return p.get("output_tokens_per_s")
+    return None
 
 
 def load_stage(job: LoadJob) -> tuple[dict, str]:
     served = served_configurations(job)
-    for s in served[1:]:
-        load_tree(s.tree)  # a bad tree fails before anything starts
+    for s in served[1:]:  # a bad tree or schedule fails before anything starts
+        if s.schedule is None:
+            load_tree(s.tree)
+    schedule = read_schedule(job.schedule) if job.schedule else []
     if not job.concurrency and not job.rate:
         raise ValueError("give at least one --concurrency or --rate")
     if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0:
@@ -81,7 +99,8 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     doc = {"schema": SCHEMA, "concurrencies": list(job.concurrency), "rates": list(job.rate),
            "questions": [r.key for r in requests], "max_new_tokens": job.max_new_tokens, **meta, "rows": [],
            "left_out": []}
-    run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out)
+    run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out,
+               schedule)
     servers = _own_servers(job, served, requests, doc, out)
     if "vllm" in job.engines:
         servers += _vllm_server(job, requests, doc, out)
@@ -133,8 +152,10 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
 class _Run:
     """A load run's rows and records, written after each row."""
 
-    def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path):
+    def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path,
+                 schedule: list[dict] = ()):
         self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
+        self.schedule = schedule
         self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
 
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
@@ -146,7 +167,10 @@ class _Run:
                   unit="req") as bar:
             got = run_load_sync(server.url + "/v1", server.model, self.requests, plan, self.count, bar.update)
         counters = counter_delta(before, server.counters()) if before is not None else None
-        row = load_row(config, server.engine, plan.concurrency or 0, got, reference, counters, build)
+        scheduled = config == SCHEDULE and server.engine == "own"
+        predicted = predicted_at(self.schedule, plan.concurrency) if scheduled and plan.concurrency else None
+        row = load_row(config, server.engine, plan.concurrency or 0, got, reference, counters, build, scheduled,
+                       predicted)
         if plan.rate is not None:
             row["rate"] = plan.rate
         else:
@@ -176,7 +200,8 @@ def _own_servers(job: LoadJob, served: list[Served], requests: list[LoadRequest]
     for s in served:
         try:
             server = OwnServer(job.model, job.heads, s.tree, max(job.concurrency, default=16), job.max_new_tokens,
-                               job.dtype, s.lookup, s.gate, log_file=out.with_name(f"load-server-{_slug(s.name)}.log"))
+                               job.dtype, s.lookup, s.gate, log_file=out.with_name(f"load-server-{_slug(s.name)}.log"),
+                               schedule=s.schedule)
             _warm(server, requests)
         except EngineError as exc:
             doc["left_out"].append(f"the runtime's {s.name} server: {exc}")

@@ -214,7 +214,7 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     if heads is None:
         raise ValueError("profiling needs heads (--heads DIR or fresh:K)")
     cfg = ProfileConfig(nodes=tuple(job.nodes), contexts=tuple(sorted(job.contexts)), repeats=job.repeats,
-                        prefill=tuple(sorted(job.prefill)))
+                        prefill=tuple(sorted(job.prefill)), batch_sizes=tuple(job.batch_sizes))
     prof = profile_latency(loaded, heads, cfg)
     path = save_profile(prof, job.out)
     lines = [f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
@@ -237,6 +237,11 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
         if 1 in prof.nodes:
             one = row[prof.nodes.index(1)]
             lines.append("    verify / one row: " + "  ".join(f"{n}:{v / one:.3f}" for n, v in zip(prof.nodes, row)))
+    if prof.has_batch:
+        lines.append(f"  batched steps at context {prof.batch_context} (ms; requests x nodes each), compute-bound "
+                     f"from {prof.compute_bound_rows or 'beyond the measured'} rows:")
+        lines += ["    batch " + f"{b}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.batch_nodes, row))
+                  for b, row in zip(prof.batch_sizes, prof.batch_step_ms)]
     if floor := prof.meta.get("bandwidth_floor"):
         lines.append(f"  {floor_line(floor)}; context {floor['context']}")
     lines.append(f"written: {path}")

@@ -21,7 +21,7 @@ forward gives a row what its own forward gives, so a request's tokens do not dep
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,10 +167,18 @@ class BatchDecoder:
             return "context"
         return ""
 
-    def step(self) -> list[StepTokens]:
-        """One decode step of every live row: the tokens each request got, finished requests leave the batch."""
+    def step(self, only: Collection[Hashable] | None = None, decoder: MedusaDecoder | None = None
+             ) -> list[StepTokens]:
+        """One decode step of every live row (or of the rows ``only`` names; the others wait): the tokens each
+        request got, finished requests leave the batch. ``decoder``: this configuration instead of the
+        schedule's (one over the same model, its tree no wider than the widest's: the latency profile times
+        every tree on the same rows)."""
+        if decoder is not None and (decoder.loaded is not self.decoder.loaded
+                                    or decoder.buffers.num_nodes > self.widest.buffers.num_nodes):
+            raise ValueError("a step's decoder must share the batch's model and be no wider than its widest tree")
         done, going = [], []
-        for row in list(self.rows.values()):
+        rows = self.rows.values() if only is None else [self.rows[k] for k in only]
+        for row in list(rows):
             stop = self._stop_before_step(row)
             if stop:
                 row.out.append(row.root)
@@ -180,7 +188,7 @@ class BatchDecoder:
                 going.append(row)
         if going:
             with torch.inference_mode():
-                done.extend(self._verify_and_accept(going))
+                done.extend(self._verify_and_accept(going, decoder))
         return done
 
     def _propose(self, dec: MedusaDecoder, row: Row) -> tuple[torch.Tensor, TreeBuffers]:
@@ -196,10 +204,11 @@ class BatchDecoder:
         # each row keeps its tokens until the batch's forward has read them all
         return tokens.clone(), dec.step_buffers
 
-    def _verify_and_accept(self, rows: list[Row]) -> list[StepTokens]:
-        at_range = self._range_of(len(rows))
-        self.steps_by_range[at_range] += 1
-        dec = self.schedule[at_range].decoder
+    def _verify_and_accept(self, rows: list[Row], dec: MedusaDecoder | None = None) -> list[StepTokens]:
+        if dec is None:
+            at_range = self._range_of(len(rows))
+            self.steps_by_range[at_range] += 1
+            dec = self.schedule[at_range].decoder
         t0 = time.perf_counter()
         proposed = [self._propose(dec, row) for row in rows]
         seqs = [Seq(tokens, row.cur_len, row.cache) if tokens.shape[0] == 1 else

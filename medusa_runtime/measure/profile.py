@@ -13,7 +13,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from numpy.typing import ArrayLike
 from tqdm.auto import tqdm
 
 from medusa_runtime.decoding.acceptance import AcceptConfig
+from medusa_runtime.decoding.batch import BatchDecoder
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
 from medusa_runtime.decoding.lockstep import lockstep
 from medusa_runtime.engines.graphs import graphs_enabled
@@ -47,9 +48,17 @@ class ProfileConfig:
     # sizes whose decode loops also run at every other context (with plain decoding): their verify there priced
     # from loops too, not from the tight forwards' ratio between contexts alone
     context_loop_nodes: tuple[int, ...] = (2, 4)
+    # batched steps (empty: none timed): B requests each verifying n nodes, at the shortest context
+    batch_sizes: tuple[int, ...] = ()  # requests per step, from 1
+    batch_nodes: tuple[int, ...] = (1, 2, 4, 8, 16, 64)  # nodes per request (root included; 1: plain decoding)
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "contexts", "prefill", "loop_nodes", "context_loop_nodes"):
+        if self.batch_sizes and (self.batch_sizes[0] != 1 or list(self.batch_sizes) != sorted(self.batch_sizes)):
+            raise ValueError(f"profile batch_sizes must ascend from 1, got {list(self.batch_sizes)}")
+        if self.batch_sizes and (1 not in self.batch_nodes or list(self.batch_nodes) != sorted(self.batch_nodes)):
+            raise ValueError(f"profile batch_nodes must ascend and hold 1, got {list(self.batch_nodes)}")
+        for name in ("nodes", "contexts", "prefill", "loop_nodes", "context_loop_nodes", "batch_sizes",
+                     "batch_nodes"):
             values = getattr(self, name)
             if any(v < 1 for v in values) or len(set(values)) != len(values):
                 raise ValueError(f"profile {name} must be distinct and >= 1, got {list(values)}")
@@ -205,6 +214,7 @@ class Profiler:
         self.prefill_prompts = [torch.randint(0, loaded.vocab_size, (n,), generator=gen) for n in self.prefill_tokens]
         self.floor_probe = FloorProbe(device=dev)  # the copy bandwidth on either side of each round's plain generate
         self.rounds_taken = 0
+        self.batched = BatchedSteps(loaded, heads, cfg) if cfg.batch_sizes else None
 
     @torch.inference_mode()
     def round(self) -> dict[str, list]:
@@ -237,7 +247,9 @@ class Profiler:
         prefill = [0.0] * len(self.prefill_prompts)
         for i in next(_rounds(len(self.prefill_prompts), 1, seed=20_000 + r)):
             prefill[i] = _time_ms(lambda p=self.prefill_prompts[i]: self.prefill_dec.generate(p), self.sync)
-        return {"tight": tight, "loops": loops, "prefill": prefill, "floor": floor, "context_loops": context_loops}
+        batch = self.batched.round(r) if self.batched is not None else []
+        return {"tight": tight, "loops": loops, "prefill": prefill, "floor": floor, "context_loops": context_loops,
+                "batch": batch}
 
     def profile(self, rounds: list[dict], meta: dict | None = None) -> LatencyProfile:
         """The latency profile of ``rounds`` (interquartile means over them; see the note in its meta) and of
@@ -306,10 +318,63 @@ class Profiler:
         # less)
         extra = [max(0.0, t.step - g.step) for t, g in zip(sampled_times, [times[0]] + shaped)]
         sampling = (tuple(book_sizes), tuple(float(x) for x in _non_decreasing(np.asarray(extra))))
+        batched = self.batched.table(rounds) if self.batched is not None else ((), (), (), 0)
         return LatencyProfile(tuple(cfg.nodes), tuple(cfg.contexts), tuple(verify), tuple(plain), heads_ms, book_ms,
                               meta, tuple(loop_sizes), tuple(by_size), tuple(book_sizes), tuple(book),
                               self.prefill_tokens, tuple(prefill), _lookup_ms(loaded, cfg), fit,
-                              heads.path_conditioned, *sampling)
+                              heads.path_conditioned, *sampling, *batched)
+
+
+class BatchedSteps:
+    """Whole batched decode steps (``medusa_runtime.decoding.batch``): the largest batch of requests joins at the
+    shortest context each round; then every (B, n) cell, in shuffled order, times one step of the first B
+    requests verifying a tree of n nodes (a realistic shape; n = 1: plain decoding), heads, forward of the
+    B x n rows, acceptance and compaction included. Every tree runs on the same rows and caches."""
+
+    def __init__(self, loaded: LoadedModel, heads: MedusaHeads, cfg: ProfileConfig):
+        self.loaded, self.cfg = loaded, cfg
+        self.context = min(cfg.contexts)
+        steps = 1 + len(cfg.batch_sizes) * len(cfg.batch_nodes)  # the most steps a request takes in a round
+        decode = DecodeConfig(max_new_tokens=steps * (heads.num_heads + 1) + 1, stop_on_eos=False)
+        self.decoders = []
+        for n in cfg.batch_nodes:
+            tree = _shape_tree(n, heads.num_heads) if n > 1 else None
+            self.decoders.append(MedusaDecoder(loaded, heads if tree else None, tree,
+                                               config=replace(decode, topk=tree.max_rank + 1) if tree else decode))
+        widest = max(self.decoders, key=lambda d: d.buffers.num_nodes)
+        self.batch = BatchDecoder(widest, max(cfg.batch_sizes))
+        self.gen = torch.Generator().manual_seed(1)
+        self.sync = lambda: device_sync(loaded.device)
+
+    @torch.inference_mode()
+    def round(self, r: int) -> list[float]:
+        """ms of one step per cell, [batch_sizes x batch_nodes] flattened batch-major."""
+        batch, cfg = self.batch, self.cfg
+        for key in list(batch.rows):
+            batch.drop(key)
+        keys = list(range(max(cfg.batch_sizes)))
+        for key in keys:  # fresh requests: every round starts at the same context
+            batch.admit(key, torch.randint(0, self.loaded.vocab_size, (self.context,), generator=self.gen).tolist(),
+                        batch.decoder.config.max_new_tokens)
+        cells = [(b, dec) for b in cfg.batch_sizes for dec in self.decoders]
+        out = [0.0] * len(cells)
+        for i in next(_rounds(len(cells), 1, seed=40_000 + r)):
+            b, dec = cells[i]
+            out[i] = _time_ms(lambda b=b, dec=dec: batch.step(keys[:b], dec), self.sync)
+        return out
+
+    def table(self, rounds: list[dict]) -> tuple:
+        """LatencyProfile's batch fields from ``rounds``: interquartile means per cell."""
+        cfg = self.cfg
+        width = len(cfg.batch_sizes) * len(cfg.batch_nodes)
+        taken = [r["batch"] for r in rounds if len(r.get("batch") or ()) == width]
+        if not taken:  # rounds kept from a run that timed no batched steps
+            return (), (), (), 0
+        cells = np.asarray(taken, dtype=float)  # [rounds, cells]
+        means = [_central(list(cells[:, i])) for i in range(cells.shape[1])]
+        table = tuple(tuple(means[j * len(cfg.batch_nodes):(j + 1) * len(cfg.batch_nodes)])
+                      for j in range(len(cfg.batch_sizes)))
+        return tuple(cfg.batch_sizes), tuple(cfg.batch_nodes), table, self.context
 
 
 @torch.inference_mode()
