@@ -115,7 +115,9 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert rows[("plain", 1)]["accepted_per_step"] == 0 and rows[("chain:2", 1)]["accepted_per_step"] > 0
     assert "speedup_vs_plain" in rows[("chain:2", 3)] and "chain:2" in doc["stops_paying"]
     records = (tmp_path / "load-records.jsonl").read_text().splitlines()
-    assert len(records) == 18 and all(json.loads(line)["ok"] for line in records)
+    # at concurrency 3 the 3 questions go twice (two requests per client), and repeats still match their question
+    assert rows[("plain", 3)]["requests"] == 6 and rows[("plain", 1)]["requests"] == 3
+    assert len(records) == 3 * (3 + 6) and all(json.loads(line)["ok"] for line in records)
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
     assert "schedule at concurrency 3: predicted 50.0 output tokens/s" in section

@@ -31,6 +31,20 @@ class LoadRequest:
     max_tokens: int
 
 
+def enough(requests: list[LoadRequest], concurrency: int, per_client: int = 2) -> list[LoadRequest]:
+    """The requests, cycled to at least ``per_client`` per client: a closed loop of c clients keeps c requests
+    decoding together for most of a run only when it has several times c of them. A repeat's key is the
+    question's with ``#k`` (``question_key`` gives the question back)."""
+    n = max(len(requests), per_client * concurrency)
+    return [requests[i % len(requests)] if i < len(requests) else
+            LoadRequest(f"{requests[i % len(requests)].key}#{i // len(requests)}", requests[i % len(requests)].prompt,
+                        requests[i % len(requests)].max_tokens) for i in range(n)]
+
+
+def question_key(key: str) -> str:
+    return key.split("#", 1)[0]
+
+
 @dataclass
 class RequestRecord:
     key: str

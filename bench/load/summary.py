@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.load.client import RequestRecord
+from bench.load.client import RequestRecord, question_key
 from treesearch.stats import bootstrap_ratio
 
 SCHEMA = "medusa-load/1"
@@ -62,7 +62,7 @@ def load_row(config: str, engine: str, concurrency: int, records: Sequence[Reque
         "itl_ms": percentiles_ms([g for r in ok for g in r.itl]),
         "accepted_per_step": None, "accepted_per_position": None,
         "identical_to_plain": None if reference is None else
-        sum(reference.get(r.key) == r.text for r in ok) / len(ok),
+        sum(reference.get(question_key(r.key)) == r.text for r in ok) / len(ok),
         "schedule": schedule, "predicted_output_tokens_per_s": predicted,
     })
     if counters and counters.get("steps"):

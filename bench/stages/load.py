@@ -5,7 +5,8 @@
     servers   : the runtime's, plain and each Medusa configuration (one process each, batches up to the largest
                 concurrency); with --engines llama.cpp, llama-server on the bf16 GGUF with as many slots as clients
     load      : per server and concurrency, the same requests through the OpenAI completions API, streamed
-                (bench.load.client); rows with throughput, latency percentiles, agreement, accepted drafts
+                (bench.load.client), cycled to two per client at least (so that c requests decode together for
+                most of the run); rows with throughput, latency percentiles, agreement, accepted drafts
     load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
 """
 
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from bench.engines import EngineError, EngineSettings, llamacpp
 from bench.engines.stage import model_folder
 from bench.engines.vllm_engine import vllm_python
-from bench.load.client import LoadPlan, LoadRequest, RequestRecord, run_load_sync
+from bench.load.client import LoadPlan, LoadRequest, RequestRecord, enough, run_load_sync
 from bench.load.servers import LlamaSlots, OwnServer, VllmServer, counter_delta
 from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
@@ -162,10 +163,11 @@ class _Run:
                 ) -> None:
         """The requests once through a running server under the plan: a row, written at once."""
         label = f"concurrency {plan.concurrency}" if plan.concurrency is not None else f"rate {plan.rate:g}/s"
+        requests = enough(self.requests, plan.concurrency) if plan.concurrency else self.requests
         before = server.counters()
-        with tqdm(total=len(self.requests), desc=f"{server.engine} {config} at {label}", disable=not self.job.progress,
+        with tqdm(total=len(requests), desc=f"{server.engine} {config} at {label}", disable=not self.job.progress,
                   unit="req") as bar:
-            got = run_load_sync(server.url + "/v1", server.model, self.requests, plan, self.count, bar.update)
+            got = run_load_sync(server.url + "/v1", server.model, requests, plan, self.count, bar.update)
         counters = counter_delta(before, server.counters()) if before is not None else None
         scheduled = config == SCHEDULE and server.engine == "own"
         predicted = predicted_at(self.schedule, plan.concurrency) if scheduled and plan.concurrency else None
