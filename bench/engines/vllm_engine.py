@@ -80,9 +80,10 @@ class VllmWorker:
     """A warm vLLM engine in a process of vLLM's own environment (``vllm_worker.py``)."""
 
     def __init__(self, python: str, model: str, dtype: str, speculative_config: dict | None,
-                 settings: EngineSettings, log_file: Path | None = None, max_model_len: int = 4096):
+                 settings: EngineSettings, log_file: Path | None = None, max_model_len: int = 4096,
+                 max_num_seqs: int = 1):
         opts = {"model": model, "dtype": dtype, "speculative_config": speculative_config,
-                "enforce_eager": settings.vllm_eager, "max_model_len": max_model_len}
+                "enforce_eager": settings.vllm_eager, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
         # one engine per process, without a second engine-core process; the KV cache a batch of one needs
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.vllm_kv_cache_gb),
                    VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
@@ -105,7 +106,16 @@ class VllmWorker:
         return json.loads(line)
 
     def complete(self, prompt: list[int], n: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": list(prompt), "max_tokens": int(n)}) + "\n")  # type: ignore[union-attr]
+        """One request alone: its tokens, wall time, finish reason and vLLM's spec-decode counters for it."""
+        return self._ask({"prompt": list(prompt), "max_tokens": int(n)})
+
+    def complete_together(self, prompts: list[list[int]], n: int) -> dict:
+        """Several requests in one ``generate`` (decoded as one batch, up to ``max_num_seqs``): each one's tokens
+        (``token_ids``: a list per prompt) and the counters over all of them."""
+        return self._ask({"prompts": [list(p) for p in prompts], "max_tokens": int(n)})
+
+    def _ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         reply = self._read()
         if "error" in reply:

@@ -64,7 +64,8 @@ def main() -> int:
 
         llm = LLM(model=opts["model"], tokenizer=opts.get("tokenizer") or opts["model"], dtype=opts["dtype"],
                   max_model_len=opts.get("max_model_len", 2048), enforce_eager=opts.get("enforce_eager", True),
-                  enable_prefix_caching=False, disable_log_stats=False, seed=0, max_num_seqs=1,
+                  enable_prefix_caching=False, disable_log_stats=False, seed=0,
+                  max_num_seqs=int(opts.get("max_num_seqs", 1)),
                   speculative_config=opts.get("speculative_config"))
     except Exception as exc:  # noqa: BLE001  the one line the harness reports (the traceback goes to the log)
         traceback.print_exc()
@@ -80,10 +81,14 @@ def main() -> int:
             params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), ignore_eos=False)
             before = spec_counters(llm.get_metrics()) if speculative else None
             t = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=list(req["prompt"]))], params, use_tqdm=False)[0]
+            prompts = req["prompts"] if "prompts" in req else [req["prompt"]]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
             wall = time.perf_counter() - t
             spec = delta(before, spec_counters(llm.get_metrics())) if speculative else None
-            first = out.outputs[0]
+            if "prompts" in req:  # together: one batch
+                send({"token_ids": [list(o.outputs[0].token_ids) for o in outs], "wall_time": wall, "spec": spec})
+                continue
+            first = outs[0].outputs[0]
             send({"token_ids": list(first.token_ids), "wall_time": wall, "finish_reason": first.finish_reason,
                   "spec": spec})
         except Exception as exc:  # noqa: BLE001
