@@ -32,6 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from bench.engines import EngineError
+from bench.engines.process import stop_process, wait_healthy
 from medusa_runtime.paths import cache_root
 from treesearch.fsutil import atomic_dir, atomic_file
 
@@ -270,21 +271,17 @@ class LlamaServer:
         self.startup_s = time.perf_counter() - t0
 
     def _wait_ready(self, t0: float, args: list[str], timeout: float = 300.0) -> None:
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                self._log.close()
-                said = Path(self._log.name).read_text().strip().splitlines() if self._log.name != os.devnull else []
-                raise EngineError(f"llama-server exited with {self.proc.returncode} at start"
-                                  + (f": {said[-1]}" if said else f" ({' '.join(args[:3])} ...)"))
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        self.close()
-        raise EngineError(f"llama-server did not become ready within {timeout:.0f} s")
+        def exited(code: int) -> str:
+            self._log.close()
+            said = Path(self._log.name).read_text().strip().splitlines() if self._log.name != os.devnull else []
+            return f"llama-server exited with {code} at start" + (f": {said[-1]}" if said else
+                                                                   f" ({' '.join(args[:3])} ...)")
+
+        try:
+            wait_healthy(self.url, self.proc, t0, timeout, exited)
+        except EngineError:
+            self.close()
+            raise
 
     def complete(self, prompt: list[int], n: int, eos_ids: tuple[int, ...] = ()) -> dict:
         body = {"prompt": list(prompt), "n_predict": int(n), "temperature": 0.0, "cache_prompt": False,
@@ -298,10 +295,5 @@ class LlamaServer:
             raise EngineError(f"llama-server at {self.url}: {exc}") from exc
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 10)
         self._log.close()

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.engines import EngineError, EngineSettings
 from bench.engines.llamacpp import LlamaServer, free_port
+from bench.engines.process import stop_process, wait_healthy
 
 
 class OwnServer:
@@ -45,7 +46,7 @@ class OwnServer:
             self.close()
             raise EngineError(f"the runtime's server did not start ({tree or 'plain'}): {line.strip() or 'no output'}")
         self.url, self.model = match.group(1), "load"
-        _wait_health(self.url, self.proc, t0, timeout_s)
+        wait_healthy(self.url, self.proc, t0, timeout_s)
 
     def counters(self) -> dict:
         """The server's generated tokens, decode steps and accepted drafts by position so far (/metrics)."""
@@ -63,12 +64,7 @@ class OwnServer:
         return out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 30)
         self.proc.stdout.close()
         self._log.close()
 
@@ -118,7 +114,7 @@ class VllmServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env)
         try:
-            _wait_health(self.url, self.proc, time.perf_counter(), timeout_s)
+            wait_healthy(self.url, self.proc, time.perf_counter(), timeout_s)
         except EngineError:
             self.close()
             raise
@@ -127,24 +123,5 @@ class VllmServer:
         return None
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 60)
         self._log.close()
-
-
-def _wait_health(url: str, proc: subprocess.Popen, t0: float, timeout_s: float) -> None:
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise EngineError(f"the server at {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise EngineError(f"the server at {url} did not become ready within {timeout_s:.0f} s")

@@ -1,0 +1,40 @@
+"""What every server process a bench run starts shares: waiting for its /health, and stopping it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from bench.engines import EngineError
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, t0: float, timeout_s: float,
+                 exited: Callable[[int], str] | None = None) -> None:
+    """Until ``url``/health answers 200; EngineError, one line, when the process exits first (``exited`` gives the
+    line from its exit status) or the time runs out."""
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise EngineError(exited(proc.returncode) if exited else
+                              f"the server at {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise EngineError(f"the server at {url} did not become ready within {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s`` seconds without an exit."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
