@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .cost import LatencyProfile
-from .replay import Decoding, replay
+from .replay import Decoding, configuration_json, replay
 from .search import load_recommendation
 from .stats import AcceptanceStats, StatsError, bootstrap_ratio
 from .tree import read_json, write_json_atomic
@@ -34,13 +34,6 @@ def prediction(dec: Decoding, stats: AcceptanceStats, latency: LatencyProfile, l
             "speedup_vs_plain": round(plain.time_ms / res.time_ms, 6),
             "speedup_vs_plain_ci": [round(x, 6) for x in speedup_ci],
             "tokens_per_s": round(res.tokens_per_s, 3), "level": level, "rollouts": len(res.rollouts)}
-
-
-def configuration_json(dec: Decoding) -> dict[str, Any]:
-    return {"config": dec.label, "uses_heads": dec.tree is not None,
-            "medusa_choices": dec.tree.as_lists() if dec.tree is not None else None,
-            "tree_nodes": len(dec.tree.paths) if dec.tree is not None else None,
-            "lookup": dec.lookup, "gate": dec.gate}
 
 
 def write_final(search_file: str | Path, stats: AcceptanceStats, latency: LatencyProfile, heads: dict[str, Any],

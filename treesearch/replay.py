@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +67,14 @@ class Decoding:
         if self.gate:
             parts.append(f"gate{self.gate:g}")
         return " ".join(parts)
+
+
+def configuration_json(dec: Decoding) -> dict[str, Any]:
+    """A configuration as tree.json writes it (its ``configuration``, each schedule range's)."""
+    return {"config": dec.label, "uses_heads": dec.tree is not None,
+            "medusa_choices": dec.tree.as_lists() if dec.tree is not None else None,
+            "tree_nodes": len(dec.tree.paths) if dec.tree is not None else None,
+            "lookup": dec.lookup, "gate": dec.gate}
 
 
 @dataclass(frozen=True)

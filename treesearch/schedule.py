@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cost import LatencyProfile
-from .replay import Decoding, ReplayResult, replay
+from .replay import Decoding, ReplayResult, configuration_json, replay
 from .stats import AcceptanceStats, StatsError, bootstrap_ratio
 from .targets import Target
 from .tree import Tree, chain, make_tree, read_json
@@ -142,8 +142,6 @@ def search_schedule(stats: AcceptanceStats, latency: LatencyProfile, batch_sizes
 def schedule_json(ranges: list[ScheduleRange]) -> list[dict[str, Any]]:
     """tree.json's ``schedule``: ``{batch: [first, last], configuration, prediction}`` per range, the prediction
     at the range's first batch size with every searched size of the range in ``by_batch``."""
-    from .deploy import configuration_json  # deploy imports the search, which this module's callers import
-
     return [{"batch": [r.first, r.last], "configuration": configuration_json(r.decoding),
              "prediction": {**r.predictions[0].as_json(), "level": LEVEL,
                             "by_batch": [p.as_json() for p in r.predictions]}} for r in ranges]

@@ -141,6 +141,14 @@ class SearchResult:
     best_with_heads: TreeScore | None = None  # configurations: the fastest trial that uses heads (= best if it does)
     space: str = "trees"  # trees | configurations (no heads, lookup chain and gate searched too)
 
+    @property
+    def tree_score(self) -> TreeScore:
+        """The configuration whose tree tree.json carries: the best if it uses heads, else the fastest with heads,
+        else the exact optimum."""
+        if self.best.tree is not None:
+            return self.best
+        return self.best_with_heads if self.best_with_heads is not None else self.optimum
+
 
 def objective_value(score: TreeScore, objective: str) -> float:
     """The number a study maximises for a score: predicted speed-up or tau."""
@@ -601,8 +609,7 @@ def write_search(result: SearchResult, stats: AcceptanceStats, cfg: SearchConfig
     """tree.json: the best tree with heads (what engines load) with its provenance and, for a configuration
     search, ``recommended``: the fastest configuration overall, which may use no heads at all; with
     ``schedule`` (``treesearch.schedule``), the configuration for each range of batch sizes too."""
-    best, headed = result.best, result.best_with_heads
-    tree_score = best if best.tree is not None else (headed if headed is not None else result.optimum)
+    best, headed, tree_score = result.best, result.best_with_heads, result.tree_score
     joint = cfg.joint if cfg.joint is not None else stats.has_joint
     provenance: dict[str, Any] = {
         "model": stats.meta.get("model"), "heads": stats.meta.get("heads"),

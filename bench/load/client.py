@@ -19,7 +19,7 @@ import asyncio
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import openai
 
@@ -35,10 +35,11 @@ def enough(requests: list[LoadRequest], concurrency: int, per_client: int = 2) -
     """The requests, cycled to at least ``per_client`` per client: a closed loop of c clients keeps c requests
     decoding together for most of a run only when it has several times c of them. A repeat's key is the
     question's with ``#k`` (``question_key`` gives the question back)."""
-    n = max(len(requests), per_client * concurrency)
-    return [requests[i % len(requests)] if i < len(requests) else
-            LoadRequest(f"{requests[i % len(requests)].key}#{i // len(requests)}", requests[i % len(requests)].prompt,
-                        requests[i % len(requests)].max_tokens) for i in range(n)]
+    out = list(requests)
+    for i in range(len(requests), per_client * concurrency):
+        r = requests[i % len(requests)]
+        out.append(replace(r, key=f"{r.key}#{i // len(requests)}"))
+    return out
 
 
 def question_key(key: str) -> str:

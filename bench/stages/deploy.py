@@ -103,11 +103,16 @@ def check(obj: dict[str, Any], target_name: str, heads: dict[str, Any]) -> dict[
         if target.name == "own":
             return conf
         raise DeployError(f"the configuration uses no heads: there is nothing to export to {target.engine}")
-    reasons = refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
-                       heads.get("conditioning", "none"), heads.get("num_heads"))
+    reasons = refused(target, conf, heads)
     if reasons:
         raise DeployError(refusal_line(target, reasons))
     return conf
+
+
+def refused(target, conf: dict[str, Any], heads: dict[str, Any]) -> list[str]:
+    """What of a configuration with heads ``target`` cannot run, with these heads (``treesearch.targets``)."""
+    return refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
+                    heads.get("conditioning", "none"), heads.get("num_heads"))
 
 
 def export(tree_file: str | Path, target: str, out: str | Path, model: str = "default", dtype: str = "bfloat16",
@@ -148,9 +153,7 @@ def schedule_for(obj: dict[str, Any], target_name: str) -> list[tuple[int, int, 
     for e in entries:
         conf, (first, last) = e["configuration"], e["batch"]
         if conf.get("medusa_choices"):
-            reasons = refusals(target, conf["medusa_choices"], conf.get("lookup", 0), conf.get("gate", 0.0),
-                               obj["heads"].get("conditioning", "none"), obj["heads"].get("num_heads"))
-            if reasons:
+            if reasons := refused(target, conf, obj["heads"]):
                 raise DeployError(f"batch sizes {first}-{last}: " + refusal_line(target, reasons))
         elif conf.get("lookup"):
             raise DeployError(f"batch sizes {first}-{last}: {target.engine} cannot run a prompt-lookup chain of "

@@ -37,7 +37,7 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
     if job.batch_sizes and latency is None:
         raise ValueError("--batch-sizes prices batched steps: give --latency (a profile with --batch-sizes)")
     result = run_search(stats, cfg, latency, show_progress=not job.quiet)
-    schedule = load_schedule(result, stats, latency, job) if job.batch_sizes else None
+    schedule = schedule_of(result, stats, latency, job) if job.batch_sizes else None
     path = write_search(result, stats, cfg, job.out, str(job.acceptance), str(job.latency) if job.latency else None,
                         schedule)
     lines = [format_search_table(result)]
@@ -61,11 +61,10 @@ def search_stage(job: SearchJob) -> tuple[dict, str]:
     return {"tree_file": str(path), **json.loads(Path(path).read_text()), "plots": plots}, "\n".join(lines)
 
 
-def load_schedule(result, stats, latency, job: SearchJob) -> list[dict]:
-    """tree.json's schedule: per batch size the fastest of what the target runs (``treesearch.schedule``)."""
-    headed = result.best_with_heads or (result.best if result.best.tree is not None else None)
-    tree = headed.tree if headed is not None else result.optimum.tree
-    options = candidates(TARGETS[job.target], stats.num_heads, tree,
+def schedule_of(result, stats, latency, job: SearchJob) -> list[dict]:
+    """tree.json's schedule: per batch size the fastest of what the target runs (``treesearch.schedule``), the
+    file's own tree among the candidates."""
+    options = candidates(TARGETS[job.target], stats.num_heads, result.tree_score.tree,
                          result.best.decoding if job.target == "own" else None)
     return schedule_json(search_schedule(stats, latency, job.batch_sizes, options))
 
