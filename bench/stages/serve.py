@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 import uvicorn.config
@@ -60,6 +62,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {cfg.name} at http://{host}:{port}/v1 ({what}, "
           f"{str(loaded.dtype).removeprefix('torch.')} on {loaded.device}, batches of {server.max_batch} at most, "
           f"queue {cfg.max_queue})", flush=True)
-    config = uvicorn.Config(server.app(), log_config=log_config(), timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_beside_decoding(server, uvicorn.Config(server.app(decode_on_own_thread=False), log_config=log_config(),
+                                                 timeout_graceful_shutdown=5), sock)
     return 0
+
+
+def serve_beside_decoding(server: ChatServer, config: uvicorn.Config, sock: socket.socket) -> None:
+    """uvicorn on a thread of its own, the decoding loop on this (the main) thread, where its kernels run fastest
+    (``Scheduler.run``). SIGINT and SIGTERM ask uvicorn to drain and exit; its lifespan then stops the loop."""
+    web = uvicorn.Server(config)
+
+    def serve() -> None:
+        try:
+            web.run(sockets=[sock])
+        finally:
+            server.scheduler.stop()  # also when uvicorn fails to start
+
+    def leave(signum, frame) -> None:
+        if web.should_exit and signum == signal.SIGINT:
+            web.force_exit = True  # a second Ctrl-C drops the open connections
+        web.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
+    thread = threading.Thread(target=serve, name="uvicorn", daemon=True)
+    thread.start()
+    server.scheduler.run()
+    thread.join()

@@ -103,7 +103,8 @@ class Scheduler:
         return done
 
     def start(self) -> Scheduler:
-        self._thread = threading.Thread(target=self._run, name="medusa-scheduler", daemon=True)
+        """The loop on a thread of its own (a server embedded in a process that keeps its main thread)."""
+        self._thread = threading.Thread(target=self.run, name="medusa-scheduler", daemon=True)
         self._thread.start()
         return self
 
@@ -116,7 +117,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop's thread
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop, on the calling thread, until ``stop``. ``medusa-bench serve`` runs it on the process's main
+        thread: the step's OpenMP parallel regions (PyTorch's kernels and the C forward alike) run markedly slower
+        when a thread other than the process's main one starts them."""
         torch.set_grad_enabled(False)
         while True:
             with self._wake:

@@ -6,7 +6,8 @@
     GET  /metrics               Prometheus text: running and waiting requests, tokens, accepted drafts by position
     GET  /health                200 while the server runs (never behind the API key)
 
-Decoding happens on the scheduler's thread (``medusa_runtime.decoding.scheduler``): a handler queues its request
+Decoding happens on the scheduler's loop (``medusa_runtime.decoding.scheduler``; ``medusa-bench serve`` runs it on
+the main thread and the app on another): a handler queues its request
 and awaits the tokens the scheduler hands over after each step. A full queue answers 503 at once; a client that
 goes away (a closed stream, a dropped connection while waiting) frees its row before the next step.
 """
@@ -130,7 +131,10 @@ class ChatServer:
 
     # ------------------------------------------------------------------ the app
 
-    def app(self) -> Starlette:
+    def app(self, decode_on_own_thread: bool = True) -> Starlette:
+        """The ASGI app. Its lifespan starts the scheduler on a thread of its own, or, with
+        ``decode_on_own_thread=False``, leaves the loop to the caller (``Scheduler.run`` on the main thread while
+        the app is served from another); it stops the scheduler either way when the app shuts down."""
         routes = [Route("/v1/chat/completions", self._guarded(self.chat), methods=["POST"]),
                   Route("/v1/completions", self._guarded(self.text), methods=["POST"]),
                   Route("/v1/models", self._guarded(self.models), methods=["GET"]),
@@ -139,7 +143,8 @@ class ChatServer:
 
         @asynccontextmanager
         async def lifespan(app):
-            self.scheduler.start()
+            if decode_on_own_thread:
+                self.scheduler.start()
             try:
                 yield
             finally:
