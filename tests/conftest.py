@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,17 @@ from medusa_runtime.prompts import builtin_prompts
 from medusa_runtime.training.distill import DistillConfig, build_distill_data
 
 DATA = Path(__file__).resolve().parent / "data"  # vendored reference data, see data/README.md
+
+
+def post_json(url: str, data: bytes, key: str | None = None, timeout: float = 300) -> tuple[int, dict]:
+    """POST a JSON body: the status and the JSON reply, an error's included."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
 
 
 def read_lines(path: Path) -> list[str]:

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import urllib.request
 import zipfile
 
 import pandas as pd
@@ -25,7 +24,7 @@ from bench.report.build import quality_of, report
 from medusa_runtime.heads.medusa import fresh_heads
 from medusa_runtime.model import cache_root, download_wheel
 
-from .conftest import DATA, read_lines, tiny_chat_model
+from .conftest import DATA, post_json, read_lines, tiny_chat_model
 
 FSCHAT = ("fschat", "0.2.36", "fschat", "a66ecf1e90f6db1d015096f6aa8a305d20d0a13e067951285aecdb56a33e9cb1")
 JUDGE = "smol-judge"
@@ -56,14 +55,7 @@ def _posts(log) -> int:
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
+    return post_json(f"{url}/chat/completions", json.dumps(body).encode(), timeout=120)
 
 
 def test_served_completion_is_the_runtimes_greedy_decoding_and_bad_requests_fail(server):

@@ -25,6 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
 from treesearch.tree import load_tree
 
+from .conftest import post_json
+
 KEY = "test-key"
 NEW = 16  # tokens per answer
 
@@ -41,7 +43,7 @@ def _start(*extra: str) -> tuple[subprocess.Popen, str]:
 
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=30) == 0, "SIGTERM drains the server and it exits cleanly"
     proc.stdout.close()
 
 
@@ -89,14 +91,7 @@ def _get(url: str, path: str, key: str | None = KEY) -> tuple[int, str]:
 
 
 def _post(url: str, path: str, data: bytes, key: str | None = KEY) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url + path, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
+    return post_json(url + path, data, key)
 
 
 def _rss_kb(pid: int) -> int:
