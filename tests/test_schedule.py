@@ -150,32 +150,24 @@ def _scheduled_file(tmp_path, ranges, heads="unconditioned", target="vllm"):
     return write_json_atomic(tmp_path / f"tree-{target}.json", obj)
 
 
-def _vllm_reads(ranges, max_batch: int, k: int) -> list[int]:
-    """K per batch size 1..max_batch as vLLM expands the schedule (vllm/v1/spec_decode/dynamic/utils.py,
-    build_dynamic_sd_schedule_lookup): every listed range gives its K, clamped to num_speculative_tokens; batch
-    sizes past the last range keep the last K."""
-    dense = [0] * (max_batch + 1)
-    last = None
-    for first, end, kk in sorted(ranges):
-        for b in range(first, min(end, max_batch) + 1):
-            dense[b] = min(k, kk)
-        last = (end, kk)
-    for b in range(last[0] + 1, max_batch + 1):
-        dense[b] = min(k, last[1])
-    return dense[1:]
-
-
-def test_vllm_export_writes_the_schedule_as_per_batch_size_draft_lengths(tmp_path):
+def test_vllm_export_refuses_a_schedule_that_switches_the_draft_length_and_keeps_one_that_does_not(tmp_path):
+    """vLLM 0.32's Medusa drafter asserts one draft length at every step (vllm/v1/spec_decode/medusa.py,
+    MedusaProposer.propose; the engines test shows the engine failing on a switching schedule): a schedule
+    whose ranges ask for different chain lengths is refused in one line naming them; one chain at every batch
+    size is the fixed configuration."""
     from .test_targets import _cli
 
     tree = _scheduled_file(tmp_path, [(1, 1, [[0], [0, 0], [0, 0, 0]]), (2, 7, [[0]]), (8, 16, [])])
-    out = tmp_path / "vllm"
-    proc = _cli("export", "--tree", tree, "--target", "vllm", "--out", out, "--json")
+    proc = _cli("export", "--tree", tree, "--target", "vllm", "--out", tmp_path / "vllm")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "MedusaProposer" in proc.stderr and "(1-1: 3, 2-7: 1, 8-16: 0)" in proc.stderr
+    assert not (tmp_path / "vllm").exists()
+    same = _scheduled_file(tmp_path, [(1, 3, [[0], [0, 0]]), (4, 16, [[0], [0, 0]])])
+    out = tmp_path / "same"
+    proc = _cli("export", "--tree", same, "--target", "vllm", "--out", out, "--json")
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((out / "speculative_config.json").read_text())
-    assert spec["num_speculative_tokens"] == 3  # the longest chain: vLLM clamps every K to it
-    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 7, 1], [8, 16, 0]]
-    assert _vllm_reads(spec["num_speculative_tokens_per_batch_size"], 20, 3) == [3] + [1] * 6 + [0] * 13
+    assert spec["num_speculative_tokens"] == 2 and "num_speculative_tokens_per_batch_size" not in spec
     # a tree in any range is refused in one line, naming the range
     bad = _scheduled_file(tmp_path, [(1, 3, [[0], [0, 0]]), (4, 16, [[0], [1]])])
     proc = _cli("export", "--tree", bad, "--target", "vllm", "--out", tmp_path / "bad")

@@ -19,10 +19,13 @@ Per target, ``DIR`` holds:
 * ``own``: ``tree.json`` and the command line that serves it with this runtime.
 
 A tree.json with a ``schedule`` (a configuration per range of batch sizes) goes to the engines that switch by
-batch size: vLLM's ``num_speculative_tokens_per_batch_size`` (inclusive ``[first, last, K]`` ranges, K = 0
-where the schedule decodes plain; ``vllm/v1/spec_decode/dynamic/utils.py`` reads them, clamping K to
-``num_speculative_tokens``, which is the schedule's longest chain) and TensorRT-LLM's ``draft_len_schedule``
-(``{first batch size: draft tokens}``, its entry for batch 1 equal to ``max_draft_len``:
+batch size, where they can run it. vLLM reads ``num_speculative_tokens_per_batch_size`` (inclusive
+``[first, last, K]`` ranges, ``vllm/v1/spec_decode/dynamic/utils.py``), but its Medusa drafter takes one draft
+length: 0.32's ``MedusaProposer.propose`` (``vllm/v1/spec_decode/medusa.py``) asserts that every step's K is
+``num_speculative_tokens``, so the engine fails at the first step whose batch size the schedule gives another K.
+A vLLM schedule is therefore written only when every range drafts the same chain (as the fixed configuration);
+one that switches is refused. TensorRT-LLM reads ``draft_len_schedule`` (``{first batch size: draft tokens}``,
+its entry for batch 1 equal to ``max_draft_len``:
 ``tensorrt_llm/llmapi/llm_args.py``, ``validate_draft_len_schedule_and_sort``). TensorRT-LLM keeps one
 ``medusa_choices`` and shortens the draft, so every range's tree must be a prefix of batch 1's (the schedule
 search for ``--target trtllm`` only picks such trees). TGI takes no schedule: refused.
@@ -159,12 +162,21 @@ def schedule_for(obj: dict[str, Any], target_name: str) -> list[tuple[int, int, 
             raise DeployError(f"batch sizes {first}-{last}: {target.engine} cannot run a prompt-lookup chain of "
                               f"{conf['lookup']} tokens without heads: search for it with --target {target.name}")
         out.append((int(first), int(last), conf))
+    if target.name == "vllm":
+        vllm_schedule(out)  # refused before the model loads
     return out
 
 
-def vllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> list[list[int]]:
-    """``num_speculative_tokens_per_batch_size``: ``[first, last, K]`` per range, K the chain's length (0: plain)."""
-    return [[first, last, len(conf.get("medusa_choices") or [])] for first, last, conf in schedule]
+def vllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> int:
+    """The one chain length vLLM's Medusa drafter runs for every range of the schedule; refused when the ranges
+    ask for different lengths (plain decoding is length 0), which that drafter cannot switch between."""
+    lengths = [len(conf.get("medusa_choices") or []) for _, _, conf in schedule]
+    if len(set(lengths)) > 1:
+        asked = ", ".join(f"{first}-{last}: {k}" for (first, last, _), k in zip(schedule, lengths))
+        raise DeployError(f"vLLM's Medusa drafter runs one draft length at every batch size (0.32's "
+                          f"MedusaProposer.propose asserts it), and this schedule switches it ({asked}): export a "
+                          f"tree file without a schedule, or serve the schedule with medusa-bench serve")
+    return lengths[0]
 
 
 def trtllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> tuple[list[list[int]], dict[str, int]]:
@@ -210,15 +222,11 @@ def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dt
     base_path = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else None
     base_name = base_model or (str(loaded.model.config._name_or_path) if model == "default" else model)
     if target == "vllm":
-        ranges = vllm_schedule(schedule) if schedule else None
-        if ranges is not None and not any(k for _, _, k in ranges):
+        depth = vllm_schedule(schedule) if schedule else len(choices)
+        if not depth:
             raise DeployError("the schedule decodes plain at every batch size: serve vLLM without speculation")
-        depth = max(k for _, _, k in ranges) if ranges else len(choices)
         serving.export_vllm(heads, lm, out, depth, torch_dtype, base=base, warn=notes.append)
         spec_cfg = json.loads((out / serving.VLLM_SPEC_FILE).read_text())
-        if ranges is not None:
-            spec_cfg["num_speculative_tokens_per_batch_size"] = ranges
-            (out / serving.VLLM_SPEC_FILE).write_text(json.dumps(spec_cfg, indent=1) + "\n")
         serve = base_path or base_name
         cmd = f"vllm serve {serve} --speculative-config '{json.dumps(spec_cfg)}'"
         result = {"speculative_config": spec_cfg}
