@@ -163,11 +163,11 @@ def schedule_for(obj: dict[str, Any], target_name: str) -> list[tuple[int, int, 
                               f"{conf['lookup']} tokens without heads: search for it with --target {target.name}")
         out.append((int(first), int(last), conf))
     if target.name == "vllm":
-        vllm_schedule(out)  # refused before the model loads
+        vllm_draft_length(out)  # refused before the model loads
     return out
 
 
-def vllm_schedule(schedule: list[tuple[int, int, dict[str, Any]]]) -> int:
+def vllm_draft_length(schedule: list[tuple[int, int, dict[str, Any]]]) -> int:
     """The one chain length vLLM's Medusa drafter runs for every range of the schedule; refused when the ranges
     ask for different lengths (plain decoding is length 0), which that drafter cannot switch between."""
     lengths = [len(conf.get("medusa_choices") or []) for _, _, conf in schedule]
@@ -222,7 +222,7 @@ def _export_engine(target: str, conf: dict, spec: str, out: Path, model: str, dt
     base_path = f"{out.resolve()}/{serving.BASE_DIR}" if base is not None else None
     base_name = base_model or (str(loaded.model.config._name_or_path) if model == "default" else model)
     if target == "vllm":
-        depth = vllm_schedule(schedule) if schedule else len(choices)
+        depth = vllm_draft_length(schedule) if schedule else len(choices)
         if not depth:
             raise DeployError("the schedule decodes plain at every batch size: serve vLLM without speculation")
         serving.export_vllm(heads, lm, out, depth, torch_dtype, base=base, warn=notes.append)

@@ -7,9 +7,9 @@
     GET  /health                200 while the server runs (never behind the API key)
 
 Decoding happens on the scheduler's loop (``medusa_runtime.decoding.scheduler``; ``medusa-bench serve`` runs it on
-the main thread and the app on another): a handler queues its request
-and awaits the tokens the scheduler hands over after each step. A full queue answers 503 at once; a client that
-goes away (a closed stream, a dropped connection while waiting) frees its row before the next step.
+the main thread and the app on another): a handler queues its request and awaits the tokens the scheduler hands
+over after each step. A full queue answers 503 at once; a client that goes away (a closed stream, a dropped
+connection while waiting) frees its row before the next step.
 """
 
 from __future__ import annotations
