@@ -107,6 +107,7 @@ class LoadedModel:
     name: str  # what the user asked for ('default', a path or a hub id)
     dtype: torch.dtype
     device: torch.device
+    weights: str = "dense"  # how the C forward holds the layers' linear weights: "dense" (in dtype) or "q4_1"
 
     @property
     def hidden_size(self) -> int:
@@ -343,10 +344,16 @@ FALLBACK_CHAT_NAME = "fallback: FastChat's vicuna_v1.1 (USER: / ASSISTANT:)"
 
 
 def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", device: str | None = None,
-               log: Callable[[str], None] = print) -> LoadedModel:
+               log: Callable[[str], None] = print, weights: str = "dense") -> LoadedModel:
     """Load a packaged model by name (``default``, ``gemma3-270m``, ...: offline, from the package registry) or any
-    transformers causal LM folder or hub id."""
+    transformers causal LM folder or hub id. ``weights="q4_1"``: its linear layers run as GGUF Q4_1 blocks on the
+    C forward (bf16 activations, a CPU): a packaged model's own blocks, read from its GGUF, else the weights
+    quantised at load."""
     dev = resolve_device(device)
+    if weights not in WEIGHTS:
+        raise ModelError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
+    if weights == "q4_1":
+        dtype = _q4_1_dtype(dtype, dev)
     if dtype in (None, "auto"):
         torch_dtype, why = auto_dtype(dev)
         log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {why})")
@@ -367,11 +374,26 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
         hf_logging.enable_progress_bar()
     model.to(dev).eval()
     model.requires_grad_(False)
+    if weights == "q4_1" and packaged is not None:
+        # the lean engine reads the layers' blocks from it while the weights are the ones loaded from it
+        model.medusa_gguf = (locate_gguf(packaged, log), sum(p._version for p in model.parameters()))
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         tokenizer.medusa_chat_template = FALLBACK_CHAT_NAME
         log(f"model {spec} has no chat template: prompts use the {FALLBACK_CHAT_NAME} format")
-    return LoadedModel(model, tokenizer, spec, torch_dtype, dev)
+    return LoadedModel(model, tokenizer, spec, torch_dtype, dev, weights)
+
+
+WEIGHTS = ("dense", "q4_1")  # --weights: the layers' linear weights in --dtype, or as GGUF Q4_1 blocks
+
+
+def _q4_1_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype Q4_1 weights run in: bfloat16 activations on a CPU (the C forward); anything else is refused."""
+    if device.type != "cpu":
+        raise ModelError(f"--weights q4_1 runs on the CPU's C forward, not on {device.type}")
+    if dtype not in (None, "auto") and resolve_dtype(dtype, device) != torch.bfloat16:
+        raise ModelError("--weights q4_1 runs with bfloat16 activations: give --dtype auto or bfloat16")
+    return torch.bfloat16
 
 
 def describe_model(loaded: LoadedModel) -> dict[str, object]:
@@ -381,7 +403,7 @@ def describe_model(loaded: LoadedModel) -> dict[str, object]:
             "layers": getattr(cfg, "num_hidden_layers", None), "hidden_size": loaded.hidden_size,
             "vocab_size": loaded.vocab_size, "max_length": loaded.max_length,
             "tied_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."), "weights": loaded.weights, "device": str(loaded.device),
             "eos_token_ids": list(loaded.eos_token_ids),
             "chat_template": chat_template_name(loaded)}
 

@@ -29,7 +29,7 @@ from medusa_runtime import kernels
 from medusa_runtime.engines.base import DecodeStep, EngineError
 from medusa_runtime.engines.graphs import CacheStorage, bucket, graphs_enabled, one_row, storage_for
 from medusa_runtime.engines.logit_screen import build_screen
-from medusa_runtime.kernels import hugepages
+from medusa_runtime.kernels import hugepages, q4_1
 from medusa_runtime.kernels.packing import pack_all, pack_for
 from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
 
@@ -55,10 +55,11 @@ class _StepBuffers:
         self.model = kernels.LeanModel(
             ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
             inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
-            engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
+            None if engine.q4_1 else engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
             engine._cos.shape[0], cache.capacity, threads, amx, cache.keys.data_ptr(), cache.values.data_ptr(),
             self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr(),
-            *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 5))
+            *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 5),
+            engine._logits_kernel.blocks.data_ptr() if engine.q4_1 else None)
         self.ref = ctypes.byref(self.model)
         self.out = (self.hidden.data_ptr(), self.logits.data_ptr(), self.pred.data_ptr())
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -103,6 +104,8 @@ def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_kernels())
 
 
+PREFILL_CHUNK = 64  # prompt rows per C call where the prompt runs there too (Q4_1 weights)
+
 # the row count float32 weights are packed for: oneDNN then runs every row count through one blocking, so a row's
 # result does not depend on how many rows share the call (packed for one row, one row alone rounds otherwise than
 # two); batched decoding relies on it (a request's tokens are the same alone and in any batch)
@@ -139,6 +142,29 @@ class _KernelLinear:
         if self.lib.lean_linear_amx(self.packed.data_ptr(), x.data_ptr(), rows, out, width, y.data_ptr(), None,
                                     self.kind, self._xv.data_ptr(), threads):
             raise EngineError("the AMX tile unit is unavailable in this process")
+        return y
+
+
+class _Q8Linear:
+    """``y = x W^T`` [M, out] float32 for a weight held as Q8_0 blocks (the logits projection beside Q4_1 layers),
+    by the C library: the rows quantised per block of 32, integer block sums (see lean_cpu.c)."""
+
+    __slots__ = ("blocks", "width", "lib", "_q8")
+
+    def __init__(self, blocks: torch.Tensor, width: int, lib):
+        self.blocks, self.width, self.lib = blocks, width, lib
+        self._q8 = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dim() != 2 or x.shape[1] != self.width or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise EngineError(f"expected a CPU bfloat16 input [M, {self.width}], got {x.dtype} {list(x.shape)}")
+        rows, out = x.shape[0], self.blocks.shape[0]
+        if self._q8.numel() < (need := self.lib.lean_q8_scratch_bytes(rows, self.width)):
+            self._q8 = torch.empty(need, dtype=torch.uint8)
+        y = torch.empty(rows, out, dtype=torch.float32)
+        self.lib.lean_linear_q8_0(self.blocks.data_ptr(), x.data_ptr(), rows, out, self.width, y.data_ptr(),
+                                  self._q8.data_ptr(), torch.get_num_threads())
         return y
 
 
@@ -202,22 +228,54 @@ _FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same weights in the C library's layouts
 
 
-def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool):
+def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool, quantized: bool = False):
     """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection, the greedy steps' int8 screen
     of the lm_head or None) in the layout of the C library's path (AMX tiles or AVX-512 blocks of 4 rows), once
     per model and path. The tile path has no screen: its logits round otherwise than the screen's exact
-    candidates."""
+    candidates. ``quantized``: the layers' Q4_1 blocks instead (``_q4_1_layers``), the lm_head's Q8_0 blocks, no
+    screen."""
     stamp = sum(p._version for p in model.parameters())
-    hit = _PACKED.get(model, {}).get(amx)
+    key = "q4_1" if quantized else amx
+    hit = _PACKED.get(model, {}).get(key)
     if hit is not None and hit[0] == stamp:
         return hit[1]
     with torch.no_grad():
-        flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head], amx)
-        packed = (tuple(tuple(flat[4 * i:4 * i + 4]) for i in range(len(layers))),
-                  _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32, packed=flat[-1]),
-                  None if amx else build_screen(lm_head))
-    _PACKED.setdefault(model, {})[amx] = (stamp, packed)
+        if quantized:
+            gguf = _source_gguf(model)
+            packed = (tuple(_q4_1_layers(gguf, layers, model.config)),
+                      _Q8Linear(q4_1.output_blocks(gguf, lm_head), lm_head.shape[1], lib), None)
+        else:
+            flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head],
+                            amx)
+            packed = (tuple(tuple(flat[4 * i:4 * i + 4]) for i in range(len(layers))),
+                      _KernelLinear(lm_head, lib, amx=amx, out_kind=kernels.OUT_F32, packed=flat[-1]),
+                      None if amx else build_screen(lm_head))
+    _PACKED.setdefault(model, {})[key] = (stamp, packed)
     return packed
+
+
+def _table_row(w: _Layer, mats: tuple[int, ...], q4: bool) -> kernels.LeanLayer:
+    """A layer's addresses for the C forward: its norms, and its (qkv, o, gate_up, down) as packed bf16 or, with
+    ``q4``, as Q4_1 blocks."""
+    qkv, o, gate_up, down = mats
+    if q4:
+        return kernels.LeanLayer(w.ln1.data_ptr(), None, None, w.ln2.data_ptr(), None, None, qkv, o, gate_up, down)
+    return kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)
+
+
+def _source_gguf(model):
+    """The GGUF the model's weights were read from (``model.medusa_gguf``: its path and the parameters' version
+    stamp when ``load_model`` read it) while they are still the file's, else None."""
+    gguf = getattr(model, "medusa_gguf", None)
+    return gguf[0] if gguf is not None and gguf[1] == sum(p._version for p in model.parameters()) else None
+
+
+def _q4_1_layers(gguf, layers, config) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's (qkv, o, gate_up, down) as Q4_1 blocks: read from the model's GGUF as the file stores them
+    where it has one; else quantised from the layer's weights by llama.cpp's rule."""
+    if gguf is not None:
+        return q4_1.read_gguf_layers(gguf, config)
+    return q4_1.quantize_layers([(w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight) for w in layers])
 
 
 def _fused_weights(model, pack: bool):
@@ -249,6 +307,11 @@ class LeanEngine:
         why = lean_support(loaded)
         if why:
             raise EngineError(f"the lean engine cannot run {loaded.name}: {why}; use engine 'hf'")
+        self.q4_1 = loaded.weights == "q4_1"  # the layers' linear weights as Q4_1 blocks, on the C forward only
+        if self.q4_1 and (use_kernels is False or static_steps):
+            raise EngineError("Q4_1 weights run on the C forward only (engine lean, not lean-torch or lean-static)")
+        if self.q4_1:
+            use_kernels = True
         model, cfg = loaded.model, loaded.model.config
         self.device, self.dtype = loaded.device, loaded.dtype
         self.num_heads = cfg.num_attention_heads
@@ -265,7 +328,8 @@ class LeanEngine:
         if static_steps and use_kernels:
             raise EngineError("static steps and the C forward exclude each other")
         self.lib = None if static_steps else self._kernel_library(use_kernels)
-        self.amx = self.lib is not None and kernels.amx_path()  # linear layers on AMX tiles (packed weights)
+        # linear layers on AMX tiles (packed bf16 weights); Q4_1 layers have their own kernel
+        self.amx = self.lib is not None and not self.q4_1 and kernels.amx_path()
         if static_steps is None:  # where a GPU would otherwise spend the step launching kernels
             static_steps = self.lib is None and (self.device.type == "cuda" or graphs_enabled(self.device))
         self.static = static_steps
@@ -274,12 +338,11 @@ class LeanEngine:
         self.logit_screen = None  # the greedy steps' int8 screen of the logits (below, with the C forward)
         if self.lib is not None:  # the layers' packed weight addresses, once; the tensors are shared via _PACKED
             packed, self._logits_kernel, self.logit_screen = _kernel_weights(model, self.layers, self.lm_head,
-                                                                              self.lib, self.amx)
+                                                                              self.lib, self.amx, self.q4_1)
             self._packed = packed  # held here too: the table below points into them, and the model may go first
             mats = [tuple(t.data_ptr() for t in p) for p in packed]
             self._layer_table = (kernels.LeanLayer * len(self.layers))(*[
-                kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)
-                for w, (qkv, o, gate_up, down) in zip(self.layers, mats)])
+                _table_row(w, m, self.q4_1) for w, m in zip(self.layers, mats)])
             self.intermediate = self.layers[0].down.weight.shape[1]
             self._work = self._scratch = self._xv = torch.empty(0)
 
@@ -361,6 +424,8 @@ class LeanEngine:
         self._rope(cache.capacity)  # positions never exceed the slots; no-op once the table is long enough
         if self.lib is not None and (tree is not None or n == 1):
             return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
+        if self.q4_1:  # the prompt too: in chunks of causal rows, each row the same as in one call
+            return self._kernel_prefill(ids, start, cache, positions, last_only)
         if positions is None:
             cos, sin = self._cos[start:end], self._sin[start:end]
         else:
@@ -421,6 +486,19 @@ class LeanEngine:
         if last_only:
             hidden = hidden[-1:]
         return self._logits_kernel(hidden), hidden  # logits [n, V] float32, unrounded
+
+    def _kernel_prefill(self, ids, start, cache, positions, last_only):
+        """Causal rows through the C forward, PREFILL_CHUNK at a time (the work buffers stay bounded)."""
+        outs = []
+        for at in range(0, ids.shape[0], PREFILL_CHUNK):
+            piece = ids[at:at + PREFILL_CHUNK]
+            pos = None if positions is None else positions[at:at + PREFILL_CHUNK]
+            last = last_only and at + PREFILL_CHUNK >= ids.shape[0]
+            if last_only and not last:  # an earlier chunk's rows fill the cache only: no logits needed
+                self._kernel_forward(piece, start + at, start + at + piece.shape[0], pos, cache, None, True)
+                continue
+            outs.append(self._kernel_forward(piece, start + at, start + at + piece.shape[0], pos, cache, None, last))
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
     @property
     def fused_steps(self) -> bool:

@@ -35,9 +35,11 @@ HEAD_MAX_BLOCKS = 8  # residual blocks a head may have in lean_heads_level
 
 
 class LeanLayer(ctypes.Structure):
-    """Addresses of one layer's weights, as ``LeanLayer`` in lean_cpu.c."""
+    """Addresses of one layer's weights, as ``LeanLayer`` in lean_cpu.c: bf16 (packed), and GGUF Q4_1 blocks for the
+    linear layers that have them (``*_q4``; unset: the bf16 weight)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "o", "ln2", "gate_up", "down")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv", "o", "ln2", "gate_up", "down",
+                                                     "qkv_q4", "o_q4", "gate_up_q4", "down_q4")]
 
 
 class LeanModel(ctypes.Structure):
@@ -50,7 +52,8 @@ class LeanModel(ctypes.Structure):
                 *[(name, ctypes.c_void_p) for name in ("norm_w", "embed", "lm_head", "cos_t", "sin_t")],
                 *[(name, ctypes.c_int) for name in ("rope_len", "cap", "nthreads", "amx")],
                 *[(name, ctypes.c_void_p) for name in ("kcache", "vcache", "work", "xv", "scratch")],
-                *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_csum", "screen_maxw")]]
+                *[(name, ctypes.c_void_p) for name in ("screen_q", "screen_scale", "screen_err", "screen_csum", "screen_maxw",
+                                                       "lm_head_q8")]]
 
 
 class LeanSeq(ctypes.Structure):
@@ -195,6 +198,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_heads_tree_work_size.restype = z
     lib.lean_argmax_rows.argtypes = [p, i, i, i, p]
     lib.lean_argmax_rows.restype = None
+    lib.lean_linear_q4_1.argtypes = [p, p, i, i, i, p, p, i, p, i]
+    lib.lean_linear_q4_1.restype = None
+    lib.lean_linear_q8_0.argtypes = [p, p, i, i, i, p, p, i]
+    lib.lean_linear_q8_0.restype = None
+    lib.lean_q8_scratch_bytes.argtypes = [i, i]
+    lib.lean_q8_scratch_bytes.restype = z
     lib.lean_compact.argtypes = [p, p, i, i, i, i, p, i]
     lib.lean_compact.restype = None
     return lib

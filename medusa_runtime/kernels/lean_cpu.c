@@ -33,6 +33,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define LEAN_AVX512BF16 1
@@ -344,6 +347,223 @@ static void linear_rows_pf(const bf16 *wp, const bf16 *x, int n, int out, int in
 
 static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind) {
     linear_rows_pf(wp, x, n, out, in, y, r, kind, n >= ROWS4_PREFETCH_FROM);
+}
+
+/* ------------------------------------------------------------------ Q4_1 weights (GGUF blocks)
+ *
+ * A linear layer whose weight is GGUF's Q4_1: per row, blocks of 32 weights w_j = d q_j + m (q_j in 0..15, d and m
+ * fp16), 20 bytes a block, qs[j] holding q_j in its low nibble and q_{j+16} in its high one; rows one after
+ * another, [out][in / 32] blocks, read as the file has them (a step streams 0.625 bytes a weight instead of bf16's
+ * 2). The activations meet them as llama.cpp's Q4_1 x Q8_1 product does: each row of x is quantised per block of
+ * 32 (dx = max|x| / 127, qx = round(x / dx), sx = dx sum qx), and
+ *     y[r, o] = sum_b ( dw_b dx_b sum_j q_j qx_j  +  m_b sx_b )
+ * with the inner sums exact in integers. Each output element is summed in the same order (blocks in input order,
+ * 8 float32 lanes then a fixed reduction, the m terms in a second float32 chain) whatever the rows beside it, so a
+ * tree row or a batch row gives bit for bit its one-row step here too. */
+
+typedef struct {
+    uint16_t d, m;
+    uint8_t qs[16];
+} BlockQ4_1;
+
+static inline float h2f(uint16_t h) { /* IEEE half -> float32 (exact) */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (e == 0x1F) u = sign | 0x7F800000 | (man << 13);
+    else if (e) u = sign | ((e + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        e = 113;
+        while (!(man & 0x400)) { man <<= 1; --e; }
+        u = sign | (e << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* bytes of the activation blocks for n rows of width `in` (a multiple of 32): dx and sx per block, then the int8s */
+size_t lean_q8_scratch_bytes(int n, int in) { return (size_t)n * (in / 32) * 2 * sizeof(float) + (size_t)n * in; }
+
+/* rows x [n, in] bf16 -> dx, sx [n][in / 32], xq [n, in] (see above; ties to even). Inside a parallel region: the
+ * rows are shared out, and the barrier after them makes every row's blocks visible to the product. */
+static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx, int8_t *xq) {
+    int nb = in / 32;
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; ++r)
+        for (int b = 0; b < nb; ++b) {
+            const bf16 *xb = x + (size_t)r * in + 32 * b;
+            int8_t *qb = xq + (size_t)r * in + 32 * b;
+            float amax = 0.f;
+            for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(bf2f(xb[j])));
+            float d = amax / 127.0f, inv = d > 0.f ? 127.0f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < 32; ++j) {
+                int q = (int)nearbyintf(bf2f(xb[j]) * inv);
+                qb[j] = (int8_t)q;
+                sum += q;
+            }
+            dx[(size_t)r * nb + b] = d;
+            sx[(size_t)r * nb + b] = d * (float)sum;
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) { /* one fixed pattern of adds */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One weight row (nb blocks) against R activation rows (R <= 4, rows `stride` bytes apart in xq, nb blocks apart
+ * in dx and sx) -> out[0..R-1]. Each out[rr] is computed by the same operations for any R. */
+static inline __attribute__((always_inline)) void dot_q4_1_rows(const BlockQ4_1 *w, int nb, const int8_t *xq,
+                                                                const float *dx, const float *sx, size_t stride,
+                                                                int R, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4];
+    float accm[4];
+    for (int rr = 0; rr < 4; ++rr) { acc[rr] = _mm256_setzero_ps(); accm[rr] = 0.f; }
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+        __m128i q = _mm_loadu_si128((const __m128i *)w[b].qs);
+        __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+        float dw = h2f(w[b].d), mw = h2f(w[b].m);
+        for (int rr = 0; rr < R; ++rr) {
+            size_t at = (size_t)rr * nb + b;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + rr * stride + 32 * (size_t)b));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones); /* 8 exact int32 partial sums */
+            acc[rr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[at]), acc[rr]);
+            accm[rr] = fmaf(mw, sx[at], accm[rr]);
+        }
+    }
+    for (int rr = 0; rr < R; ++rr) out[rr] = hsum8(acc[rr]) + accm[rr];
+#else
+    for (int rr = 0; rr < R; ++rr) {
+        float acc = 0.f, accm = 0.f;
+        for (int b = 0; b < nb; ++b) {
+            const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
+            int sum = 0;
+            for (int j = 0; j < 16; ++j) sum += (w[b].qs[j] & 0x0F) * xb[j] + (w[b].qs[j] >> 4) * xb[j + 16];
+            size_t at = (size_t)rr * nb + b;
+            acc = fmaf((float)sum, h2f(w[b].d) * dx[at], acc);
+            accm = fmaf(h2f(w[b].m), sx[at], accm);
+        }
+        out[rr] = acc + accm;
+    }
+#endif
+}
+
+/* linear_rows for a Q4_1 weight wq [out][in / 32] blocks (in a multiple of 32), the same output kinds. q8: the
+ * activation blocks' scratch, lean_q8_scratch_bytes(n, in). Inside a parallel region. */
+static void linear_q4_1_rows(const BlockQ4_1 *wq, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
+                             int kind, void *q8) {
+    int nb = in / 32;
+    float *dx = (float *)q8, *sx = dx + (size_t)n * nb;
+    int8_t *xq = (int8_t *)(sx + (size_t)n * nb);
+    quantize_q8_rows(x, n, in, dx, sx, xq);
+#pragma omp for schedule(static)
+    for (int o = 0; o < out; ++o) {
+        const BlockQ4_1 *w = wq + (size_t)o * nb;
+        for (int i = 0; i < n; i += 4) {
+            int R = n - i < 4 ? n - i : 4;
+            float d[4];
+            const int8_t *xr = xq + (size_t)i * in;
+            const float *dr = dx + (size_t)i * nb, *sr = sx + (size_t)i * nb;
+            switch (R) { /* constant R per case: the compiler unrolls each */
+                case 4: dot_q4_1_rows(w, nb, xr, dr, sr, in, 4, d); break;
+                case 3: dot_q4_1_rows(w, nb, xr, dr, sr, in, 3, d); break;
+                case 2: dot_q4_1_rows(w, nb, xr, dr, sr, in, 2, d); break;
+                default: dot_q4_1_rows(w, nb, xr, dr, sr, in, 1, d); break;
+            }
+            for (int rr = 0; rr < R; ++rr) store_out(y, r, kind, (size_t)(i + rr) * out + o, o, d[rr]);
+        }
+    }
+}
+
+/* The logits projection of a model whose linear layers are Q4_1, as the GGUF stores it: Q8_0 blocks of 32
+ * weights w_j = d q_j (q_j int8, d fp16; 34 bytes), [out][in / 32] blocks, against the same activation blocks:
+ *     y[r, o] = sum_b dw_b dx_b sum_j q_j qx_j
+ * summed like linear_q4_1_rows (blocks in input order, 8 lanes, one fixed reduction), float32 out. */
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[32];
+} BlockQ8_0;
+
+static inline __attribute__((always_inline)) void dot_q8_0_rows(const BlockQ8_0 *w, int nb, const int8_t *xq,
+                                                                const float *dx, size_t stride, int R, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[4];
+    for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+        __m256i wq = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256i aw = _mm256_sign_epi8(wq, wq); /* |q| as unsigned bytes; its sign moves onto x */
+        float dw = h2f(w[b].d);
+        for (int rr = 0; rr < R; ++rr) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + rr * stride + 32 * (size_t)b));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), ones);
+            acc[rr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[(size_t)rr * nb + b]), acc[rr]);
+        }
+    }
+    for (int rr = 0; rr < R; ++rr) out[rr] = hsum8(acc[rr]);
+#else
+    for (int rr = 0; rr < R; ++rr) {
+        float acc = 0.f;
+        for (int b = 0; b < nb; ++b) {
+            const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
+            int sum = 0;
+            for (int j = 0; j < 32; ++j) sum += w[b].qs[j] * xb[j];
+            acc = fmaf((float)sum, h2f(w[b].d) * dx[(size_t)rr * nb + b], acc);
+        }
+        out[rr] = acc;
+    }
+#endif
+}
+
+/* y [n, out] float32 = x W^T for a Q8_0 weight (in a multiple of 32); q8 as for linear_q4_1_rows. Inside a
+ * parallel region. */
+static void linear_q8_0_rows(const BlockQ8_0 *wq, const bf16 *x, int n, int out, int in, float *y, void *q8) {
+    int nb = in / 32;
+    float *dx = (float *)q8, *sx = dx + (size_t)n * nb;
+    int8_t *xq = (int8_t *)(sx + (size_t)n * nb);
+    quantize_q8_rows(x, n, in, dx, sx, xq);
+#pragma omp for schedule(static)
+    for (int o = 0; o < out; ++o) {
+        const BlockQ8_0 *w = wq + (size_t)o * nb;
+        for (int i = 0; i < n; i += 4) {
+            int R = n - i < 4 ? n - i : 4;
+            float d[4];
+            const int8_t *xr = xq + (size_t)i * in;
+            const float *dr = dx + (size_t)i * nb;
+            switch (R) {
+                case 4: dot_q8_0_rows(w, nb, xr, dr, in, 4, d); break;
+                case 3: dot_q8_0_rows(w, nb, xr, dr, in, 3, d); break;
+                case 2: dot_q8_0_rows(w, nb, xr, dr, in, 2, d); break;
+                default: dot_q8_0_rows(w, nb, xr, dr, in, 1, d); break;
+            }
+            for (int rr = 0; rr < R; ++rr) y[(size_t)(i + rr) * out + o] = d[rr];
+        }
+    }
+}
+
+void lean_linear_q8_0(const void *wq, const bf16 *x, int n, int out, int in, float *y, void *q8, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    linear_q8_0_rows((const BlockQ8_0 *)wq, x, n, out, in, y, q8);
+}
+
+/* linear_q4_1_rows as a standalone call (tests, the profile's bandwidth check) */
+void lean_linear_q4_1(const void *wq, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
+                      void *q8, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    linear_q4_1_rows((const BlockQ4_1 *)wq, x, n, out, in, y, r, kind, q8);
 }
 
 
@@ -1078,9 +1298,11 @@ AMX_FN static void attention_scores_amx(const bf16 *q, const bf16 *kc, int n, in
 
 /* ------------------------------------------------------------------ the forward */
 
-/* One layer's weights, as addresses (bf16 unless noted). */
+/* One layer's weights, as addresses (bf16 unless noted). A linear layer whose Q4_1 address (qkv_q4, ...) is set
+ * reads those GGUF blocks (linear_q4_1_rows) and not its bf16 weight, which may then be NULL. */
 typedef struct {
     const bf16 *ln1, *qkv, *o, *ln2, *gate_up, *down;
+    const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
 } LeanLayer;
 
 void lean_argmax_rows(const void *x, int rows, int len, int bf16_in, int64_t *out);
@@ -1101,11 +1323,29 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
     linear_rows(w, x, n, out, in, y, r, kind);
 }
 
+/* a layer's linear layer: its Q4_1 blocks where it has them (q8: their activation scratch), else linear_any */
+static inline void layer_linear(int amx, const bf16 *w, const void *q4, const bf16 *x, int n, int out, int in,
+                                void *y, const bf16 *r, int kind, bf16 *xv, void *q8) {
+    if (q4)
+        linear_q4_1_rows((const BlockQ4_1 *)q4, x, n, out, in, y, r, kind, q8);
+    else
+        linear_any(amx, w, x, n, out, in, y, r, kind, xv, 1);
+}
+
+static inline int widest_input(int hsz, int nh, int d, int inter) {
+    int w = hsz > inter ? hsz : inter;
+    return w > nh * d ? w : nh * d;
+}
+
 /* bf16 elements of lean_forward's work for n rows (the layout layers_in_team carves out of it): h, qkv, q, att,
- * gate_up, act, each for n rows (rounded up to 16 on the tile path) */
+ * gate_up, act, each for n rows (rounded up to 16 on the tile path), then the Q4_1 layers' activation blocks */
+static size_t forward_q8_elems(int n, int hsz, int nh, int d, int inter) {
+    return (lean_q8_scratch_bytes(n, pad_to(widest_input(hsz, nh, d, inter), 32)) + 1) / 2;
+}
+
 size_t lean_forward_work_size(int n, int hsz, int nh, int nkv, int d, int inter, int amx) {
     size_t rows = amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
-    return rows * (size_t)(hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter);
+    return rows * (size_t)(hsz + (nh + 2 * nkv) * d + 2 * nh * d + 3 * inter) + forward_q8_elems(n, hsz, nh, d, inter);
 }
 
 /* One sequence of a forward: its n rows (queries at cache slots start..start+n-1), its cache ([layers, kv heads,
@@ -1128,11 +1368,12 @@ static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int
     int qkv_w = (nh + 2 * nkv) * d, rows = amx ? (n + 15) / 16 * 16 : n; /* the tile path reads 16-row blocks */
     bf16 *h = work, *qkv = h + (size_t)rows * hsz, *q = qkv + (size_t)rows * qkv_w, *att = q + (size_t)rows * nh * d,
          *gu = att + (size_t)rows * nh * d, *act = gu + (size_t)rows * 2 * inter;
+    void *q8 = act + (size_t)rows * inter; /* float-aligned: every width above is even */
     float scale = 1.0f / sqrtf((float)d);
     for (int l = 0; l < num_layers; ++l) {
         const LeanLayer *w = layers + l;
         rmsnorm_rows(x, w->ln1, n, hsz, eps, h);
-        linear_any(amx, w->qkv, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, 1);
+        layer_linear(amx, w->qkv, w->qkv_q4, h, n, qkv_w, hsz, qkv, NULL, OUT_BF16, xv, q8);
         for (int s = 0, at = 0; s < nseq; at += seqs[s++].n) {
             const LeanSeq *sq = seqs + s;
             size_t layer_kv = (size_t)nkv * sq->cap * d;
@@ -1148,11 +1389,11 @@ static void layers_in_team(const LeanLayer *layers, int num_layers, int hsz, int
             attention_rows(qs, kc, vc, sq->n, nh, nkv, d, sq->cap, sq->start, sq->tree, scale, scratch, scores,
                            att + (size_t)at * nh * d);
         }
-        linear_any(amx, w->o, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, 1);
+        layer_linear(amx, w->o, w->o_q4, att, n, hsz, nh * d, x, x, OUT_BF16_RESIDUAL, xv, q8);
         rmsnorm_rows(x, w->ln2, n, hsz, eps, h);
-        linear_any(amx, w->gate_up, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, 1);
+        layer_linear(amx, w->gate_up, w->gate_up_q4, h, n, 2 * inter, hsz, gu, NULL, OUT_BF16, xv, q8);
         silu_mul_rows(gu, n, inter, act);
-        linear_any(amx, w->down, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, 1);
+        layer_linear(amx, w->down, w->down_q4, act, n, hsz, inter, x, x, OUT_BF16_RESIDUAL, xv, q8);
     }
     rmsnorm_rows(x, norm_w, n, hsz, eps, hidden);
 }
@@ -1227,6 +1468,7 @@ typedef struct {
      * [ceil(vocab/64)][ceil(hsz/2)][64][2], per vocabulary row s_v, e_v, c_v and max |w_v| */
     const int8_t *screen_q;
     const float *screen_scale, *screen_err, *screen_csum, *screen_maxw;
+    const void *lm_head_q8; /* the logits projection as Q8_0 blocks (NULL: lm_head); set with Q4_1 layers */
 } LeanModel;
 
 /* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work, then the screen's
@@ -1551,7 +1793,11 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
         /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
          * copies them into xv first) */
         int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);
-        if (!screened)
+        if (!screened && m->lm_head_q8) /* its activation blocks where the layers' were (work's tail) */
+            linear_q8_0_rows((const BlockQ8_0 *)m->lm_head_q8, hidden, n, m->vocab, m->hsz, logits,
+                             work + lean_forward_work_size(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx) -
+                                 forward_q8_elems(n, m->hsz, m->nh, m->d, m->inter));
+        else if (!screened)
             linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
 #if LEAN_AMX_BUILD
         if (m->amx) amx_release();

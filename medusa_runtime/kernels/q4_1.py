@@ -1,0 +1,144 @@
+"""GGUF Q4_1 weights for the C forward's linear layers, and Q8_0 for its logits projection: read from the GGUF as
+it stores them, or made from float weights by llama.cpp's rules where a model came as plain weights (or its file
+holds another type).
+
+A Q4_1 block holds 32 weights ``w_j = d q_j + m`` (``q_j`` in 0..15, ``d`` and ``m`` fp16) in 20 bytes: ``d``,
+``m``, then 16 bytes whose low nibbles are ``q_0..q_15`` and high nibbles ``q_16..q_31``. A weight ``[out, in]`` is
+held as uint8 ``[out, in / 32 * 20]``, its rows' blocks one after another: the layout ``linear_q4_1_rows`` in
+lean_cpu.c reads. A Q8_0 block holds 32 weights ``w_j = d q_j`` (``q_j`` int8, ``d`` fp16) in 34 bytes, ``[out,
+in / 32 * 34]`` (``linear_q8_0_rows``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per block
+BLOCK_BYTES = 20  # d (fp16), m (fp16), 16 bytes of nibbles
+GGUF_Q4_1, GGUF_Q8_0 = 3, 8  # GGMLQuantizationType
+Q8_0_BYTES = 34  # d (fp16), 32 int8
+
+
+class QuantError(ValueError):
+    """A weight that cannot be held (or read) as Q4_1."""
+
+
+def quantize(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight ``[out, in]`` (``in`` a multiple of 32) -> its Q4_1 blocks ``[out, in / 32 * 20]`` uint8, by
+    llama.cpp's reference rule: per block ``d = (max - min) / 15``, ``m = min``, ``q = min(15, trunc((w - m) / d
+    + 0.5))`` (``1 / d`` taken first, 0 where ``d`` is 0)."""
+    out, width = _shape(weight)
+    w = weight.detach().to(torch.float32).cpu().reshape(out, width // BLOCK, BLOCK)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((w - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    scales = torch.cat([d, lo], dim=-1).to(torch.float16).view(torch.uint8)  # [out, nb, 4]: d, m
+    return torch.cat([scales, nibbles], dim=-1).reshape(out, -1).contiguous()
+
+
+def dequantize(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """Q4_1 blocks ``[out, width / 32 * 20]`` -> the float32 weight ``[out, width]`` they hold (``d q + m``)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, width // BLOCK, BLOCK_BYTES)
+    scales = b[..., :4].contiguous().view(torch.float16).to(torch.float32)  # [out, nb, 2]
+    nibbles = b[..., 4:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).to(torch.float32)
+    return (scales[..., :1] * q + scales[..., 1:]).reshape(out, width)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight ``[out, in]`` -> its Q8_0 blocks ``[out, in / 32 * 34]`` uint8, by llama.cpp's reference rule:
+    per block ``d = max|w| / 127``, ``q = round(w / d)`` (``1 / d`` taken first, 0 where ``d`` is 0; halves away
+    from zero)."""
+    out, width = _shape(weight)
+    w = weight.detach().to(torch.float32).cpu().reshape(out, width // BLOCK, BLOCK)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = w * inv
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8).view(torch.uint8)
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q], dim=-1).reshape(out, -1).contiguous()
+
+
+def dequantize_q8_0(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """Q8_0 blocks ``[out, width / 32 * 34]`` -> the float32 weight they hold (``d q``)."""
+    b = blocks.reshape(blocks.shape[0], width // BLOCK, Q8_0_BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)
+    return (d * b[..., 2:].contiguous().view(torch.int8).to(torch.float32)).reshape(blocks.shape[0], width)
+
+
+def read_gguf_output(path: str | Path) -> torch.Tensor | None:
+    """The logits projection's Q8_0 blocks from a GGUF (``output.weight``, else the tied ``token_embd.weight``), or
+    None where the file stores it in another type."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if t is None or int(t.tensor_type) != GGUF_Q8_0:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(t.data))
+
+
+def _shape(weight: torch.Tensor) -> tuple[int, int]:
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise QuantError(f"a Q4_1 weight needs [out, in] with in a multiple of {BLOCK}, got {list(weight.shape)}")
+    return int(weight.shape[0]), int(weight.shape[1])
+
+
+def _unpermute_rows(blocks: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's two RoPE halves of q and k rows; transformers' GGUF loader
+    (``reverse_permute_weights``) undoes it. The same row order here: head h's row 2i + s comes from row
+    h * D + s * D / 2 + i."""
+    rows = blocks.shape[0]
+    half = rows // heads // 2
+    order = np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+    return blocks[order]
+
+
+def read_gguf_layers(path: str | Path, config) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, (qkv, o, gate_up, down) as Q4_1 blocks read from a GGUF of a Llama-family model: q, k, v stacked
+    (rows in transformers' order), gate and up stacked, as the lean engine fuses them. A linear layer the file
+    stores in any other type is refused."""
+    from gguf import GGUFReader  # the GGUF reader transformers' own GGUF loading uses
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def blocks(name: str) -> np.ndarray:
+        t = tensors.get(name)
+        if t is None:
+            raise QuantError(f"{Path(path).name} has no tensor {name}")
+        if int(t.tensor_type) != GGUF_Q4_1:
+            raise QuantError(f"{Path(path).name} stores {name} as {t.tensor_type.name}, not Q4_1")
+        return np.asarray(t.data)
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        q = _unpermute_rows(blocks(f"blk.{i}.attn_q.weight"), heads)
+        k = _unpermute_rows(blocks(f"blk.{i}.attn_k.weight"), kv_heads)
+        parts = ([q, k, blocks(f"blk.{i}.attn_v.weight")], [blocks(f"blk.{i}.attn_output.weight")],
+                 [blocks(f"blk.{i}.ffn_gate.weight"), blocks(f"blk.{i}.ffn_up.weight")],
+                 [blocks(f"blk.{i}.ffn_down.weight")])
+        layers.append(tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(p))) for p in parts))
+    return layers
+
+
+def quantize_layers(layer_weights) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`quantize` of each layer's fused (qkv, o, gate_up, down) float weights."""
+    return [tuple(quantize(w) for w in ws) for ws in layer_weights]
+
+
+def output_blocks(gguf: str | Path | None, lm_head: torch.Tensor) -> torch.Tensor:
+    """The logits projection as Q8_0: the GGUF's own blocks where there is one that stores them so, else
+    ``lm_head`` quantised."""
+    blocks = read_gguf_output(gguf) if gguf is not None else None
+    return blocks if blocks is not None else quantize_q8_0(lm_head)
+
+
+def nbytes(layers) -> int:
+    """Bytes a step streams from these blocks (every layer's four weights)."""
+    return sum(t.numel() for ws in layers for t in ws)
