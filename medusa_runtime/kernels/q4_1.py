@@ -80,7 +80,7 @@ def read_gguf_output(path: str | Path) -> torch.Tensor | None:
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None or int(t.tensor_type) != GGUF_Q8_0:
         return None
-    return torch.from_numpy(np.ascontiguousarray(t.data))
+    return torch.from_numpy(np.array(t.data))  # a copy: the reader maps the file read-only
 
 
 def _shape(weight: torch.Tensor) -> tuple[int, int]:
