@@ -35,6 +35,9 @@ HEADS_HELP = ("heads: a folder (either checkpoint format), 'default' (the shippe
               "'unconditioned' (what engines load), fresh:K[:L], none, or auto (the shipped heads on the default "
               "model, none on another)")
 DTYPE_HELP = "auto: float16 on CUDA, bfloat16 on a CPU with AVX-512 BF16, else float32 (printed)"
+WEIGHTS_HELP = ("the layers' linear weights: dense (in --dtype) or q4_1 (GGUF Q4_1 blocks, read from the "
+                "model's GGUF where it ships as one, else quantised at load; the logits projection Q8_0, the heads "
+                "bf16; bfloat16 activations on the CPU's C forward)")
 DEVICE_HELP = "cpu, cuda, cuda:1 ... (auto: cuda when present)"
 TREE_HELP = "the heads' candidate tree: a preset (mc_sim_7b_63, chain:N, ...) or a tree JSON (a search's tree.json)"
 JSON_HELP = "print one JSON object with the result (logs and progress stay on stderr)"
@@ -78,6 +81,10 @@ def add_dtype(p: argparse.ArgumentParser, help: str = DTYPE_HELP) -> None:
     p.add_argument("--dtype", default=DTYPE, choices=DTYPES, help=help)
 
 
+def add_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="dense", choices=("dense", "q4_1"), help=WEIGHTS_HELP)
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=DEVICE, help=DEVICE_HELP)
 
@@ -89,9 +96,10 @@ def add_gguf(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The base model and where it runs: --model, --dtype, --device."""
+    """The base model and where it runs: --model, --dtype, --weights, --device."""
     add_model(p)
     add_dtype(p)
+    add_weights(p)
     add_device(p)
 
 
@@ -164,7 +172,7 @@ def fold_old_judge(args: argparse.Namespace) -> None:
             delattr(args, k)
 
 
-CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": "--lookup", "dtype": "--dtype",
+CONCEPTS = {"model": "--model", "heads": "--heads", "tree": "--tree", "lookup": "--lookup", "dtype": "--dtype", "weights": "--weights",
             "device": "--device", "max_new_tokens": "--max-new-tokens", "judge": "--judge", "storage": "--storage",
             "study": "--study-name"}
 # old spellings (hidden, still parsed) of the concepts above, for the test that walks the parsers

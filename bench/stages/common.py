@@ -20,12 +20,23 @@ def emit(args: argparse.Namespace, obj: dict, text: str | None = None) -> None:
         print(text)
 
 
+def weights_of(args) -> str:
+    """--weights of a command or job that has it (dense, the weights in --dtype, for one that has not)."""
+    return getattr(args, "weights", "dense")
+
+
+def dense_only(args, what: str) -> None:
+    """Refuse --weights q4_1 for a command whose model runs on PyTorch's weights (training, sampling prompts)."""
+    if weights_of(args) != "dense":
+        raise ValueError(f"--weights {weights_of(args)}: {what} runs on the model's dense weights; drop --weights")
+
+
 def model_and_heads(args):
     """The base model and the heads (``None`` for ``--heads none``) that a command's flags (or job) name."""
     from medusa_runtime.heads.medusa import resolve_heads  # torch: the search stage prints through this module
     from medusa_runtime.model import load_model  # torch: the search stage prints through this module
 
-    loaded = adapted(load_model(args.model, args.dtype, args.device, log=log), args.heads)
+    loaded = adapted(load_model(args.model, args.dtype, args.device, log=log, weights=weights_of(args)), args.heads)
     return loaded, resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
 
 

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from bench.stages import defaults
-from bench.stages.common import adapted, base_name, builtin_split, emit, log, model_and_heads, show
+from bench.stages.common import adapted, base_name, builtin_split, emit, log, model_and_heads, show, weights_of
 from bench.stages.jobs import CalibrateJob, ProfileJob
 from medusa_runtime.decoding.acceptance import AcceptConfig
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
@@ -32,7 +32,7 @@ from treesearch.typical import TypicalParams, typical_walk
 
 def cmd_model(args: argparse.Namespace) -> int:
     defaults.adopt_gguf(args.gguf, args.model, log=log)
-    loaded = load_model(args.model, args.dtype, args.device, log=log)
+    loaded = load_model(args.model, args.dtype, args.device, log=log, weights=weights_of(args))
     base = loaded.name
     loaded = adapted(loaded, args.heads)  # the base as those heads decode with it (Medusa-2: their adapter merged)
     info = describe_model(loaded)
@@ -184,7 +184,7 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.resolve() == src.resolve() or (out.exists() and any(out.iterdir())):
         raise ValueError(f"--out {out} must be a new or empty folder (the heads are copied, never changed in place)")
-    loaded = load_model(args.model, args.dtype, args.device, log=log)  # its sizes check the heads; no adapter needed
+    loaded = load_model(args.model, args.dtype, args.device, log=log, weights=weights_of(args))  # its sizes check the heads; no adapter needed
     heads = resolve_heads(args.heads, loaded.hidden_size, loaded.vocab_size, base_model=args.model)
     counts, read = reply_token_counts(args.replies, args.max_len, args.limit)
     before = heads.draft_vocab.numel() if heads.draft_vocab is not None else heads.config.vocab_size

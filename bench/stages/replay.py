@@ -34,7 +34,7 @@ from bench.replay.suites import load_suite
 from bench.replay.workload import spread_over_categories
 from bench.stages import defaults
 from bench.stages.cache import RUNTIME_REVISION, StageCache, file_hash, folder_hash, isolate_records
-from bench.stages.common import adapted, log, model_and_heads, show
+from bench.stages.common import adapted, log, model_and_heads, show, weights_of
 from bench.stages.jobs import JudgeJob, ReplayJob, SpeedJob, read_replay_config
 from medusa_runtime.engines.lean import c_forward_status
 from medusa_runtime.heads.medusa import auto_heads, heads_folder, resolve_heads
@@ -75,7 +75,7 @@ def replay_inputs(args, configs) -> dict:
         return folder_hash(folder) if folder is not None and folder.is_dir() else spec
 
     return {"runtime": RUNTIME_REVISION, "model": args.model, "dtype": args.dtype, "device": args.device,
-            "heads": heads_key(args.heads),
+            "weights": weights_of(args), "heads": heads_key(args.heads),
             "config_heads": {c.heads: heads_key(c.heads) for c in configs if c.heads is not None},
             "questions": file_hash(Path(args.questions)) if args.questions and Path(args.questions).is_file()
             else args.questions or "mt-bench",
@@ -107,7 +107,7 @@ def _run_replay(args: ReplayJob | SpeedJob, configs, turns: int, engines: dict |
         raise ValueError("Medusa configurations need --heads")
     variants = {}  # heads that configurations name beside the replay's own: each with the base it decodes with
     for spec in dict.fromkeys(c.heads for c in configs if c.heads is not None):
-        base = adapted(load_model(args.model, args.dtype, args.device, log=log), spec)
+        base = adapted(load_model(args.model, args.dtype, args.device, log=log, weights=weights_of(args)), spec)
         variants[spec] = (base, resolve_heads(spec, base.hidden_size, base.vocab_size, base_model=args.model))
     cfg = ReplayConfig(max_new_tokens=args.max_new_tokens, turns=turns, repeats=args.repeats,
                        lockstep=not args.sequential)
@@ -302,7 +302,7 @@ def judge_stage(args: JudgeJob) -> tuple[dict, str]:
         raise ValueError(f"the records answer questions that {args.questions or 'MT-Bench'} lacks: {sorted(missing)[:5]}")
     spec = None if args.judge in ("none", "") else defaults.judge_name(args.judge)
     backend = backend_for(spec, args.dtype, args.device) if spec else None  # a bad judge fails before the long part
-    loaded = load_model(args.model, args.dtype, args.device, log=log)  # the base the answers are scored under
+    loaded = load_model(args.model, args.dtype, args.device, log=log, weights=weights_of(args))  # the base the answers are scored under
     frame = answer_quality(loaded, every, questions, progress=args.progress)  # every sample
     quality = json.loads(write_quality(out, frame, loaded.name).read_text())
     lines = [f"{cfg}: {q['log_likelihood_per_token']:.4f} nats/token, regret {q['regret_per_token']:.4f}, over "

@@ -17,7 +17,7 @@ from bench.replay.suites import load_suite, write_questions
 from bench.replay.workload import spread_over_categories
 from bench.report.learning_curve import SCHEMA, TAU_NODES, curve_fits, curve_table, point_row
 from bench.stages import defaults
-from bench.stages.common import adapted, emit, log, show
+from bench.stages.common import adapted, dense_only, emit, log, show
 from bench.stages.jobs import CalibrateJob, DistillJob, LearningCurveJob, TrainJob
 from bench.stages.measure import calibrate_stage, replay_rows
 from medusa_runtime.decoding.decode import encode_prompt
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    dense_only(args, "training")
     return show(args, train_stage, TrainJob.from_namespace(args))
 
 
@@ -53,6 +54,7 @@ def distill_setup(job: DistillJob) -> tuple[list, dict[str, int], DistillConfig]
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    dense_only(args, "distillation")
     return show(args, distill_stage, DistillJob.from_namespace(args))
 
 
@@ -122,6 +124,7 @@ def train_stage(args: TrainJob) -> tuple[dict, str]:
 
 
 def cmd_learning_curve(args: argparse.Namespace) -> int:
+    dense_only(args, "the learning curve")
     return show(args, learning_curve_stage, LearningCurveJob.from_namespace(args))
 
 
@@ -189,6 +192,7 @@ def learning_curve_stage(job: LearningCurveJob) -> tuple[dict, str]:
 
 def cmd_self_prompts(args: argparse.Namespace) -> int:
     """Prompts the model writes itself (Magpie), none overlapping a replayed suite -> OUT/prompts.jsonl."""
+    dense_only(args, "sampling prompts")
     cfg = SelfPromptConfig(count=args.limit, shard_size=args.shard_size, temperature=args.temperature,
                            top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size,
                            seed=args.seed)
@@ -202,6 +206,7 @@ def cmd_self_prompts(args: argparse.Namespace) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    dense_only(args, "the fidelity check")
     questions = spread_over_categories(load_suite(args.questions, log=log), args.limit)
     original = load_model(args.reference, args.dtype, args.device, log=log)
     # the retrained model: a folder (Medusa-2 on the whole base), or --model with --heads' adapter merged in

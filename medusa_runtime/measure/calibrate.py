@@ -241,7 +241,8 @@ def calibrate(loaded: LoadedModel, heads: MedusaHeads, prompts: Sequence[Prompt]
     if cfg.typical_temperature:
         typical = TypicalStats(cfg.typical_temperature, tuple(measured[i].typical for i in fit_idx),
                                tuple(measured[i].typical for i in held_idx))
-    meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "rule": "greedy",
+    meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": loaded.weights,
+            "rule": "greedy",
             "draft_vocab": None if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
             "num_prompts": len(prompts), "heldout_prompts": [int(i) for i in held_idx],
             "heldout_positions": sum(len(s) for s in held), "config": asdict(cfg),

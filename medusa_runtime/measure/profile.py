@@ -285,7 +285,8 @@ class Profiler:
         in_loop = statistics.median(t.prefill for t in times)
         at_mid = float(np.interp(self.mid, self.prefill_tokens, tight_prefill))
         prefill = [p * in_loop / at_mid for p in tight_prefill]
-        meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "heads": heads.num_heads,
+        meta = {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": loaded.weights,
+                "heads": heads.num_heads,
                 "machine": describe_machine(loaded), "device": str(loaded.device), "repeats": len(rounds),
                 "note": "ms, interquartile means of rounds, each piece once per round in shuffled order; verify: "
                         "every (context, size) forward, mask building included, scaled per size to the verify "
