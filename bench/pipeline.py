@@ -110,6 +110,7 @@ class BenchOptions:
     out: str = "results/bench"
     folds: int | None = None  # cross-fitting folds (None: the profile's)
     dtype: str = "bfloat16"  # resolved: main() turns 'auto' into the device's dtype before any stage keys it
+    weights: str = "dense"  # dense | q4_1 (the layers as GGUF Q4_1 blocks on the C forward; dtype bfloat16)
     model: str = "default"  # 'default' (the embedded SmolLM2), 'gemma3-270m' (from the registry too), a causal LM folder or (online) a hub id
     heads: str = "default"  # 'default' (the shipped heads of the default model) or a heads folder in either format
     device: str = "cpu"  # cpu | cuda | cuda:N
@@ -124,7 +125,7 @@ class BenchOptions:
 
     def model_fields(self) -> dict[str, str]:
         """What every stage's job gets to load the same model the same way."""
-        return {"model": self.model, "dtype": self.dtype, "device": self.device}
+        return {"model": self.model, "dtype": self.dtype, "weights": self.weights, "device": self.device}
 
 
 def run_job(job: Job) -> None:
@@ -209,7 +210,8 @@ def stage_heads(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
             raise ValueError(f"the shipped heads belong to the default model, not {opts.model}: pass --heads FOLDER "
                              "(heads trained for it) or --retrain")
         heads_dir = out / "heads-trained" / "heads"
-        job = TrainJob(profile="quick", **opts.model_fields(), out=str(out / "heads-trained"))
+        # heads train on the dense weights (PyTorch's); they decode on whichever weights the bench runs
+        job = TrainJob(profile="quick", **{**opts.model_fields(), "weights": "dense"}, out=str(out / "heads-trained"))
         _cached(cache, "train", job, [heads_dir])
     return heads_dir
 
@@ -561,12 +563,15 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
     return quality
 
 
-def _resolved_device_dtype(device: str, dtype: str) -> dict[str, str]:
-    """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same)."""
-    from medusa_runtime.model import resolve_device, resolve_dtype  # torch: spawned search workers import this module
+def _resolved_device_dtype(device: str, dtype: str, weights: str = "dense") -> dict[str, str]:
+    """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same); Q4_1
+    weights run in bfloat16."""
+    # torch: spawned search workers import this module
+    from medusa_runtime.model import q4_1_dtype, resolve_device, resolve_dtype
 
     dev = resolve_device(None if device == "auto" else device)
-    return {"device": str(dev), "dtype": str(resolve_dtype(dtype, dev)).removeprefix("torch.")}
+    resolved = q4_1_dtype(dtype, dev) if weights == "q4_1" else resolve_dtype(dtype, dev)
+    return {"device": str(dev), "dtype": str(resolved).removeprefix("torch.")}
 
 
 def _compare_heads(specs: list[str], args) -> tuple[str, ...]:
@@ -655,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                          + "; per replayed turn and calibration rollout")
     flags.add_judge(parser)
     flags.add_dtype(parser)
+    flags.add_weights(parser)
     parser.add_argument("--engines", default=None, metavar="LIST",
                         help="serving engines replayed beside the runtime, comma-separated: vllm, llama.cpp (nox -s "
                              "engines installs them; llama.cpp is built into the cache on first use)")
@@ -679,12 +685,14 @@ def main(argv: list[str] | None = None) -> int:
         args.heads = "default" if args.retrain and args.heads == "auto" else auto_heads(args.heads, args.model)
         args.heads = _target_heads(args.target, args.heads, args.retrain)
         opts = BenchOptions(args.profile, args.questions, args.calibration, args.allow_overlap, args.retrain, args.out,
-                            args.folds, **_resolved_device_dtype(args.device, args.dtype), model=args.model, heads=args.heads,
+                            args.folds, **_resolved_device_dtype(args.device, args.dtype, args.weights),
+                            weights=args.weights, model=args.model, heads=args.heads,
                             compare_heads=_compare_heads(args.compare_heads, args), judge=None if args.judge == defaults.JUDGE else args.judge,
                             guided_rating=args.guided_rating, max_new_tokens=args.max_new_tokens,
                             engines=parse_engines(args.engines), vllm_python=args.vllm_python,
                             target=args.target, engine_costs=args.engine_costs)
-        print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}, heads {opts.heads}"
+        print(f"[bench] {opts.model} on {opts.device} in {opts.dtype}"
+              f"{', Q4_1 weights' if opts.weights == 'q4_1' else ''}, heads {opts.heads}"
               f"{' (retrained)' if opts.retrain else ''}; profile {args.profile}: {asdict(PROFILES[args.profile])}"
               + (f", {opts.folds} folds" if opts.folds else ""),
               flush=True)

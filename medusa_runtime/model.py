@@ -353,7 +353,7 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
     if weights not in WEIGHTS:
         raise ModelError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHTS)}")
     if weights == "q4_1":
-        dtype = _q4_1_dtype(dtype, dev)
+        dtype = q4_1_dtype(dtype, dev)
     if dtype in (None, "auto"):
         torch_dtype, why = auto_dtype(dev)
         log(f"dtype {str(torch_dtype).removeprefix('torch.')} (auto: {why})")
@@ -387,7 +387,7 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
 WEIGHTS = ("dense", "q4_1")  # --weights: the layers' linear weights in --dtype, or as GGUF Q4_1 blocks
 
 
-def _q4_1_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def q4_1_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """The dtype Q4_1 weights run in: bfloat16 activations on a CPU (the C forward); anything else is refused."""
     if device.type != "cpu":
         raise ModelError(f"--weights q4_1 runs on the CPU's C forward, not on {device.type}")

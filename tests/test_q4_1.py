@@ -177,3 +177,17 @@ def test_q4_1_medusa_equals_q4_1_plain_decoding(default_q4, mt_bench_first_turns
     assert [r.token_ids for r in results] == alone
     assert sum(r.stats.steps for r in results) < sum(len(a) for a in alone)  # drafts were accepted
     assert generate_batched(medusa, prompts, 32, 4) == alone
+
+
+@needs_c
+def test_a_q4_1_steps_floor_counts_the_blocks_it_streams(default_q4):
+    """The bandwidth floor's bytes for a Q4_1 step: 20 bytes per 32 linear weights, 34 per 32 of the logits
+    projection (Q8_0), the norms in bf16; not the dense weights."""
+    from medusa_runtime.measure.bandwidth import step_weight_bytes
+
+    engine = LeanEngine(default_q4)
+    model = default_q4.model
+    linear = sum(p.numel() for n, p in model.model.layers.named_parameters() if n.endswith("proj.weight"))
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    vocab, width = model.get_output_embeddings().weight.shape
+    assert step_weight_bytes(default_q4, engine) == linear * 20 // 32 + vocab * width * 34 // 32 + 2 * norms

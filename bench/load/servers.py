@@ -27,8 +27,9 @@ class OwnServer:
 
     def __init__(self, model: str, heads: str, tree: str | None, max_batch: int, max_new_tokens: int,
                  dtype: str = "auto", lookup: int = 0, gate: float = 0.0, log_file: Path | None = None,
-                 timeout_s: float = 600.0, schedule: str | None = None):
-        args = [sys.executable, "-m", "bench.cli", "serve", "--model", model, "--dtype", dtype, "--port", "0",
+                 timeout_s: float = 600.0, schedule: str | None = None, weights: str = "dense"):
+        args = [sys.executable, "-m", "bench.cli", "serve", "--model", model, "--dtype", dtype, "--weights", weights,
+                "--port", "0",
                 "--heads", heads if tree or schedule else "none", "--max-batch", str(max_batch), "--max-queue",
                 "1024", "--max-new-tokens", str(max_new_tokens), "--name", "load", "--lookup", str(lookup),
                 "--gate", str(gate)]

@@ -104,6 +104,7 @@ class ModelJob(Job):
 
     model: str = defaults.MODEL  # 'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m', a folder or a hub id
     dtype: str = defaults.DTYPE  # auto | float32 | bfloat16 | float16
+    weights: str = "dense"  # dense (the weights in dtype) | q4_1 (the layers as GGUF Q4_1 blocks, the C forward)
     device: str = defaults.DEVICE  # cpu | cuda | cuda:N | auto
 
     def __post_init__(self) -> None:

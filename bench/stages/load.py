@@ -130,7 +130,7 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     for Medusa-2 heads, whose adapter is merged into it); the tokenizer; the machine and versions."""
 
     questions = spread_over_categories(load_suite(job.questions, log=log), job.limit)
-    loaded = load_model(job.model, job.dtype, job.device, log=log)
+    loaded = load_model(job.model, job.dtype, job.device, log=log, weights=job.weights)
     requests = [LoadRequest(f"{q.question_id}", tuple(chat_template_ids(loaded, [{"role": "user",
                                                                                   "content": q.turns[0]}])),
                             job.max_new_tokens) for q in questions]
@@ -144,7 +144,7 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     base = alone(loaded)
     name = loaded.name
     heads_base = adapted(loaded, job.heads) if job.tree and job.heads != "none" else loaded
-    meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "machine": describe_machine(loaded),
+    meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": job.weights, "machine": describe_machine(loaded),
             "versions": software_versions()}
     return requests, {False: base, True: base if heads_base.name == name else alone(heads_base)}, \
         loaded.tokenizer, meta
@@ -203,7 +203,7 @@ def _own_servers(job: LoadJob, served: list[Served], requests: list[LoadRequest]
         try:
             server = OwnServer(job.model, job.heads, s.tree, max(job.concurrency, default=16), job.max_new_tokens,
                                job.dtype, s.lookup, s.gate, log_file=out.with_name(f"load-server-{_slug(s.name)}.log"),
-                               schedule=s.schedule)
+                               schedule=s.schedule, weights=job.weights)
             _warm(server, requests)
         except EngineError as exc:
             doc["left_out"].append(f"the runtime's {s.name} server: {exc}")

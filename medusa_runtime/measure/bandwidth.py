@@ -19,7 +19,7 @@ import time
 import torch
 
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
-from medusa_runtime.kernels import hugepages
+from medusa_runtime.kernels import hugepages, q4_1
 from medusa_runtime.model import LoadedModel, device_sync
 
 
@@ -36,11 +36,17 @@ def weight_bytes(loaded: LoadedModel) -> int:
 def step_weight_bytes(loaded: LoadedModel, engine=None) -> int:
     """The weights' bytes a greedy decode step on ``engine`` streams: ``weight_bytes``, less the logits
     projection's and plus its int8 screen's where the engine takes a greedy step's argmax through one
-    (``LeanEngine.logit_screen``: about half the projection's bytes)."""
+    (``LeanEngine.logit_screen``: about half the projection's bytes); with Q4_1 weights (``LeanEngine.q4_1``),
+    the layers' blocks and the projection's Q8_0 blocks in place of their dense weights."""
+    head = loaded.model.get_output_embeddings().weight
+    if getattr(engine, "q4_1", False):  # the layers' Q4_1 blocks and the logits projection's Q8_0 instead
+        dense = sum(p.numel() * p.element_size() for name, p in loaded.model.model.layers.named_parameters()
+                    if name.endswith("proj.weight"))
+        return (weight_bytes(loaded) - dense - head.numel() * head.element_size() + q4_1.nbytes(engine._packed)
+                + engine._logits_kernel.blocks.numel())
     screen = getattr(engine, "logit_screen", None)
     if screen is None:
         return weight_bytes(loaded)
-    head = loaded.model.get_output_embeddings().weight
     return weight_bytes(loaded) - head.numel() * head.element_size() + screen.nbytes
 
 
