@@ -108,14 +108,25 @@ def _vllm_environment(session: nox.Session) -> str:
 @nox.session
 def engines(session: nox.Session) -> None:
     """The quick bench with real serving engines beside the runtime: vLLM (its own environment, installed here)
-    and llama.cpp (built once into the model cache), then the tests that start them (marker ``engines``).
+    and llama.cpp (built once into the model cache); then again with the runtime on Q4_1 weights beside
+    llama.cpp (into ``<out>-q4_1``); then the tests that start them (marker ``engines``).
     ``nox -s engines -- ARGS`` passes ARGS to the pipeline (e.g. ``-- --out DIR``)."""
     _install(session, extras="engines,test")
     python = _vllm_environment(session)
     session.env["MEDUSA_VLLM_PYTHON"] = python
     session.run("python", "-m", "bench.pipeline", "--engines", "vllm,llama.cpp", *session.posargs)
-    session.env["MEDUSA_ENGINES_REPORT"] = str(Path(_out_of(session.posargs)) / "report.json")
+    # the runtime on the GGUF's own Q4_1 blocks beside llama.cpp on the same file (vLLM runs no Q4_1)
+    out = _out_of(session.posargs)
+    rest = [a for i, a in enumerate(session.posargs) if not _is_out(session.posargs, i)]
+    session.run("python", "-m", "bench.pipeline", "--engines", "llama.cpp", "--weights", "q4_1", *rest,
+                "--out", f"{out}-q4_1")
+    session.env["MEDUSA_ENGINES_REPORT"] = str(Path(out) / "report.json")
     session.run("pytest", "-m", "engines", "-p", "no:cacheprovider")
+
+
+def _is_out(args: list[str], i: int) -> bool:
+    """Whether args[i] is the pipeline's --out or its value."""
+    return args[i] == "--out" or args[i].startswith("--out=") or (i > 0 and args[i - 1] == "--out")
 
 
 def _out_of(args: list[str], default: str = "results/bench") -> str:

@@ -14,6 +14,7 @@ from gguf.constants import GGMLQuantizationType
 from medusa_runtime import kernels
 from medusa_runtime.decoding.batch import generate_batched
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.engines import make_engine
 from medusa_runtime.engines.base import EngineError
 from medusa_runtime.engines.lean import LeanEngine
 from medusa_runtime.heads.medusa import resolve_heads
@@ -161,6 +162,9 @@ def test_q4_1_engine_reads_the_gguf_and_runs_every_forward_on_its_blocks(default
     assert torch.equal(logits[-1], step.logits[0])
     with pytest.raises(EngineError, match="C forward only"):
         LeanEngine(default_q4, use_kernels=False)
+    for name in ("hf", "lean-torch"):
+        with pytest.raises(EngineError, match="C forward only"):
+            make_engine(default_q4, name)
 
 
 @needs_c

@@ -62,9 +62,20 @@ def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
         keyed = sub.set_index(["question_id", "turn"])["token_ids"]
         common = keyed.index.intersection(ref.index)
         same = sum(list(keyed[k]) == list(ref[k]) for k in common)
+        agree = [token_agreement(list(keyed[k]), list(ref[k])) for k in common]
         rows.append({"config": name, "compared": len(common), "identical": same,
-                     "identical_share": same / len(common) if len(common) else float("nan")})
+                     "identical_share": same / len(common) if len(common) else float("nan"),
+                     "token_agreement": sum(agree) / len(agree) if agree else float("nan")})
     return pd.DataFrame(rows)
+
+
+def token_agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
+    """The share of positions at which two answers hold the same token, over the longer one (1.0: identical;
+    an answer that diverges early and stays apart scores its common prefix and chance matches after it)."""
+    longest = max(len(tokens), len(reference))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(tokens, reference)) / longest
 
 
 COUNT_NAMES = {"nodes", "questions", "tokens", "steps", "compared", "identical", "lookup", "answers", "rounds", "runs"}

@@ -291,7 +291,8 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
     warm = chat_ids(loaded, [questions[0].turns[0]], [])
     for c in configs:  # warm-up, excluded from the records
         runners[c.digest](warm, cfg.warmup_tokens, c.temperature_for(questions[0].category))
-    meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "model": loaded.name,
+    meta = {"versions": software_versions(), "dtype": str(loaded.dtype).removeprefix("torch."), "weights": loaded.weights,
+            "model": loaded.name,
             "device": str(loaded.device), "chat_template": chat_template_name(loaded), **(extra or {})}
     # a configuration with heads of its own says so, and which base (name) decoded it
     own_meta = {c.digest: {"model": own[c.digest][0].name, "heads": c.heads} for c in configs if c.heads is not None}

@@ -178,7 +178,7 @@ def report(out: Path) -> list[Path]:
           + "\n\n## Speedup over transformers generate, per category\n\n"
           + to_markdown(by_category)
           + "\n\n## Greedy outputs identical to generate (identical) and to the runtime's plain decoding "
-            "(identical_to_plain)\n\n" + to_markdown(eq_both) + "\n" + typical_section(out)
+            "(identical_to_plain)\n\n" + _weights_note(records) + to_markdown(eq_both) + "\n" + typical_section(out)
           + f"\n## {PAPER_TITLE}\n\n{PAPER_NOTE}\n\n" + to_markdown(paper_table()) + "\n")
     (out / "summary.md").write_text(md)
     print(md)
@@ -294,13 +294,23 @@ def quality_of(card: pd.DataFrame, quality_file: dict | None, judge_file: dict |
     return out_q
 
 
+def _weights_note(records: list[dict]) -> str:
+    """What `identical` and `token_agreement` compare where the runtime decoded Q4_1 blocks: its answers against
+    transformers' generate on the dense weights the file dequantises to."""
+    if not records or records[0].get("weights") != "q4_1":
+        return ""
+    return ("The runtime decoded the layers' Q4_1 blocks (`--weights q4_1`) and transformers' generate the dense "
+            f"{records[0].get('dtype')} weights they dequantise to: `identical` and `token_agreement` (the share of "
+            "positions holding the same token) are how often Q4_1 answers equal the dense ones.\n\n")
+
+
 def _records_meta(records: list[dict]) -> dict:
     """Model, heads, dtype, device and versions as the replay's records name them (the heads most records
     decoded with: the main heads, whose configurations outnumber a compared set's chains)."""
     first = records[0]
     named = Counter(r["heads"] for r in records if r.get("heads")).most_common(1)
     heads = named[0][0] if named else None
-    return {k: first.get(k) for k in ("model", "dtype", "device", "versions")} | {"heads": heads}
+    return {k: first.get(k) for k in ("model", "dtype", "weights", "device", "versions")} | {"heads": heads}
 
 
 def _machine(out: Path) -> dict:

@@ -30,6 +30,9 @@ def make_engine(loaded: LoadedModel, name: str = "auto", max_nodes: int = 1) -> 
     eagerly."""
     if name not in ENGINES:
         raise EngineError(f"unknown engine {name!r}; use one of {ENGINES}")
+    if loaded.weights == "q4_1" and (name not in ("auto", "lean") or lean_support(loaded)):
+        why = lean_support(loaded) or f"engine {name!r} runs the dense weights"
+        raise EngineError(f"Q4_1 weights run on the lean engine's C forward only ({why})")
     if name == "hf" or (name == "auto" and lean_support(loaded)):
         return HFEngine(loaded)
     if name == "lean-torch":
