@@ -375,8 +375,7 @@ def load_model(spec: str = DEFAULT_NAME, dtype: str | torch.dtype = "float32", d
     model.to(dev).eval()
     model.requires_grad_(False)
     if weights == "q4_1" and packaged is not None:
-        # the lean engine reads the layers' blocks from it while the weights are the ones loaded from it
-        model.medusa_gguf = (locate_gguf(packaged, log), sum(p._version for p in model.parameters()))
+        model.medusa_gguf = locate_gguf(packaged, log)  # the lean engine reads the layers' blocks from it
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         tokenizer.medusa_chat_template = FALLBACK_CHAT_NAME

@@ -17,7 +17,8 @@ from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_p
 from medusa_runtime.engines import make_engine
 from medusa_runtime.engines.base import EngineError
 from medusa_runtime.engines.lean import LeanEngine
-from medusa_runtime.heads.medusa import resolve_heads
+from medusa_runtime.heads.adapter import apply_heads_adapter
+from medusa_runtime.heads.medusa import heads_folder, resolve_heads
 from medusa_runtime.kernels import q4_1
 from medusa_runtime.model import SMOLLM2_135M, ModelError, load_model, locate_gguf
 from medusa_runtime.tree.lookup import LookupConfig
@@ -195,3 +196,25 @@ def test_a_q4_1_steps_floor_counts_the_blocks_it_streams(default_q4):
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     vocab, width = model.get_output_embeddings().weight.shape
     assert step_weight_bytes(default_q4, engine) == linear * 20 // 32 + vocab * width * 34 // 32 + 2 * norms
+
+
+@needs_c
+def test_a_merged_adapter_keeps_the_files_blocks_for_the_layers_it_leaves(default_q4):
+    """The shipped Medusa-2 heads' adapter merged into the base's last layers: those layers' weights are quantised
+    (llama.cpp's rule), every other layer keeps the GGUF's own blocks; on the plain base every layer and the
+    logits projection are the file's."""
+    gguf = locate_gguf(SMOLLM2_135M, log=lambda m: None)
+    file_layers = q4_1.read_gguf_layers(gguf, default_q4.model.config)
+    plain = LeanEngine(default_q4)
+    assert all(torch.equal(a, b) for ours, theirs in zip(plain._packed, file_layers) for a, b in zip(ours, theirs))
+    assert torch.equal(plain._logits_kernel.blocks, q4_1.read_gguf_output(gguf))
+    merged = apply_heads_adapter(default_q4, heads_folder("default"), log=lambda m: None)
+    assert merged.weights == "q4_1"
+    engine = LeanEngine(merged)
+    kept = []
+    for ours, theirs, layer in zip(engine._packed, file_layers, engine.layers):
+        dense = (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
+        for a, b, w in zip(ours, theirs, dense):
+            kept.append(torch.equal(a, b))
+            assert kept[-1] or torch.equal(a, q4_1.quantize(w))
+    assert 0 < sum(not k for k in kept) <= 4 * 8 and sum(kept) >= 4 * 20  # the adapter's few layers only

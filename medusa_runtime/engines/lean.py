@@ -6,7 +6,9 @@ all layers at once. Same maths as transformers' Llama (float32 RoPE tables, RMSN
 it in the tests. In bf16 on a CPU with AVX-512 BF16, decode steps (one row or a tree) run as one call of a C
 forward (kernels/lean_cpu.c: fused element-wise stages, its own GEMV, attention over the cache); there a tree row
 is bit-for-bit the one-row step of the same token, so bf16 Medusa decoding equals the runtime's bf16 plain
-decoding. The prompt forward stays on PyTorch (oneDNN), and ``lean-torch`` keeps every forward there. On CUDA the
+decoding. The prompt forward stays on PyTorch (oneDNN), and ``lean-torch`` keeps every forward there. With Q4_1
+weights (``LoadedModel.weights``, ``--weights q4_1``) every forward, the prompt's included, runs on the C forward,
+its linear layers reading GGUF Q4_1 blocks and its logits projection Q8_0 ones (kernels/q4_1.py). On CUDA the
 lean engine's decode steps have every shape fixed (graphs.py: attention over the whole cache under a mask built on
 the device) and each is captured once as a CUDA graph and replayed; ``lean-static`` runs those fixed-shape steps
 eagerly, on any device (the check of their maths on a CPU).
@@ -232,8 +234,8 @@ def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool, quanti
     """(per layer (qkv, o, gate_up, down) packed, the lm_head's logits projection, the greedy steps' int8 screen
     of the lm_head or None) in the layout of the C library's path (AMX tiles or AVX-512 blocks of 4 rows), once
     per model and path. The tile path has no screen: its logits round otherwise than the screen's exact
-    candidates. ``quantized``: the layers' Q4_1 blocks instead (``_q4_1_layers``), the lm_head's Q8_0 blocks, no
-    screen."""
+    candidates. ``quantized``: the layers' Q4_1 blocks instead (``q4_1.layer_blocks``: the GGUF's where the model
+    has one), the lm_head's Q8_0 blocks, no screen."""
     stamp = sum(p._version for p in model.parameters())
     key = "q4_1" if quantized else amx
     hit = _PACKED.get(model, {}).get(key)
@@ -241,8 +243,9 @@ def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool, quanti
         return hit[1]
     with torch.no_grad():
         if quantized:
-            gguf = _source_gguf(model)
-            packed = (tuple(_q4_1_layers(gguf, layers, model.config)),
+            gguf = getattr(model, "medusa_gguf", None)  # set by load_model for a packaged model
+            mats = [(w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight) for w in layers]
+            packed = (tuple(q4_1.layer_blocks(gguf, mats, model.config)),
                       _Q8Linear(q4_1.output_blocks(gguf, lm_head), lm_head.shape[1], lib), None)
         else:
             flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head],
@@ -261,21 +264,6 @@ def _table_row(w: _Layer, mats: tuple[int, ...], q4: bool) -> kernels.LeanLayer:
     if q4:
         return kernels.LeanLayer(w.ln1.data_ptr(), None, None, w.ln2.data_ptr(), None, None, qkv, o, gate_up, down)
     return kernels.LeanLayer(w.ln1.data_ptr(), qkv, o, w.ln2.data_ptr(), gate_up, down)
-
-
-def _source_gguf(model):
-    """The GGUF the model's weights were read from (``model.medusa_gguf``: its path and the parameters' version
-    stamp when ``load_model`` read it) while they are still the file's, else None."""
-    gguf = getattr(model, "medusa_gguf", None)
-    return gguf[0] if gguf is not None and gguf[1] == sum(p._version for p in model.parameters()) else None
-
-
-def _q4_1_layers(gguf, layers, config) -> list[tuple[torch.Tensor, ...]]:
-    """Each layer's (qkv, o, gate_up, down) as Q4_1 blocks: read from the model's GGUF as the file stores them
-    where it has one; else quantised from the layer's weights by llama.cpp's rule."""
-    if gguf is not None:
-        return q4_1.read_gguf_layers(gguf, config)
-    return q4_1.quantize_layers([(w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight) for w in layers])
 
 
 def _fused_weights(model, pack: bool):

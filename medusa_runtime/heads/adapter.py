@@ -120,7 +120,6 @@ def apply_heads_adapter(loaded: LoadedModel, folder: str | Path, log: Callable[[
     with quiet_peft():  # on a copy: the caller's model stays the original
         model = peft.PeftModel.from_pretrained(copy.deepcopy(loaded.model), str(info.path)).merge_and_unload()
     model.eval().requires_grad_(False)
-    model.medusa_gguf = None  # merged weights: Q4_1 blocks (if asked for) come from them, not from the base's file
     log(f"base adapted: the Medusa-2 adapter of {folder} merged into layers {info.layers[0]}-{info.layers[-1]}")
     return LoadedModel(model, loaded.tokenizer, f"{loaded.name}+adapter:{info.base_digest[:8]}", loaded.dtype,
                        loaded.device, loaded.weights)

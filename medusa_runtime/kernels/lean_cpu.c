@@ -28,6 +28,10 @@
  * of tile products, whatever the rows beside it) a tree row stays bit-for-bit its one-row step.
  * Both paths round and add residuals identically; they differ from each other in the low bits of the
  * float32 sums, so one process uses one of them for all its decode steps.
+ *
+ * Q4_1. A layer may hold its linear weights as GGUF Q4_1 blocks instead (LeanLayer's *_q4), with the logits
+ * projection as Q8_0 (LeanModel's lm_head_q8): integer dot products against activations quantised per block of
+ * 32, every output again summed in one order whatever the rows beside it (see the Q4_1 section).
  */
 #include <math.h>
 #include <stdint.h>

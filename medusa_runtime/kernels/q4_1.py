@@ -127,16 +127,29 @@ def read_gguf_layers(path: str | Path, config) -> list[tuple[torch.Tensor, ...]]
     return layers
 
 
-def quantize_layers(layer_weights) -> list[tuple[torch.Tensor, ...]]:
-    """:func:`quantize` of each layer's fused (qkv, o, gate_up, down) float weights."""
-    return [tuple(quantize(w) for w in ws) for ws in layer_weights]
+def layer_blocks(gguf: str | Path | None, layer_weights, config) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's fused (qkv, o, gate_up, down) as Q4_1 blocks: the GGUF's own where the model came from one
+    and the weight is still what they hold (in its dtype, exactly), else the weight quantised by llama.cpp's
+    rule: a base with a Medusa-2 adapter merged into its last layers, or trained in place, keeps the file's
+    blocks for every other layer."""
+    from_file = read_gguf_layers(gguf, config) if gguf is not None else [None] * len(layer_weights)
+    return [tuple(_kept(b, w, dequantize, quantize) for b, w in zip(blocks or (None,) * 4, ws))
+            for blocks, ws in zip(from_file, layer_weights)]
 
 
 def output_blocks(gguf: str | Path | None, lm_head: torch.Tensor) -> torch.Tensor:
-    """The logits projection as Q8_0: the GGUF's own blocks where there is one that stores them so, else
-    ``lm_head`` quantised."""
+    """The logits projection as Q8_0: the GGUF's own blocks where there is one that stores them so and
+    ``lm_head`` is still what they hold, else ``lm_head`` quantised."""
     blocks = read_gguf_output(gguf) if gguf is not None else None
-    return blocks if blocks is not None else quantize_q8_0(lm_head)
+    return _kept(blocks, lm_head, dequantize_q8_0, quantize_q8_0)
+
+
+def _kept(blocks: torch.Tensor | None, weight: torch.Tensor, back, make) -> torch.Tensor:
+    """``blocks`` where they hold ``weight`` (dequantised, then cast to its dtype), else ``make(weight)``."""
+    if blocks is not None and blocks.shape[0] == weight.shape[0] and torch.equal(
+            back(blocks, weight.shape[1]).to(weight.dtype), weight.detach().cpu()):
+        return blocks
+    return make(weight)
 
 
 def nbytes(layers) -> int:
