@@ -566,8 +566,11 @@ def stage_quality(opts: BenchOptions, out: Path, cache: StageCache) -> Path:
 def _resolved_device_dtype(device: str, dtype: str, weights: str = "dense") -> dict[str, str]:
     """The device and dtype by name, 'auto' resolved here once (stage keys and every stage see the same); Q4_1
     weights run in bfloat16."""
-    # torch: spawned search workers import this module
-    from medusa_runtime.model import q4_1_dtype, resolve_device, resolve_dtype
+    from medusa_runtime.model import (  # torch: spawned search workers import this module
+        q4_1_dtype,
+        resolve_device,
+        resolve_dtype,
+    )
 
     dev = resolve_device(None if device == "auto" else device)
     resolved = q4_1_dtype(dtype, dev) if weights == "q4_1" else resolve_dtype(dtype, dev)

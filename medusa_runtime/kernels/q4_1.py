@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader  # the GGUF reader transformers' own GGUF loading uses
 
 BLOCK = 32  # weights per block
 BLOCK_BYTES = 20  # d (fp16), m (fp16), 16 bytes of nibbles
@@ -74,8 +75,6 @@ def dequantize_q8_0(blocks: torch.Tensor, width: int) -> torch.Tensor:
 def read_gguf_output(path: str | Path) -> torch.Tensor | None:
     """The logits projection's Q8_0 blocks from a GGUF (``output.weight``, else the tied ``token_embd.weight``), or
     None where the file stores it in another type."""
-    from gguf import GGUFReader
-
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None or int(t.tensor_type) != GGUF_Q8_0:
@@ -103,8 +102,6 @@ def read_gguf_layers(path: str | Path, config) -> list[tuple[torch.Tensor, ...]]
     """Per layer, (qkv, o, gate_up, down) as Q4_1 blocks read from a GGUF of a Llama-family model: q, k, v stacked
     (rows in transformers' order), gate and up stacked, as the lean engine fuses them. A linear layer the file
     stores in any other type is refused."""
-    from gguf import GGUFReader  # the GGUF reader transformers' own GGUF loading uses
-
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
