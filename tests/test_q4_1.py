@@ -109,11 +109,12 @@ def _run(kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int = 2) -> 
     n, width, out = x.shape[0], x.shape[1], blocks.shape[0]
     y = torch.empty(n, out, dtype=torch.float32)
     q8 = torch.empty(LIB.lean_q8_scratch_bytes(n, width), dtype=torch.uint8)
+    packed = q4_1.pack(LIB, blocks, width)  # the kernels' layout: groups of 8 rows
     if kind == "q4_1":
-        LIB.lean_linear_q4_1(blocks.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), None, kernels.OUT_F32,
+        LIB.lean_linear_q4_1(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), None, kernels.OUT_F32,
                              q8.data_ptr(), threads)
     else:
-        LIB.lean_linear_q8_0(blocks.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), q8.data_ptr(), threads)
+        LIB.lean_linear_q8_0(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), q8.data_ptr(), threads)
     return y
 
 
@@ -205,16 +206,23 @@ def test_a_merged_adapter_keeps_the_files_blocks_for_the_layers_it_leaves(defaul
     logits projection are the file's."""
     gguf = locate_gguf(SMOLLM2_135M, log=lambda m: None)
     file_layers = q4_1.read_gguf_layers(gguf, default_q4.model.config)
+    def dense(layer):
+        return layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight
+
+    def packed(blocks, weight):  # as the engine holds them
+        return q4_1.pack(LIB, blocks, weight.shape[1])
+
     plain = LeanEngine(default_q4)
-    assert all(torch.equal(a, b) for ours, theirs in zip(plain._packed, file_layers) for a, b in zip(ours, theirs))
-    assert torch.equal(plain._logits_kernel.blocks, q4_1.read_gguf_output(gguf))
+    assert all(torch.equal(a, packed(b, w)) for ours, theirs, layer in zip(plain._packed, file_layers, plain.layers)
+               for a, b, w in zip(ours, theirs, dense(layer)))
+    head = default_q4.model.get_output_embeddings().weight
+    assert torch.equal(plain._logits_kernel.blocks, packed(q4_1.read_gguf_output(gguf), head))
     merged = apply_heads_adapter(default_q4, heads_folder("default"), log=lambda m: None)
     assert merged.weights == "q4_1"
     engine = LeanEngine(merged)
     kept = []
     for ours, theirs, layer in zip(engine._packed, file_layers, engine.layers):
-        dense = (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
-        for a, b, w in zip(ours, theirs, dense):
-            kept.append(torch.equal(a, b))
-            assert kept[-1] or torch.equal(a, q4_1.quantize(w))
+        for a, b, w in zip(ours, theirs, dense(layer)):
+            kept.append(torch.equal(a, packed(b, w)))
+            assert kept[-1] or torch.equal(a, packed(q4_1.quantize(w), w))
     assert 0 < sum(not k for k in kept) <= 4 * 8 and sum(kept) >= 4 * 20  # the adapter's few layers only

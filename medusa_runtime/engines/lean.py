@@ -151,17 +151,18 @@ class _Q8Linear:
     """``y = x W^T`` [M, out] float32 for a weight held as Q8_0 blocks (the logits projection beside Q4_1 layers),
     by the C library: the rows quantised per block of 32, integer block sums (see lean_cpu.c)."""
 
-    __slots__ = ("blocks", "width", "lib", "_q8")
+    __slots__ = ("blocks", "out", "width", "lib", "_q8")
 
     def __init__(self, blocks: torch.Tensor, width: int, lib):
-        self.blocks, self.width, self.lib = blocks, width, lib
+        """blocks: the GGUF's [out, width / 32 * 34], held repacked for the kernel (q4_1.pack)."""
+        self.blocks, self.out, self.width, self.lib = q4_1.pack(lib, blocks, width), blocks.shape[0], width, lib
         self._q8 = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if x.dim() != 2 or x.shape[1] != self.width or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise EngineError(f"expected a CPU bfloat16 input [M, {self.width}], got {x.dtype} {list(x.shape)}")
-        rows, out = x.shape[0], self.blocks.shape[0]
+        rows, out = x.shape[0], self.out
         if self._q8.numel() < (need := self.lib.lean_q8_scratch_bytes(rows, self.width)):
             self._q8 = torch.empty(need, dtype=torch.uint8)
         y = torch.empty(rows, out, dtype=torch.float32)
@@ -245,7 +246,8 @@ def _kernel_weights(model, layers, lm_head: torch.Tensor, lib, amx: bool, quanti
         if quantized:
             gguf = getattr(model, "medusa_gguf", None)  # set by load_model for a packaged model
             mats = [(w.qkv.weight, w.o.weight, w.gate_up.weight, w.down.weight) for w in layers]
-            packed = (tuple(q4_1.layer_blocks(gguf, mats, model.config)),
+            widths = [tuple(m.shape[1] for m in ms) for ms in mats]
+            packed = (tuple(q4_1.pack_layers(lib, q4_1.layer_blocks(gguf, mats, model.config), widths)),
                       _Q8Linear(q4_1.output_blocks(gguf, lm_head), lm_head.shape[1], lib), None)
         else:
             flat = pack_all(lib, [lin.weight for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)] + [lm_head],

@@ -203,6 +203,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_linear_q8_0.argtypes = [p, p, i, i, i, p, p, i]
     lib.lean_linear_q8_0.restype = None
     lib.lean_q8_scratch_bytes.argtypes = [i, i]
+    lib.lean_q4_1_packed_bytes.argtypes = lib.lean_q8_0_packed_bytes.argtypes = [i, i]
+    lib.lean_q4_1_packed_bytes.restype = lib.lean_q8_0_packed_bytes.restype = z
+    lib.lean_pack_q4_1.argtypes = lib.lean_pack_q8_0.argtypes = [p, i, i, p]
+    lib.lean_pack_q4_1.restype = lib.lean_pack_q8_0.restype = None
     lib.lean_q8_scratch_bytes.restype = z
     lib.lean_compact.argtypes = [p, p, i, i, i, i, p, i]
     lib.lean_compact.restype = None

@@ -78,6 +78,19 @@ int lean_has_avx512bf16(void) { return LEAN_AVX512BF16; }
 
 /* ------------------------------------------------------------------ dot products */
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen8(const bf16 *p) { /* 8 bf16 -> 8 float32 (exact) */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hsum8(__m256 v) { /* one fixed pattern of adds */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* sum_k a[k] b[k] over `len` bf16 pairs, float32 accumulation, fixed order */
 static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
 #if LEAN_AVX512BF16
@@ -91,6 +104,14 @@ static inline float dot_bf16(const bf16 *a, const bf16 *b, int len) {
                                (__m512bh)_mm512_maskz_loadu_epi16(m, b + k));
     }
     return _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= len; k += 8)
+        acc = _mm256_fmadd_ps(widen8(a + k), widen8(b + k), acc);
+    float tail = 0.f;
+    for (; k < len; ++k) tail += bf2f(a[k]) * bf2f(b[k]);
+    return hsum8(acc) + tail;
 #else
     float acc = 0.f;
     for (int k = 0; k < len; ++k) acc += bf2f(a[k]) * bf2f(b[k]);
@@ -296,7 +317,15 @@ void lean_pack_rows4(const bf16 *w, int out, int in, bf16 *packed) {
 /* row c of packed block wb (lean_pack_rows4) . x, a float32 sum in input order (the path without AVX-512 BF16) */
 static inline float dot_packed_scalar(const bf16 *wb, int in, const bf16 *x, int c) {
     float acc = 0.f;
-    for (int k = 0; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(x[k]);
+    int k = 0;
+#if defined(__AVX2__) && defined(__FMA__) /* whole blocks of 32 in 8 lanes, then the tail in input order */
+    __m256 v = _mm256_setzero_ps();
+    for (; k + 32 <= in; k += 32)
+        for (int t = 0; t < 32; t += 8)
+            v = _mm256_fmadd_ps(widen8(wb + (size_t)(k / 32) * 128 + 32 * c + t), widen8(x + k + t), v);
+    acc = hsum8(v);
+#endif
+    for (; k < in; ++k) acc += bf2f(wb[(size_t)(k / 32) * 128 + 32 * c + k % 32]) * bf2f(x[k]);
     return acc;
 }
 
@@ -356,19 +385,43 @@ static void linear_rows(const bf16 *wp, const bf16 *x, int n, int out, int in, v
 /* ------------------------------------------------------------------ Q4_1 weights (GGUF blocks)
  *
  * A linear layer whose weight is GGUF's Q4_1: per row, blocks of 32 weights w_j = d q_j + m (q_j in 0..15, d and m
- * fp16), 20 bytes a block, qs[j] holding q_j in its low nibble and q_{j+16} in its high one; rows one after
- * another, [out][in / 32] blocks, read as the file has them (a step streams 0.625 bytes a weight instead of bf16's
- * 2). The activations meet them as llama.cpp's Q4_1 x Q8_1 product does: each row of x is quantised per block of
- * 32 (dx = max|x| / 127, qx = round(x / dx), sx = dx sum qx), and
- *     y[r, o] = sum_b ( dw_b dx_b sum_j q_j qx_j  +  m_b sx_b )
- * with the inner sums exact in integers. Each output element is summed in the same order (blocks in input order,
- * 8 float32 lanes then a fixed reduction, the m terms in a second float32 chain) whatever the rows beside it, so a
- * tree row or a batch row gives bit for bit its one-row step here too. */
+ * fp16), 20 bytes a block, qs[j] holding q_j in its low nibble and q_{j+16} in its high one (a step streams 0.625
+ * bytes a weight instead of bf16's 2). The logits projection beside them is GGUF's Q8_0: w_j = d q_j (q_j int8),
+ * 34 bytes a block. The activations meet them as llama.cpp's Q4_1 x Q8_1 product does: each row of x is quantised
+ * per block of 32 (dx = max|x| / 127, qx = round(x / dx), sx = dx sum qx), and
+ *     y[r, o] = sum_b ( dw_b dx_b sum_j q_j qx_j  +  m_b sx_b )            (Q8_0: no m term)
+ * with the inner sums exact in integers. Each output element is the same float32 chain whatever the rows beside
+ * it: acc = fma(isum_b, dw_b dx_b, acc) and accm = fma(m_b, sx_b, accm) over the blocks in input order, then
+ * acc + accm; so a tree row or a batch row gives bit for bit its one-row step, and the portable loop the AVX2 one.
+ *
+ * The kernels read the blocks repacked by groups of 8 output rows (lean_pack_q4_1, lean_pack_q8_0; the same bytes
+ * as the file's): per block b of a group, the 8 rows' d (and m), then their quants row after row. One pass over a
+ * group's block unpacks its nibbles once for up to 4 activation rows, and one horizontal-add tree leaves the 8
+ * rows' exact integer sums in one register, so the scales are applied 8 outputs at a time. */
 
 typedef struct {
     uint16_t d, m;
     uint8_t qs[16];
 } BlockQ4_1;
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[32];
+} BlockQ8_0;
+
+/* a group of 8 rows' block b: d and m in the lane order the add tree leaves the Q4_1 sums in (LANE8), the nibbles
+ * of rows 0..7 in row order (rows 2k and 2k+1 as one 32-byte load) */
+typedef struct {
+    uint16_t d[8], m[8];
+    uint8_t qs[8][16];
+} BlockQ4_1x8;
+
+typedef struct { /* Q8_0's: d in row order */
+    uint16_t d[8];
+    int8_t qs[8][32];
+} BlockQ8_0x8;
+
+static const int LANE8[8] = {0, 2, 4, 6, 1, 3, 5, 7}; /* Q4_1 lane l holds row LANE8[l] of its group */
 
 static inline float h2f(uint16_t h) { /* IEEE half -> float32 (exact) */
 #if defined(__F16C__)
@@ -387,6 +440,39 @@ static inline float h2f(uint16_t h) { /* IEEE half -> float32 (exact) */
     memcpy(&f, &u, 4);
     return f;
 #endif
+}
+
+/* bytes of a weight [out, in] of GGUF blocks repacked by groups of 8 rows (out padded with zero blocks) */
+size_t lean_q4_1_packed_bytes(int out, int in) { return (size_t)((out + 7) / 8) * (in / 32) * sizeof(BlockQ4_1x8); }
+size_t lean_q8_0_packed_bytes(int out, int in) { return (size_t)((out + 7) / 8) * (in / 32) * sizeof(BlockQ8_0x8); }
+
+void lean_pack_q4_1(const void *src, int out, int in, void *dst) {
+    const BlockQ4_1 *s = (const BlockQ4_1 *)src;
+    int nb = in / 32;
+    memset(dst, 0, lean_q4_1_packed_bytes(out, in));
+    for (int g = 0; g < (out + 7) / 8; ++g)
+        for (int b = 0; b < nb; ++b) {
+            BlockQ4_1x8 *t = (BlockQ4_1x8 *)dst + (size_t)g * nb + b;
+            for (int l = 0; l < 8; ++l) {
+                int o = 8 * g + LANE8[l], k = 8 * g + l;
+                if (o < out) { t->d[l] = s[(size_t)o * nb + b].d; t->m[l] = s[(size_t)o * nb + b].m; }
+                if (k < out) memcpy(t->qs[l], s[(size_t)k * nb + b].qs, 16);
+            }
+        }
+}
+
+void lean_pack_q8_0(const void *src, int out, int in, void *dst) {
+    const BlockQ8_0 *s = (const BlockQ8_0 *)src;
+    int nb = in / 32;
+    memset(dst, 0, lean_q8_0_packed_bytes(out, in));
+    for (int g = 0; g < (out + 7) / 8; ++g)
+        for (int b = 0; b < nb; ++b) {
+            BlockQ8_0x8 *t = (BlockQ8_0x8 *)dst + (size_t)g * nb + b;
+            for (int l = 0; l < 8 && 8 * g + l < out; ++l) {
+                t->d[l] = s[(size_t)(8 * g + l) * nb + b].d;
+                memcpy(t->qs[l], s[(size_t)(8 * g + l) * nb + b].qs, 32);
+            }
+        }
 }
 
 /* bytes of the activation blocks for n rows of width `in` (a multiple of 32): dx and sx per block, then the int8s */
@@ -415,159 +501,155 @@ static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx,
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum8(__m256 v) { /* one fixed pattern of adds */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* 8 vectors of 8 int32 partial sums (one row each) -> their 8 totals, rows 0 2 4 6 1 3 5 7 (exact) */
+static inline __m256i sum8_lane8(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
+    /* v_k: rows 2k (low 128 bits) and 2k+1 (high), 4 partials each */
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
 }
 #endif
 
-/* One weight row (nb blocks) against R activation rows (R <= 4, rows `stride` bytes apart in xq, nb blocks apart
- * in dx and sx) -> out[0..R-1]. Each out[rr] is computed by the same operations for any R. */
-static inline __attribute__((always_inline)) void dot_q4_1_rows(const BlockQ4_1 *w, int nb, const int8_t *xq,
-                                                                const float *dx, const float *sx, size_t stride,
-                                                                int R, float *out) {
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[4];
-    float accm[4];
-    for (int rr = 0; rr < 4; ++rr) { acc[rr] = _mm256_setzero_ps(); accm[rr] = 0.f; }
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+/* One group of 8 Q4_1 rows (nb blocks) against R activation rows (R <= 4, `stride` bytes apart in xq, nb blocks
+ * apart in dx and sx) -> out[rr][lane] (lanes in LANE8 order). */
+static inline __attribute__((always_inline)) void dot_q4_1x8(const BlockQ4_1x8 *w, int nb, const int8_t *xq,
+                                                             const float *dx, const float *sx, size_t stride, int R,
+                                                             float out[4][8]) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc[4], accm[4];
+    for (int rr = 0; rr < 4; ++rr) acc[rr] = accm[rr] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
-        __m128i q = _mm_loadu_si128((const __m128i *)w[b].qs);
-        __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
-        float dw = h2f(w[b].d), mw = h2f(w[b].m);
+        const BlockQ4_1x8 *t = w + b;
+        __m256i lo[4], hi[4];
+        for (int k = 0; k < 4; ++k) { /* rows 2k | 2k+1: q_0..15 in lo, q_16..31 in hi */
+            __m256i q = _mm256_loadu_si256((const __m256i *)t->qs[2 * k]);
+            lo[k] = _mm256_and_si256(q, low);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->d));
+        __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->m));
         for (int rr = 0; rr < R; ++rr) {
-            size_t at = (size_t)rr * nb + b;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + rr * stride + 32 * (size_t)b));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones); /* 8 exact int32 partial sums */
-            acc[rr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[at]), acc[rr]);
-            accm[rr] = fmaf(mw, sx[at], accm[rr]);
-        }
-    }
-    for (int rr = 0; rr < R; ++rr) out[rr] = hsum8(acc[rr]) + accm[rr];
-#else
-    for (int rr = 0; rr < R; ++rr) {
-        float acc = 0.f, accm = 0.f;
-        for (int b = 0; b < nb; ++b) {
             const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
-            int sum = 0;
-            for (int j = 0; j < 16; ++j) sum += (w[b].qs[j] & 0x0F) * xb[j] + (w[b].qs[j] >> 4) * xb[j + 16];
+            __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+            __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            __m256i v[4];
+            for (int k = 0; k < 4; ++k) /* |pair sums| <= 2 * 15 * 127, twice that after the add: no saturation */
+                v[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[k], xl),
+                                                          _mm256_maddubs_epi16(hi[k], xh)), ones);
+            __m256 isum = _mm256_cvtepi32_ps(sum8_lane8(v[0], v[1], v[2], v[3]));
             size_t at = (size_t)rr * nb + b;
-            acc = fmaf((float)sum, h2f(w[b].d) * dx[at], acc);
-            accm = fmaf(h2f(w[b].m), sx[at], accm);
+            acc[rr] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(dx[at])), acc[rr]);
+            accm[rr] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[at]), accm[rr]);
         }
-        out[rr] = acc + accm;
     }
+    for (int rr = 0; rr < R; ++rr) _mm256_storeu_ps(out[rr], _mm256_add_ps(acc[rr], accm[rr]));
+#else
+    for (int rr = 0; rr < R; ++rr)
+        for (int l = 0; l < 8; ++l) {
+            int k = LANE8[l];
+            float acc = 0.f, accm = 0.f;
+            for (int b = 0; b < nb; ++b) {
+                const uint8_t *q = w[b].qs[k];
+                const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
+                int sum = 0;
+                for (int j = 0; j < 16; ++j) sum += (q[j] & 0x0F) * xb[j] + (q[j] >> 4) * xb[j + 16];
+                size_t at = (size_t)rr * nb + b;
+                acc = fmaf((float)sum, h2f(w[b].d[l]) * dx[at], acc);
+                accm = fmaf(h2f(w[b].m[l]), sx[at], accm);
+            }
+            out[rr][l] = acc + accm;
+        }
 #endif
 }
 
-/* linear_rows for a Q4_1 weight wq [out][in / 32] blocks (in a multiple of 32), the same output kinds. q8: the
- * activation blocks' scratch, lean_q8_scratch_bytes(n, in). Inside a parallel region. */
-static void linear_q4_1_rows(const BlockQ4_1 *wq, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
-                             int kind, void *q8) {
-    int nb = in / 32;
-    float *dx = (float *)q8, *sx = dx + (size_t)n * nb;
-    int8_t *xq = (int8_t *)(sx + (size_t)n * nb);
-    quantize_q8_rows(x, n, in, dx, sx, xq);
-#pragma omp for schedule(static)
-    for (int o = 0; o < out; ++o) {
-        const BlockQ4_1 *w = wq + (size_t)o * nb;
-        for (int i = 0; i < n; i += 4) {
-            int R = n - i < 4 ? n - i : 4;
-            float d[4];
-            const int8_t *xr = xq + (size_t)i * in;
-            const float *dr = dx + (size_t)i * nb, *sr = sx + (size_t)i * nb;
-            switch (R) { /* constant R per case: the compiler unrolls each */
-                case 4: dot_q4_1_rows(w, nb, xr, dr, sr, in, 4, d); break;
-                case 3: dot_q4_1_rows(w, nb, xr, dr, sr, in, 3, d); break;
-                case 2: dot_q4_1_rows(w, nb, xr, dr, sr, in, 2, d); break;
-                default: dot_q4_1_rows(w, nb, xr, dr, sr, in, 1, d); break;
-            }
-            for (int rr = 0; rr < R; ++rr) store_out(y, r, kind, (size_t)(i + rr) * out + o, o, d[rr]);
-        }
-    }
-}
-
-/* The logits projection of a model whose linear layers are Q4_1, as the GGUF stores it: Q8_0 blocks of 32
- * weights w_j = d q_j (q_j int8, d fp16; 34 bytes), [out][in / 32] blocks, against the same activation blocks:
- *     y[r, o] = sum_b dw_b dx_b sum_j q_j qx_j
- * summed like linear_q4_1_rows (blocks in input order, 8 lanes, one fixed reduction), float32 out. */
-
-typedef struct {
-    uint16_t d;
-    int8_t qs[32];
-} BlockQ8_0;
-
-static inline __attribute__((always_inline)) void dot_q8_0_rows(const BlockQ8_0 *w, int nb, const int8_t *xq,
-                                                                const float *dx, size_t stride, int R, float *out) {
-#if defined(__AVX2__) && defined(__FMA__)
+/* The same for a group of 8 Q8_0 rows -> out[rr][row] (row order). */
+static inline __attribute__((always_inline)) void dot_q8_0x8(const BlockQ8_0x8 *w, int nb, const int8_t *xq,
+                                                             const float *dx, size_t stride, int R, float out[4][8]) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     __m256 acc[4];
     for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
-        __m256i wq = _mm256_loadu_si256((const __m256i *)w[b].qs);
-        __m256i aw = _mm256_sign_epi8(wq, wq); /* |q| as unsigned bytes; its sign moves onto x */
-        float dw = h2f(w[b].d);
+        const BlockQ8_0x8 *t = w + b;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->d));
         for (int rr = 0; rr < R; ++rr) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + rr * stride + 32 * (size_t)b));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), ones);
-            acc[rr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[(size_t)rr * nb + b]), acc[rr]);
+            __m256i v[8];
+            for (int k = 0; k < 8; ++k) { /* |q| as unsigned bytes, its sign moved onto x */
+                __m256i q = _mm256_loadu_si256((const __m256i *)t->qs[k]);
+                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+            }
+            __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+            __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                         _mm256_permute2x128_si256(h0, h1, 0x31)); /* rows 0..7 */
+            acc[rr] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(dx[(size_t)rr * nb + b])),
+                                      acc[rr]);
         }
     }
-    for (int rr = 0; rr < R; ++rr) out[rr] = hsum8(acc[rr]);
+    for (int rr = 0; rr < R; ++rr) _mm256_storeu_ps(out[rr], acc[rr]);
 #else
-    for (int rr = 0; rr < R; ++rr) {
-        float acc = 0.f;
-        for (int b = 0; b < nb; ++b) {
-            const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
-            int sum = 0;
-            for (int j = 0; j < 32; ++j) sum += w[b].qs[j] * xb[j];
-            acc = fmaf((float)sum, h2f(w[b].d) * dx[(size_t)rr * nb + b], acc);
+    for (int rr = 0; rr < R; ++rr)
+        for (int k = 0; k < 8; ++k) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; ++b) {
+                const int8_t *xb = xq + rr * stride + 32 * (size_t)b;
+                int sum = 0;
+                for (int j = 0; j < 32; ++j) sum += w[b].qs[k][j] * xb[j];
+                acc = fmaf((float)sum, h2f(w[b].d[k]) * dx[(size_t)rr * nb + b], acc);
+            }
+            out[rr][k] = acc;
         }
-        out[rr] = acc;
-    }
 #endif
 }
 
-/* y [n, out] float32 = x W^T for a Q8_0 weight (in a multiple of 32); q8 as for linear_q4_1_rows. Inside a
- * parallel region. */
-static void linear_q8_0_rows(const BlockQ8_0 *wq, const bf16 *x, int n, int out, int in, float *y, void *q8) {
+/* y = x W^T for W repacked by lean_pack_q4_1 (q4) or lean_pack_q8_0, `in` a multiple of 32, the output kinds of
+ * linear_rows (Q8_0: OUT_F32). q8: the activation blocks' scratch, lean_q8_scratch_bytes(n, in). Inside a
+ * parallel region: the groups of 8 rows are shared out, each against the rows 4 at a time. */
+static void linear_qx8_rows(const void *wq, int q4, const bf16 *x, int n, int out, int in, void *y, const bf16 *r,
+                            int kind, void *q8) {
     int nb = in / 32;
     float *dx = (float *)q8, *sx = dx + (size_t)n * nb;
     int8_t *xq = (int8_t *)(sx + (size_t)n * nb);
     quantize_q8_rows(x, n, in, dx, sx, xq);
 #pragma omp for schedule(static)
-    for (int o = 0; o < out; ++o) {
-        const BlockQ8_0 *w = wq + (size_t)o * nb;
+    for (int g = 0; g < (out + 7) / 8; ++g) {
+        const BlockQ4_1x8 *w4 = (const BlockQ4_1x8 *)wq + (size_t)g * nb;
+        const BlockQ8_0x8 *w8 = (const BlockQ8_0x8 *)wq + (size_t)g * nb;
         for (int i = 0; i < n; i += 4) {
             int R = n - i < 4 ? n - i : 4;
-            float d[4];
+            float d[4][8];
             const int8_t *xr = xq + (size_t)i * in;
-            const float *dr = dx + (size_t)i * nb;
-            switch (R) {
-                case 4: dot_q8_0_rows(w, nb, xr, dr, in, 4, d); break;
-                case 3: dot_q8_0_rows(w, nb, xr, dr, in, 3, d); break;
-                case 2: dot_q8_0_rows(w, nb, xr, dr, in, 2, d); break;
-                default: dot_q8_0_rows(w, nb, xr, dr, in, 1, d); break;
+            const float *dr = dx + (size_t)i * nb, *sr = sx + (size_t)i * nb;
+            switch (q4 ? R : 4 + R) { /* constant R per case: the compiler unrolls each */
+                case 4: dot_q4_1x8(w4, nb, xr, dr, sr, in, 4, d); break;
+                case 3: dot_q4_1x8(w4, nb, xr, dr, sr, in, 3, d); break;
+                case 2: dot_q4_1x8(w4, nb, xr, dr, sr, in, 2, d); break;
+                case 1: dot_q4_1x8(w4, nb, xr, dr, sr, in, 1, d); break;
+                case 8: dot_q8_0x8(w8, nb, xr, dr, in, 4, d); break;
+                case 7: dot_q8_0x8(w8, nb, xr, dr, in, 3, d); break;
+                case 6: dot_q8_0x8(w8, nb, xr, dr, in, 2, d); break;
+                default: dot_q8_0x8(w8, nb, xr, dr, in, 1, d); break;
             }
-            for (int rr = 0; rr < R; ++rr) y[(size_t)(i + rr) * out + o] = d[rr];
+            for (int l = 0; l < 8; ++l) {
+                int o = 8 * g + (q4 ? LANE8[l] : l);
+                if (o < out)
+                    for (int rr = 0; rr < R; ++rr) store_out(y, r, kind, (size_t)(i + rr) * out + o, o, d[rr][l]);
+            }
         }
     }
 }
 
+/* The standalone calls (the logits projection, tests, the profile's bandwidth check), on weights repacked as above */
 void lean_linear_q8_0(const void *wq, const bf16 *x, int n, int out, int in, float *y, void *q8, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    linear_q8_0_rows((const BlockQ8_0 *)wq, x, n, out, in, y, q8);
+    linear_qx8_rows(wq, 0, x, n, out, in, y, NULL, OUT_F32, q8);
 }
 
-/* linear_q4_1_rows as a standalone call (tests, the profile's bandwidth check) */
 void lean_linear_q4_1(const void *wq, const bf16 *x, int n, int out, int in, void *y, const bf16 *r, int kind,
                       void *q8, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
-    linear_q4_1_rows((const BlockQ4_1 *)wq, x, n, out, in, y, r, kind, q8);
+    linear_qx8_rows(wq, 1, x, n, out, in, y, r, kind, q8);
 }
 
 
@@ -1303,7 +1385,8 @@ AMX_FN static void attention_scores_amx(const bf16 *q, const bf16 *kc, int n, in
 /* ------------------------------------------------------------------ the forward */
 
 /* One layer's weights, as addresses (bf16 unless noted). A linear layer whose Q4_1 address (qkv_q4, ...) is set
- * reads those GGUF blocks (linear_q4_1_rows) and not its bf16 weight, which may then be NULL. */
+ * reads those GGUF blocks, repacked by lean_pack_q4_1 (linear_qx8_rows), and not its bf16 weight, which may then
+ * be NULL. */
 typedef struct {
     const bf16 *ln1, *qkv, *o, *ln2, *gate_up, *down;
     const void *qkv_q4, *o_q4, *gate_up_q4, *down_q4;
@@ -1331,7 +1414,7 @@ static inline void linear_any(int amx, const bf16 *w, const bf16 *x, int n, int 
 static inline void layer_linear(int amx, const bf16 *w, const void *q4, const bf16 *x, int n, int out, int in,
                                 void *y, const bf16 *r, int kind, bf16 *xv, void *q8) {
     if (q4)
-        linear_q4_1_rows((const BlockQ4_1 *)q4, x, n, out, in, y, r, kind, q8);
+        linear_qx8_rows(q4, 1, x, n, out, in, y, r, kind, q8);
     else
         linear_any(amx, w, x, n, out, in, y, r, kind, xv, 1);
 }
@@ -1472,7 +1555,7 @@ typedef struct {
      * [ceil(vocab/64)][ceil(hsz/2)][64][2], per vocabulary row s_v, e_v, c_v and max |w_v| */
     const int8_t *screen_q;
     const float *screen_scale, *screen_err, *screen_csum, *screen_maxw;
-    const void *lm_head_q8; /* the logits projection as Q8_0 blocks (NULL: lm_head); set with Q4_1 layers */
+    const void *lm_head_q8; /* the logits projection as Q8_0 blocks, lean_pack_q8_0's (NULL: lm_head); set with Q4_1 layers */
 } LeanModel;
 
 /* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work, then the screen's
@@ -1798,9 +1881,9 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
          * copies them into xv first) */
         int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);
         if (!screened && m->lm_head_q8) /* its activation blocks where the layers' were (work's tail) */
-            linear_q8_0_rows((const BlockQ8_0 *)m->lm_head_q8, hidden, n, m->vocab, m->hsz, logits,
-                             work + lean_forward_work_size(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx) -
-                                 forward_q8_elems(n, m->hsz, m->nh, m->d, m->inter));
+            linear_qx8_rows(m->lm_head_q8, 0, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32,
+                            work + lean_forward_work_size(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx) -
+                                forward_q8_elems(n, m->hsz, m->nh, m->d, m->inter));
         else if (!screened)
             linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
 #if LEAN_AMX_BUILD

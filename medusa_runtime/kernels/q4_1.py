@@ -4,9 +4,9 @@ holds another type).
 
 A Q4_1 block holds 32 weights ``w_j = d q_j + m`` (``q_j`` in 0..15, ``d`` and ``m`` fp16) in 20 bytes: ``d``,
 ``m``, then 16 bytes whose low nibbles are ``q_0..q_15`` and high nibbles ``q_16..q_31``. A weight ``[out, in]`` is
-held as uint8 ``[out, in / 32 * 20]``, its rows' blocks one after another: the layout ``linear_q4_1_rows`` in
-lean_cpu.c reads. A Q8_0 block holds 32 weights ``w_j = d q_j`` (``q_j`` int8, ``d`` fp16) in 34 bytes, ``[out,
-in / 32 * 34]`` (``linear_q8_0_rows``).
+held as uint8 ``[out, in / 32 * 20]``, its rows' blocks one after another, as the file stores it. A Q8_0 block
+holds 32 weights ``w_j = d q_j`` (``q_j`` int8, ``d`` fp16) in 34 bytes, ``[out, in / 32 * 34]``. The C kernels
+read either repacked by groups of 8 rows (:func:`pack`: the same bytes, another order; see lean_cpu.c).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGUFReader  # the GGUF reader transformers' own GGUF loading uses
+
+from medusa_runtime.kernels import hugepages
 
 BLOCK = 32  # weights per block
 BLOCK_BYTES = 20  # d (fp16), m (fp16), 16 bytes of nibbles
@@ -152,3 +154,39 @@ def _kept(blocks: torch.Tensor | None, weight: torch.Tensor, back, make) -> torc
 def nbytes(layers) -> int:
     """Bytes a step streams from these blocks (every layer's four weights)."""
     return sum(t.numel() for ws in layers for t in ws)
+
+
+def pack(lib, blocks: torch.Tensor, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF blocks [rows, width / 32 * bytes] (Q4_1 or Q8_0, told by their bytes a row) -> the C kernels' layout,
+    groups of 8 rows (zero padded), as uint8 [packed_bytes], into ``out`` when given."""
+    rows, q4, size = _packing(lib, blocks, width)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    if out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous():
+        raise QuantError(f"packed blocks need {size} contiguous bytes, got {out.dtype} {list(out.shape)}")
+    blocks = blocks.contiguous()
+    (lib.lean_pack_q4_1 if q4 else lib.lean_pack_q8_0)(blocks.data_ptr(), rows, width, out.data_ptr())
+    return out
+
+
+def pack_layers(lib, layers: list[tuple[torch.Tensor, ...]], widths: list[tuple[int, ...]]
+                ) -> list[tuple[torch.Tensor, ...]]:
+    """Every layer's blocks packed (:func:`pack`), side by side in one buffer the system may back with 2 MiB pages
+    (a step streams them all)."""
+    flat = [(b, w) for bs, ws in zip(layers, widths) for b, w in zip(bs, ws)]
+    sizes = [_packing(lib, b, w)[2] for b, w in flat]
+    outs = hugepages.carve(hugepages.huge_buffer(hugepages.carved_bytes(sizes, torch.uint8)), sizes, torch.uint8)
+    packed = [pack(lib, b, w, o) for (b, w), o in zip(flat, outs)]
+    counts = [len(bs) for bs in layers]
+    return [tuple(packed[sum(counts[:i]):sum(counts[:i + 1])]) for i in range(len(layers))]
+
+
+def _packing(lib, blocks: torch.Tensor, width: int) -> tuple[int, bool, int]:
+    """(rows, whether Q4_1, the packed bytes) of GGUF blocks of a weight ``width`` wide."""
+    if width % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise QuantError(f"expected uint8 blocks [rows, bytes] of a width that is a multiple of {BLOCK}")
+    rows, row_bytes = blocks.shape
+    if row_bytes not in (width // BLOCK * BLOCK_BYTES, width // BLOCK * Q8_0_BYTES):
+        raise QuantError(f"{row_bytes} bytes a row are neither Q4_1 nor Q8_0 blocks of {width} weights")
+    q4 = row_bytes == width // BLOCK * BLOCK_BYTES
+    return rows, q4, (lib.lean_q4_1_packed_bytes if q4 else lib.lean_q8_0_packed_bytes)(rows, width)
