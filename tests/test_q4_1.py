@@ -16,7 +16,7 @@ from medusa_runtime.decoding.batch import generate_batched
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
 from medusa_runtime.engines import make_engine
 from medusa_runtime.engines.base import EngineError
-from medusa_runtime.engines.lean import LeanEngine
+from medusa_runtime.engines.lean import LeanEngine, c_forward_status
 from medusa_runtime.heads.adapter import apply_heads_adapter
 from medusa_runtime.heads.medusa import heads_folder, resolve_heads
 from medusa_runtime.kernels import q4_1
@@ -151,6 +151,7 @@ def test_q4_1_engine_reads_the_gguf_and_runs_every_forward_on_its_blocks(default
     Q8_0; the prompt's last logits from the chunked prefill equal those of a one-row step at that position."""
     engine = LeanEngine(default_q4, max_nodes=4)
     assert engine.q4_1 and engine.uses_kernels and not engine.amx and engine.logit_screen is None
+    assert c_forward_status(default_q4).startswith("yes (Q4_1 layers")  # on any CPU the library builds for
     row = engine._layer_table[0]
     assert row.qkv is None and row.down is None and row.qkv_q4 and row.down_q4
     prompt = torch.tensor(encode_prompt(default_q4, "Name three colours. " * 12, chat=True))

@@ -654,6 +654,9 @@ def c_forward_status(loaded: LoadedModel) -> str:
     why = lean_support(loaded)
     if why:
         return f"no (transformers' engine: {why})"
+    if loaded.weights == "q4_1":  # its only path, whatever the CPU's vector extensions
+        return ("yes (Q4_1 layers and a Q8_0 logits projection as integer block sums against int8 activations)"
+                if kernels.load() is not None else f"no ({kernels.unavailable_reason()})")
     why = _c_forward_blocker(loaded.device, loaded.dtype)
     if why:
         return f"no ({why})"
