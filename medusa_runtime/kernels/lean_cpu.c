@@ -487,15 +487,41 @@ static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx,
         for (int b = 0; b < nb; ++b) {
             const bf16 *xb = x + (size_t)r * in + 32 * b;
             int8_t *qb = xq + (size_t)r * in + 32 * b;
+            int sum = 0;
+            float d;
+#if defined(__AVX2__) && defined(__FMA__) /* the same values as the loop below, 8 lanes at a time */
+            const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int t = 0; t < 4; ++t) m = _mm256_max_ps(m, _mm256_and_ps(v[t] = widen8(xb + 8 * t), nosign));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            d = amax / 127.0f;
+            __m256 inv = _mm256_set1_ps(d > 0.f ? 127.0f / amax : 0.f);
+            __m256i q[4];
+            for (int t = 0; t < 4; ++t) /* nearest, ties to even, as nearbyintf in the default rounding mode */
+                q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], inv), _MM_FROUND_TO_NEAREST_INT |
+                                                                                      _MM_FROUND_NO_EXC));
+            __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+            /* int32 -> int8 in order: the packs interleave the 128-bit halves, the permute puts them back */
+            __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i p8 = _mm256_packs_epi16(p16, p16b);
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)qb, p8);
+#else
             float amax = 0.f;
             for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(bf2f(xb[j])));
-            float d = amax / 127.0f, inv = d > 0.f ? 127.0f / amax : 0.f;
-            int sum = 0;
+            d = amax / 127.0f;
+            float inv = d > 0.f ? 127.0f / amax : 0.f;
             for (int j = 0; j < 32; ++j) {
                 int q = (int)nearbyintf(bf2f(xb[j]) * inv);
                 qb[j] = (int8_t)q;
                 sum += q;
             }
+#endif
             dx[(size_t)r * nb + b] = d;
             sx[(size_t)r * nb + b] = d * (float)sum;
         }
