@@ -528,9 +528,8 @@ static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* 8 vectors of 8 int32 partial sums (one row each) -> their 8 totals, rows 0 2 4 6 1 3 5 7 (exact) */
+/* 4 vectors of 8 int32 partial sums (v_k: rows 2k and 2k+1, 4 each) -> the 8 rows' totals in LANE8 order (exact) */
 static inline __m256i sum8_lane8(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-    /* v_k: rows 2k (low 128 bits) and 2k+1 (high), 4 partials each */
     return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
 }
 #endif
@@ -1581,7 +1580,8 @@ typedef struct {
      * [ceil(vocab/64)][ceil(hsz/2)][64][2], per vocabulary row s_v, e_v, c_v and max |w_v| */
     const int8_t *screen_q;
     const float *screen_scale, *screen_err, *screen_csum, *screen_maxw;
-    const void *lm_head_q8; /* the logits projection as Q8_0 blocks, lean_pack_q8_0's (NULL: lm_head); set with Q4_1 layers */
+    const void *lm_head_q8; /* the logits projection as Q8_0 blocks packed by lean_pack_q8_0 (NULL: lm_head); set
+                             * with Q4_1 layers */
 } LeanModel;
 
 /* bf16 elements of lean_decode's work for n rows: the embedded rows, then lean_forward's work, then the screen's
