@@ -5,6 +5,8 @@ plain greedy on Q4_1."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -105,16 +107,17 @@ def _exact_q8_0(blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (torch.einsum("onj,rnj->ron", q, qx.double()) * d[None] * dx.double()[:, None, :, 0]).sum(-1)
 
 
-def _run(kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+def _run(kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int = 2, lib=None) -> torch.Tensor:
+    lib = lib or LIB
     n, width, out = x.shape[0], x.shape[1], blocks.shape[0]
     y = torch.empty(n, out, dtype=torch.float32)
-    q8 = torch.empty(LIB.lean_q8_scratch_bytes(n, width), dtype=torch.uint8)
-    packed = q4_1.pack(LIB, blocks, width)  # the kernels' layout: groups of 8 rows
+    q8 = torch.empty(lib.lean_q8_scratch_bytes(n, width), dtype=torch.uint8)
+    packed = q4_1.pack(lib, blocks, width)  # the kernels' layout: groups of 8 rows
     if kind == "q4_1":
-        LIB.lean_linear_q4_1(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), None, kernels.OUT_F32,
+        lib.lean_linear_q4_1(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), None, kernels.OUT_F32,
                              q8.data_ptr(), threads)
     else:
-        LIB.lean_linear_q8_0(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), q8.data_ptr(), threads)
+        lib.lean_linear_q8_0(packed.data_ptr(), x.data_ptr(), n, out, width, y.data_ptr(), q8.data_ptr(), threads)
     return y
 
 
@@ -136,6 +139,30 @@ def test_c_products_match_integer_exact_sums_and_each_row_alone_bit_for_bit(kind
         for threads in (1, 2):
             part = _run(kind, blocks, x[:n].contiguous(), threads)
             assert torch.equal(part, full[:n]), (n, threads)
+
+
+@needs_c
+def test_int8_products_are_the_same_bits_on_every_instruction_set(tmp_path):
+    """The block products by AVX512-VNNI (vpdpbusd), by AVX2 (maddubs and madd) and by the portable loop: builds
+    without the newer extensions made here; every output of 1..9 rows equals the native build's bit for bit (the
+    integer block sums are exact on every path, and the float32 chain is the same)."""
+    builds = {"no-vnni": ("-mno-avx512vnni",), "portable": ("-mno-avx2",)}
+    libs = {}
+    for name, flags in builds.items():
+        target = tmp_path / f"lean_cpu_{name}.so"
+        kernels._build(kernels._compiler(), target, extra_flags=flags)
+        libs[name] = kernels._declare(ctypes.CDLL(str(target)))
+    w = _weights(6, out=45, width=192)
+    x = (torch.randn(9, 192, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
+    x[1, :32] = 0
+    x[4, 40] = 300.0  # an outlier: its block quantises to +-127 around it
+    for kind, blocks in (("q4_1", q4_1.quantize(w)), ("q8_0", q4_1.quantize_q8_0(w))):
+        if kind == "q8_0":
+            blocks.view(45, 6, 34)[7, 2, 2:] = 0x80  # int8 -128 weights: |q| = 128 as an unsigned byte
+        native = _run(kind, blocks, x)
+        for name, lib in libs.items():
+            for n in (1, 4, 9):
+                assert torch.equal(_run(kind, blocks, x[:n].contiguous(), lib=lib), native[:n]), (kind, name, n)
 
 
 def test_weights_q4_1_refuses_what_it_cannot_run():

@@ -528,6 +528,26 @@ static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx,
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Per int32 lane, the sum of 4 adjacent products of unsigned bytes u and signed bytes s (exact where every
+ * adjacent pair of products fits in int16); with AVX512-VNNI one vpdpbusd, else maddubs into int16 pairs and
+ * madd against ones. The second form adds u1 x s1 (exact where the int16 pair sums of both still fit). */
+static inline __m256i sum4_u8i8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i sum4_u8i8_2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
 /* 4 vectors of 8 int32 partial sums (v_k: rows 2k and 2k+1, 4 each) -> the 8 rows' totals in LANE8 order (exact) */
 static inline __m256i sum8_lane8(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
     return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
@@ -542,7 +562,7 @@ static inline __attribute__((always_inline)) void dot_q4_1x8(const BlockQ4_1x8 *
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     __m256 acc[4], accm[4];
     for (int rr = 0; rr < 4; ++rr) acc[rr] = accm[rr] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const BlockQ4_1x8 *t = w + b;
         __m256i lo[4], hi[4];
@@ -559,8 +579,7 @@ static inline __attribute__((always_inline)) void dot_q4_1x8(const BlockQ4_1x8 *
             __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
             __m256i v[4];
             for (int k = 0; k < 4; ++k) /* |pair sums| <= 2 * 15 * 127, twice that after the add: no saturation */
-                v[k] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[k], xl),
-                                                          _mm256_maddubs_epi16(hi[k], xh)), ones);
+                v[k] = sum4_u8i8_2(lo[k], xl, hi[k], xh);
             __m256 isum = _mm256_cvtepi32_ps(sum8_lane8(v[0], v[1], v[2], v[3]));
             size_t at = (size_t)rr * nb + b;
             acc[rr] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(dx[at])), acc[rr]);
@@ -593,7 +612,6 @@ static inline __attribute__((always_inline)) void dot_q8_0x8(const BlockQ8_0x8 *
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     __m256 acc[4];
     for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
         const BlockQ8_0x8 *t = w + b;
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t->d));
@@ -602,7 +620,7 @@ static inline __attribute__((always_inline)) void dot_q8_0x8(const BlockQ8_0x8 *
             __m256i v[8];
             for (int k = 0; k < 8; ++k) { /* |q| as unsigned bytes, its sign moved onto x */
                 __m256i q = _mm256_loadu_si256((const __m256i *)t->qs[k]);
-                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+                v[k] = sum4_u8i8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
             }
             __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
             __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
