@@ -152,6 +152,8 @@ def test_int8_products_are_the_same_bits_on_every_instruction_set(tmp_path):
         target = tmp_path / f"lean_cpu_{name}.so"
         kernels._build(kernels._compiler(), target, extra_flags=flags)
         libs[name] = kernels._declare(ctypes.CDLL(str(target)))
+    avx2 = "avx2" in (kernels.cpuinfo_line("flags") or "")
+    assert (libs["no-vnni"].lean_int8_dot_path(), libs["portable"].lean_int8_dot_path()) == (int(avx2), 0)
     w = _weights(6, out=45, width=192)
     x = (torch.randn(9, 192, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16)
     x[1, :32] = 0
@@ -179,6 +181,9 @@ def test_q4_1_engine_reads_the_gguf_and_runs_every_forward_on_its_blocks(default
     engine = LeanEngine(default_q4, max_nodes=4)
     assert engine.q4_1 and engine.uses_kernels and not engine.amx and engine.logit_screen is None
     assert c_forward_status(default_q4).startswith("yes (Q4_1 layers")  # on any CPU the library builds for
+    flags = kernels.cpuinfo_line("flags") or ""
+    assert c_forward_status(default_q4).endswith(
+        "by AVX512-VNNI (vpdpbusd))" if "avx512_vnni" in flags else "by AVX2 (maddubs))" if "avx2" in flags else "loop)")
     row = engine._layer_table[0]
     assert row.qkv is None and row.down is None and row.qkv_q4 and row.down_q4
     prompt = torch.tensor(encode_prompt(default_q4, "Name three colours. " * 12, chat=True))

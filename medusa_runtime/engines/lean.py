@@ -655,8 +655,8 @@ def c_forward_status(loaded: LoadedModel) -> str:
     if why:
         return f"no (transformers' engine: {why})"
     if loaded.weights == "q4_1":  # its only path, whatever the CPU's vector extensions
-        return ("yes (Q4_1 layers and a Q8_0 logits projection as integer block sums against int8 activations)"
-                if kernels.load() is not None else f"no ({kernels.unavailable_reason()})")
+        return (f"yes (Q4_1 layers and a Q8_0 logits projection as integer block sums against int8 activations, "
+                f"by {kernels.int8_dot_path()})" if kernels.load() is not None else f"no ({kernels.unavailable_reason()})")
     why = _c_forward_blocker(loaded.device, loaded.dtype)
     if why:
         return f"no ({why})"

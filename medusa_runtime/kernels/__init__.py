@@ -150,6 +150,7 @@ def _build(cc: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, f, z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
     lib.lean_has_avx512bf16.restype = i
+    lib.lean_int8_dot_path.restype = i
     lib.lean_amx_available.restype = i
     lib.lean_linear.argtypes = [p, p, i, i, i, p, p, i, i]
     lib.lean_linear.restype = None
@@ -245,6 +246,16 @@ def amx_path() -> bool:
     """True when the library runs its linear layers on AMX tiles here (CPU, kernel permission, not switched off)."""
     lib = load()
     return bool(lib is not None and os.environ.get(AMX_SWITCH, "1") != "0" and lib.lean_amx_available())
+
+
+INT8_DOT_PATHS = ("the portable loop", "AVX2 (maddubs)", "AVX512-VNNI (vpdpbusd)")
+
+
+def int8_dot_path() -> str | None:
+    """How this build's Q4_1 / Q8_0 block products sum their bytes (the same results on every path), None without
+    the library."""
+    lib = load()
+    return None if lib is None else INT8_DOT_PATHS[lib.lean_int8_dot_path()]
 
 
 def fast_path() -> bool:

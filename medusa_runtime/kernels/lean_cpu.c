@@ -75,6 +75,19 @@ static inline bf16 f2bf(float f) { /* round to nearest even, NaN -> canonical qu
 }
 
 int lean_has_avx512bf16(void) { return LEAN_AVX512BF16; }
+/* How the Q4_1 / Q8_0 block products sum bytes: 2 AVX512-VNNI (vpdpbusd), 1 AVX2 (maddubs, madd), 0 the portable
+ * loop (the same integers and float32 chain on every path) */
+int lean_int8_dot_path(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#else
+    return 1;
+#endif
+#else
+    return 0;
+#endif
+}
 
 /* ------------------------------------------------------------------ dot products */
 
