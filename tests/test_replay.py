@@ -287,6 +287,8 @@ def test_configurations_with_heads_of_their_own_decode_on_the_base_of_those_head
         assert by[("plain", q.question_id)]["token_ids"] == hf_greedy(loaded, prompt, 10)
     eq = greedy_equality(pd.DataFrame(records), "plain").set_index("config")
     assert (eq["identical_share"] == 1.0).all() and (eq["compared"] == len(QUESTIONS)).all()
+    assert eq["reference"].to_dict() == {"plain": "plain", "medusa chain:2": "plain", "plain, medusa2 base":
+                                         "plain, medusa2 base", "medusa2 chain:2": "plain, medusa2 base"}
 
 
 def test_sampled_configurations_draw_seeded_samples_that_do_not_depend_on_the_order(tmp_path):

@@ -38,7 +38,8 @@ def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
     """Share of (question, turn) outputs identical to the reference configuration's, per configuration
     (greedy runs only: sampled answers are not expected to match). A configuration that decoded with another
     base (heads with an adapter of their own: the record's ``model``) is compared with plain decoding of that
-    base, where the replay ran it (no lookup), else not at all."""
+    base, where the replay ran it (no lookup), else not at all; ``reference`` names what each row is compared
+    with."""
     if "temperature" in df.columns:
         df = df[df["temperature"].fillna(0.0) == 0.0]
     first = df[df["repeat"] == 0]
@@ -63,7 +64,7 @@ def greedy_equality(df: pd.DataFrame, reference: str) -> pd.DataFrame:
         common = keyed.index.intersection(ref.index)
         same = sum(list(keyed[k]) == list(ref[k]) for k in common)
         agree = [token_agreement(list(keyed[k]), list(ref[k])) for k in common]
-        rows.append({"config": name, "compared": len(common), "identical": same,
+        rows.append({"config": name, "reference": ref_name, "compared": len(common), "identical": same,
                      "identical_share": same / len(common) if len(common) else float("nan"),
                      "token_agreement": sum(agree) / len(agree) if agree else float("nan")})
     return pd.DataFrame(rows)

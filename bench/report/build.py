@@ -301,7 +301,9 @@ def _weights_note(records: list[dict]) -> str:
         return ""
     return ("The runtime decoded the layers' Q4_1 blocks (`--weights q4_1`) and transformers' generate the dense "
             f"{records[0].get('dtype')} weights they dequantise to: `identical` and `token_agreement` (the share of "
-            "positions holding the same token) are how often Q4_1 answers equal the dense ones.\n\n")
+            "positions holding the same token) are how often Q4_1 answers equal the dense ones. A row decoded on "
+            "another base (a compared head set's) has no dense answers to meet: it is compared with that base's "
+            "plain Q4_1 decoding, which `reference` names.\n\n")
 
 
 def _records_meta(records: list[dict]) -> dict:
