@@ -184,8 +184,14 @@ def test_peer_rows_of_report_json(tmp_path):
     predicted = {"vllm medusa chain:2": [0.2, 0.07]}
     card = scorecard(df, configs, {}, engine_predictions=predicted, startup={"vllm plain": 14.0})
     v = verdict(card)
-    path = write_report(card, v, {}, tmp_path / "report.json")
-    rows = {r["config"]: r for r in json.loads(path.read_text())["configs"]}
+    load = {"concurrencies": [1, 8], "rows": [{"config": "plain", "engine": "own", "concurrency": 8}],
+            "stops_paying": {}, "left_out": []}
+    left_out = ["vllm: MEDUSA_VLLM_PYTHON is not set"]
+    path = write_report(card, v, {"load": load, "engines_left_out": left_out}, tmp_path / "report.json")
+    written = json.loads(path.read_text())
+    assert written["load"] == load and written["engines_left_out"] == left_out  # formats.md: report.json's load
+    assert "load" not in json.loads(write_report(card, v, {}, tmp_path / "bare.json").read_text())
+    rows = {r["config"]: r for r in written["configs"]}
     assert {r["engine"] for r in rows.values()} == {"own", "vllm", "llama.cpp"}
     for r in rows.values():
         lo, hi = r["tokens_per_s_ci"]

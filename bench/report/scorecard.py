@@ -253,6 +253,9 @@ def write_report(card: pd.DataFrame, summary: dict, meta: dict, out: Path) -> Pa
            "distribution_checks": meta.get("distribution_checks") or []}
     if meta.get("deploy"):
         obj["deploy"] = meta["deploy"]
+    if meta.get("load"):
+        obj["load"] = meta["load"]
+    obj["engines_left_out"] = meta.get("engines_left_out") or []
     return write_json_atomic(out, obj)
 
 
