@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from bench.replay import runner
-from bench.replay.analyze import greedy_equality, summary
+from bench.replay.analyze import greedy_equality, summary, token_agreement
 from bench.replay.mtbench import Question, load_questions
 from bench.replay.runner import MethodConfig, ReplayConfig, load_records, replay
 from medusa_runtime.decoding.lockstep import lockstep
@@ -184,6 +184,13 @@ def test_fastchat_temperature_policy(tmp_path):
         MethodConfig("m", "medusa", tree="chain:2", temperature_policy="fastchat")
     with pytest.raises(ValueError, match="temperature_policy"):
         MethodConfig("m", "plain", temperature_policy="per-category")
+
+
+def test_token_agreement_counts_equal_positions_over_the_longer_answer():
+    assert token_agreement([1, 2, 3], [1, 2, 4]) == pytest.approx(2 / 3)
+    assert token_agreement([1, 2], [1, 2, 3, 4]) == token_agreement([1, 2, 3, 4], [1, 2]) == 0.5
+    assert token_agreement([5, 2, 3], [1, 2, 3]) == pytest.approx(2 / 3)  # a chance match after a divergence counts
+    assert token_agreement([], []) == 1.0 and token_agreement([7], []) == 0.0
 
 
 def test_summary_is_ratio_of_totals():

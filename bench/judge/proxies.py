@@ -8,16 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.replay.analyze import token_agreement
 from medusa_runtime.measure.calibrate import greedy_rollouts
 from medusa_runtime.model import LoadedModel
-
-
-def token_agreement(answer: Sequence[int], reference: Sequence[int]) -> float:
-    """Share of the reference's positions where the answer has the same token (1.0 = identical)."""
-    if not reference:
-        return 1.0 if not answer else 0.0
-    same = sum(a == b for a, b in zip(answer, reference))
-    return same / max(len(reference), len(answer))
 
 
 def _answer_logits(loaded: LoadedModel, prompt: Sequence[int], answer: Sequence[int]
