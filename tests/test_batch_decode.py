@@ -44,10 +44,21 @@ def test_greedy_tokens_are_the_same_alone_and_in_any_batch(default_model, mt_ben
         assert sum(dec.generate(p).stats.steps for p in prompts) < sum(len(a) for a in alone)
 
 
+def _torch_matmul_is_row_invariant() -> bool:
+    """Whether PyTorch's float32 linear gives a row the same bits in a call of 1, 4 and 9 rows on this CPU (oneDNN
+    picks its kernel, and with it the order of each sum, by the number of rows; on AVX-512 CPUs they differ)."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(1536, 576, generator=g), torch.randn(9, 576, generator=g)
+    one = torch.nn.functional.linear(x[:1], w)
+    return all(torch.equal(torch.nn.functional.linear(x[:m], w)[:1], one) for m in (4, 9))
+
+
 def test_rows_of_a_batched_forward_are_each_sequence_alone_bit_for_bit(default_model, default_bf16, monkeypatch):
     """Three sequences (a plain row, a tree, a tree over a longer cache) through one forward: every row's logits and
-    hidden state equal those of its sequence's own forward, on the PyTorch path (float32) and the C forward (bf16),
-    and each cache holds what its own forward wrote."""
+    hidden state equal those of its sequence's own forward, on the C forward (bf16) always and on the PyTorch path
+    (float32) where PyTorch's own float32 linear is row-invariant on this CPU (elsewhere, as on AVX-512 CPUs, whose
+    runtime path is the C forward, they agree to float32 rounding), and each cache holds what its own forward
+    wrote."""
     monkeypatch.setattr(kernels, "fast_path", lambda: True)  # the C forward even without AVX-512 BF16 (slower)
     buffers = compile_tree(load_tree("chain:3"), 3, 10, 0, 0.0, torch.device("cpu")).variants[0]
     for loaded, kernel in ((default_model, False), (default_bf16, True)):
@@ -71,9 +82,14 @@ def test_rows_of_a_batched_forward_are_each_sequence_alone_bit_for_bit(default_m
                     logits, hidden = forward_rows(engine, seqs)
                     at = [0, 1, 5, 9]
                     own.extend((logits[a:b], hidden[a:b], s.cache) for a, b, s in zip(at, at[1:], seqs))
+        exact = kernel or _torch_matmul_is_row_invariant()
         for (la, ha, ca), (lb, hb, cb), p in zip(alone, batched, prompts):
-            assert torch.equal(la, lb) and torch.equal(ha, hb), (loaded.dtype, len(p))
-            assert torch.equal(ca.keys[:, :, :len(p) + 4], cb.keys[:, :, :len(p) + 4])
+            if exact:
+                assert torch.equal(la, lb) and torch.equal(ha, hb), (loaded.dtype, len(p))
+            else:
+                assert torch.allclose(la, lb, rtol=1e-4, atol=1e-4) and torch.allclose(ha, hb, rtol=1e-4, atol=1e-4)
+            keys_a, keys_b = ca.keys[:, :, :len(p) + 4], cb.keys[:, :, :len(p) + 4]
+            assert torch.equal(keys_a, keys_b) if exact else torch.allclose(keys_a, keys_b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rule", ["sample", "typical"])

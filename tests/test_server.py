@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
+from medusa_runtime.model import load_model
 from treesearch.tree import load_tree
 
 from .conftest import post_json
@@ -57,14 +58,15 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def alone(default_model, mt_bench_first_turns):
-    """(question text, its answer under the runtime's plain greedy decoding alone) for 24 first turns."""
-    dec = MedusaDecoder(default_model, None, None, config=DecodeConfig(max_new_tokens=NEW))
+def alone(mt_bench_first_turns):
+    """(question text, its answer under the runtime's plain greedy decoding alone) for 24 first turns, in the dtype
+    the server picks (``--dtype auto``: bfloat16 on the C forward where the CPU has AVX-512 BF16, else float32)."""
+    model = load_model("default", "auto", log=lambda m: None)
+    dec = MedusaDecoder(model, None, None, config=DecodeConfig(max_new_tokens=NEW))
     out = []
     for q in mt_bench_first_turns[::3][:24]:
-        ids = encode_prompt(default_model, q["turns"][0], chat=True)
-        out.append((q["turns"][0], default_model.tokenizer.decode(dec.generate(ids).token_ids,
-                                                                   skip_special_tokens=True)))
+        ids = encode_prompt(model, q["turns"][0], chat=True)
+        out.append((q["turns"][0], model.tokenizer.decode(dec.generate(ids).token_ids, skip_special_tokens=True)))
     return out
 
 
