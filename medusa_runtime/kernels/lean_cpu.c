@@ -46,6 +46,18 @@
 #else
 #define LEAN_AVX512BF16 0
 #endif
+/* the Q4_1 / Q8_0 block products' vector paths: AVX2 (with FMA and F16C), and vpdpbusd on top where the CPU has
+ * AVX512-VNNI; the portable loop elsewhere */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LEAN_QX_AVX2 1
+#else
+#define LEAN_QX_AVX2 0
+#endif
+#if LEAN_QX_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LEAN_QX_VNNI 1
+#else
+#define LEAN_QX_VNNI 0
+#endif
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #include <cpuid.h>
 #include <immintrin.h>
@@ -77,17 +89,7 @@ static inline bf16 f2bf(float f) { /* round to nearest even, NaN -> canonical qu
 int lean_has_avx512bf16(void) { return LEAN_AVX512BF16; }
 /* How the Q4_1 / Q8_0 block products sum bytes: 2 AVX512-VNNI (vpdpbusd), 1 AVX2 (maddubs, madd), 0 the portable
  * loop (the same integers and float32 chain on every path) */
-int lean_int8_dot_path(void) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return 2;
-#else
-    return 1;
-#endif
-#else
-    return 0;
-#endif
-}
+int lean_int8_dot_path(void) { return LEAN_QX_VNNI ? 2 : LEAN_QX_AVX2; }
 
 /* ------------------------------------------------------------------ dot products */
 
@@ -540,12 +542,12 @@ static void quantize_q8_rows(const bf16 *x, int n, int in, float *dx, float *sx,
         }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if LEAN_QX_AVX2
 /* Per int32 lane, the sum of 4 adjacent products of unsigned bytes u and signed bytes s (exact where every
  * adjacent pair of products fits in int16); with AVX512-VNNI one vpdpbusd, else maddubs into int16 pairs and
  * madd against ones. The second form adds u1 x s1 (exact where the int16 pair sums of both still fit). */
 static inline __m256i sum4_u8i8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if LEAN_QX_VNNI
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -553,7 +555,7 @@ static inline __m256i sum4_u8i8(__m256i u, __m256i s) {
 }
 
 static inline __m256i sum4_u8i8_2(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if LEAN_QX_VNNI
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
 #else
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1)),
@@ -572,7 +574,7 @@ static inline __m256i sum8_lane8(__m256i v0, __m256i v1, __m256i v2, __m256i v3)
 static inline __attribute__((always_inline)) void dot_q4_1x8(const BlockQ4_1x8 *w, int nb, const int8_t *xq,
                                                              const float *dx, const float *sx, size_t stride, int R,
                                                              float out[4][8]) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if LEAN_QX_AVX2
     __m256 acc[4], accm[4];
     for (int rr = 0; rr < 4; ++rr) acc[rr] = accm[rr] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -622,7 +624,7 @@ static inline __attribute__((always_inline)) void dot_q4_1x8(const BlockQ4_1x8 *
 /* The same for a group of 8 Q8_0 rows -> out[rr][row] (row order). */
 static inline __attribute__((always_inline)) void dot_q8_0x8(const BlockQ8_0x8 *w, int nb, const int8_t *xq,
                                                              const float *dx, size_t stride, int R, float out[4][8]) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if LEAN_QX_AVX2
     __m256 acc[4];
     for (int rr = 0; rr < 4; ++rr) acc[rr] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
