@@ -83,13 +83,10 @@ def test_rows_of_a_batched_forward_are_each_sequence_alone_bit_for_bit(default_m
                     at = [0, 1, 5, 9]
                     own.extend((logits[a:b], hidden[a:b], s.cache) for a, b, s in zip(at, at[1:], seqs))
         exact = kernel or _torch_matmul_is_row_invariant()
+        same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4))
         for (la, ha, ca), (lb, hb, cb), p in zip(alone, batched, prompts):
-            if exact:
-                assert torch.equal(la, lb) and torch.equal(ha, hb), (loaded.dtype, len(p))
-            else:
-                assert torch.allclose(la, lb, rtol=1e-4, atol=1e-4) and torch.allclose(ha, hb, rtol=1e-4, atol=1e-4)
-            keys_a, keys_b = ca.keys[:, :, :len(p) + 4], cb.keys[:, :, :len(p) + 4]
-            assert torch.equal(keys_a, keys_b) if exact else torch.allclose(keys_a, keys_b, rtol=1e-4, atol=1e-4)
+            assert same(la, lb) and same(ha, hb), (loaded.dtype, len(p))
+            assert same(ca.keys[:, :, :len(p) + 4], cb.keys[:, :, :len(p) + 4])
 
 
 @pytest.mark.parametrize("rule", ["sample", "typical"])
