@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_runtime import kernels
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
-from medusa_runtime.engines import make_engine
+from medusa_runtime.engines import lean, make_engine
 from medusa_runtime.engines.base import EngineError
 from medusa_runtime.engines.lean import LeanEngine, c_forward_status
 from medusa_runtime.heads.medusa import Int8Projection, resolve_heads
@@ -179,6 +179,29 @@ def test_c_forward_is_as_close_to_float32_as_the_torch_path(default_model, defau
     assert max(errs_c) < 0.05 and max(far_c) < 0.005, (errs_c, far_c)
     assert sum(errs_c) <= 1.25 * sum(errs_t) + 1e-3, (errs_c, errs_t)
     assert same >= 10  # greedy choices agree with float32's (bf16 may flip a near-tie)
+
+
+def test_the_prompt_runs_on_the_c_forward_in_chunks_each_row_its_one_row_step(default_bf16):
+    """The prompt's forward (bf16, C forward, not the tile path) runs in chunks of PREFILL_CHUNK causal rows: every
+    row's hidden state and cache entries are bit for bit what one-row steps fed the same tokens in turn give, across
+    the chunks' seams; and the result stays within rounding of PyTorch's prompt forward (oneDNN)."""
+    engine = LeanEngine(default_bf16, use_kernels=True)
+    if engine.amx:
+        pytest.skip("on the AMX tile path the prompt stays on PyTorch")
+    torch_path = LeanEngine(default_bf16, use_kernels=False)
+    n = 2 * lean.PREFILL_CHUNK + 9  # three chunks
+    prompt = torch.randint(0, default_bf16.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        cache, steps, ref = engine.new_cache(n), engine.new_cache(n), torch_path.new_cache(n)
+        logits, hidden = engine.forward(prompt, 0, cache)
+        rows = [engine.forward(prompt[i:i + 1], i, steps) for i in range(n)]
+        ref_logits, ref_hidden = torch_path.forward(prompt, 0, ref)
+    assert hidden.shape == (n, default_bf16.hidden_size) and logits.shape == (n, default_bf16.vocab_size)
+    assert torch.equal(hidden, torch.cat([h for _, h in rows]))
+    assert torch.equal(logits, torch.cat([lg for lg, _ in rows]))
+    assert torch.equal(cache.keys, steps.keys) and torch.equal(cache.values, steps.values)
+    assert _rel(hidden, ref_hidden) < 0.05
+    assert float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()) >= 0.9
 
 
 def _path_steps(engine: LeanEngine, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, node: int):

@@ -6,9 +6,12 @@ all layers at once. Same maths as transformers' Llama (float32 RoPE tables, RMSN
 it in the tests. In bf16 on a CPU with AVX-512 BF16, decode steps (one row or a tree) run as one call of a C
 forward (kernels/lean_cpu.c: fused element-wise stages, its own GEMV, attention over the cache); there a tree row
 is bit-for-bit the one-row step of the same token, so bf16 Medusa decoding equals the runtime's bf16 plain
-decoding. The prompt forward stays on PyTorch (oneDNN), and ``lean-torch`` keeps every forward there. With Q4_1
-weights (``LoadedModel.weights``, ``--weights q4_1``) every forward, the prompt's included, runs on the C forward,
-its linear layers reading GGUF Q4_1 blocks and its logits projection Q8_0 ones (kernels/q4_1.py). On CUDA the
+decoding. The prompt's forward runs there too, in chunks of causal rows (``PREFILL_CHUNK``): compute-bound, the
+C forward's bf16 dot products take it in about two thirds of oneDNN's time at 64 rows, a third at 16. Only on the
+AMX tile path does the prompt stay on PyTorch (oneDNN, which runs it on the tile unit too; the two were not
+compared). ``lean-torch`` keeps every forward on PyTorch. With Q4_1 weights (``LoadedModel.weights``,
+``--weights q4_1``) every forward runs on the C forward, its linear layers reading GGUF Q4_1 blocks and its logits
+projection Q8_0 ones (kernels/q4_1.py). On CUDA the
 lean engine's decode steps have every shape fixed (graphs.py: attention over the whole cache under a mask built on
 the device) and each is captured once as a CUDA graph and replayed; ``lean-static`` runs those fixed-shape steps
 eagerly, on any device (the check of their maths on a CPU).
@@ -106,7 +109,7 @@ def _packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_kernels())
 
 
-PREFILL_CHUNK = 64  # prompt rows per C call where the prompt runs there too (Q4_1 weights)
+PREFILL_CHUNK = 64  # prompt rows per C call (the work buffers stay bounded by it)
 
 # the row count float32 weights are packed for: oneDNN then runs every row count through one blocking, so a row's
 # result does not depend on how many rows share the call (packed for one row, one row alone rounds otherwise than
@@ -414,7 +417,7 @@ class LeanEngine:
         self._rope(cache.capacity)  # positions never exceed the slots; no-op once the table is long enough
         if self.lib is not None and (tree is not None or n == 1):
             return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
-        if self.q4_1:  # the prompt too: in chunks of causal rows, each row the same as in one call
+        if self.lib is not None and (self.q4_1 or not self.amx):  # the prompt: in chunks of causal rows
             return self._kernel_prefill(ids, start, cache, positions, last_only)
         if positions is None:
             cos, sin = self._cos[start:end], self._sin[start:end]
