@@ -80,13 +80,18 @@ def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted,
     ranges = search_schedule(stats, latency, SIZES, options)
     picks = {}
     for r in ranges:
-        for pred in r.predictions:
-            picks[pred.batch] = (r.decoding, pred)
-    for b in SIZES:
+        assert r.predictions[0].batch == r.first  # the range's prediction is at its first size
+        assert {p.batch for p in r.predictions} == {r.first} | {b for b in SIZES if r.first <= b <= r.last}
+        for b in range(r.first, r.last + 1):
+            picks[b] = (r.decoding, next((p for p in r.predictions if p.batch == b), None))
+    assert sorted(picks) == list(range(1, 17))
+    for b in range(1, 17):  # every live batch size, the unprofiled ones on interpolated steps
         speeds = {k: _brute_force(stats, latency, b, k) for k in range(stats.num_heads + 1)}
         dec, pred = picks[b]
         got = len(dec.tree.paths) if dec.tree is not None else 0
         assert speeds[got] == pytest.approx(max(speeds.values())), (b, speeds)
+        if pred is None:
+            continue
         assert pred.output_tokens_per_s == pytest.approx(speeds[got])
         assert pred.speedup_vs_plain == pytest.approx(speeds[got] / speeds[0])
         lo, hi = pred.output_tokens_per_s_ci

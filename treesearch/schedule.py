@@ -10,9 +10,9 @@ batched step, plus the prefills of the requests that join while it runs (about B
 
 The steps (their nodes and contexts) come from replaying each candidate configuration on the calibration
 rollouts (``treesearch.replay``), the step costs from the latency profile's batched steps
-(``LatencyProfile.batch_step``). Per batch size the candidate with the highest predicted throughput wins;
-adjacent batch sizes with the same pick merge into one inclusive range, and the range of a searched size runs
-up to the next searched size. Intervals are percentile bootstraps over the rollouts resampled whole.
+(``LatencyProfile.batch_step``, interpolated between the profiled batch sizes). Per batch size, every one from 1
+to the largest searched, the candidate with the highest predicted throughput wins; adjacent batch sizes with the
+same pick merge into one inclusive range. Intervals are percentile bootstraps over the rollouts resampled whole.
 
 What a target can run bounds the candidates: chain targets (vLLM, TGI) take plain decoding and the heads'
 chains 1..K, which is the whole space, so the pick is exact; TensorRT-LLM's engine keeps one ``medusa_choices``
@@ -58,7 +58,7 @@ class ScheduleRange:
     first: int
     last: int
     decoding: Decoding
-    predictions: tuple[LoadPrediction, ...]  # at each searched batch size within the range
+    predictions: tuple[LoadPrediction, ...]  # at its first batch size, then each searched size within it
 
 
 def request_latencies(res: ReplayResult, latency: LatencyProfile, batch: int) -> list[float]:
@@ -113,7 +113,11 @@ def candidates(target: Target, num_heads: int, tree: Tree | None = None, recomme
 
 def search_schedule(stats: AcceptanceStats, latency: LatencyProfile, batch_sizes: Sequence[int],
                     options: Sequence[Decoding], level: float = LEVEL) -> list[ScheduleRange]:
-    """Per searched batch size the option with the highest predicted throughput, as merged ranges."""
+    """Per batch size from 1 to the largest searched one, the option with the highest predicted throughput, as
+    merged ranges. Every size is priced, the unprofiled ones on the profile's interpolated steps: under load the
+    live batch takes every value up to the concurrency (a request leaves, the next has not joined yet), so a
+    range's bounds fall where the picks change, not at the next profiled size. Each range carries its
+    predictions at its first size and at the searched sizes it holds."""
     sizes = sorted(set(int(b) for b in batch_sizes))
     if not sizes or sizes[0] != 1:
         raise StatsError(f"a schedule's batch sizes start at 1, got {list(batch_sizes)}")
@@ -122,21 +126,22 @@ def search_schedule(stats: AcceptanceStats, latency: LatencyProfile, batch_sizes
     if not options or options[0].tree is not None or options[0].lookup:
         raise StatsError("a schedule's options start with plain decoding")
     results = [replay(dec, stats, latency) for dec in options]
-    picks: list[tuple[int, LoadPrediction]] = []
-    for batch in sizes:
+    picks: list[tuple[int, LoadPrediction]] = []  # [batch - 1]
+    for batch in range(1, sizes[-1] + 1):
         plain = request_latencies(results[0], latency, batch)
         scored = [(predict_at(res, plain, latency, batch, level), i) for i, res in enumerate(results)]
         best, i = max(scored, key=lambda s: (s[0].output_tokens_per_s, -s[1]))  # ties: the simpler option
         picks.append((i, best))
-    ranges: list[ScheduleRange] = []
-    for k, (i, pred) in enumerate(picks):
-        last = sizes[k + 1] - 1 if k + 1 < len(sizes) else sizes[-1]
-        if ranges and ranges[-1].decoding is options[i]:
-            prev = ranges[-1]
-            ranges[-1] = ScheduleRange(prev.first, last, prev.decoding, prev.predictions + (pred,))
+    ranges: list[tuple[int, int, int]] = []  # (first, last, option)
+    for batch, (i, _) in enumerate(picks, start=1):
+        if ranges and ranges[-1][2] == i:
+            ranges[-1] = (ranges[-1][0], batch, i)
         else:
-            ranges.append(ScheduleRange(sizes[k], last, options[i], (pred,)))
-    return ranges
+            ranges.append((batch, batch, i))
+    searched = set(sizes)
+    return [ScheduleRange(first, last, options[i],
+                          tuple(picks[b - 1][1] for b in range(first, last + 1) if b == first or b in searched))
+            for first, last, i in ranges]
 
 
 def schedule_json(ranges: list[ScheduleRange]) -> list[dict[str, Any]]:
