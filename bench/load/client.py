@@ -23,6 +23,11 @@ from dataclasses import dataclass, field, replace
 
 import openai
 
+try:
+    import uvloop  # a dependency except on Windows, where it does not build
+except ImportError:
+    uvloop = None
+
 
 @dataclass(frozen=True)
 class LoadRequest:
@@ -153,8 +158,4 @@ def run_load_sync(base_url: str, model: str, requests: Sequence[LoadRequest], pl
     that also runs the server the client's CPU per chunk is taken from the decoding it measures (uvloop's is
     about a fifth below asyncio's own loop's)."""
     coro = run_load(base_url, model, requests, plan, count_tokens, progress)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    return uvloop.run(coro) if uvloop is not None else asyncio.run(coro)
