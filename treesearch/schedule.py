@@ -22,6 +22,7 @@ order) within its node limit; this runtime takes those and the search's own reco
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,17 +71,21 @@ def request_latencies(res: ReplayResult, latency: LatencyProfile, batch: int) ->
     return out
 
 
-def predict_at(res: ReplayResult, plain_latencies: list[float], latency: LatencyProfile, batch: int,
+def output_tokens_per_s(res: ReplayResult, latencies: list[float], batch: int) -> float:
+    """``res``'s predicted output throughput with ``batch`` requests together, its requests taking ``latencies``."""
+    return 1000.0 * batch * sum(float(r.tokens) for r in res.rollouts) / sum(latencies)
+
+
+def predict_at(res: ReplayResult, latencies: list[float], plain_latencies: list[float], batch: int,
                level: float = LEVEL) -> LoadPrediction:
-    """``res``'s output throughput at ``batch`` and its speed-up over plain decoding's (``plain_latencies``)."""
-    lat = request_latencies(res, latency, batch)
+    """``res``'s output throughput at ``batch`` (its requests taking ``latencies``, ``request_latencies``) and its
+    speed-up over plain decoding's (``plain_latencies``), with intervals."""
     tokens = [float(r.tokens) for r in res.rollouts]
     scale = 1000.0 * batch
-    tps = scale * sum(tokens) / sum(lat)
-    lo, hi = bootstrap_ratio(tokens, lat, level)
-    s_lo, s_hi = bootstrap_ratio(plain_latencies, lat, level)
-    return LoadPrediction(batch, tps, (scale * lo, scale * hi), sum(plain_latencies) / sum(lat), (s_lo, s_hi),
-                          res.tau)
+    lo, hi = bootstrap_ratio(tokens, latencies, level)
+    s_lo, s_hi = bootstrap_ratio(plain_latencies, latencies, level)
+    return LoadPrediction(batch, output_tokens_per_s(res, latencies, batch), (scale * lo, scale * hi),
+                          sum(plain_latencies) / sum(latencies), (s_lo, s_hi), res.tau)
 
 
 def prefixes(tree: Tree, max_nodes: int | None = None) -> list[Tree]:
@@ -126,22 +131,17 @@ def search_schedule(stats: AcceptanceStats, latency: LatencyProfile, batch_sizes
     if not options or options[0].tree is not None or options[0].lookup:
         raise StatsError("a schedule's options start with plain decoding")
     results = [replay(dec, stats, latency) for dec in options]
-    picks: list[tuple[int, LoadPrediction]] = []  # [batch - 1]
-    for batch in range(1, sizes[-1] + 1):
-        plain = request_latencies(results[0], latency, batch)
-        scored = [(predict_at(res, plain, latency, batch, level), i) for i, res in enumerate(results)]
-        best, i = max(scored, key=lambda s: (s[0].output_tokens_per_s, -s[1]))  # ties: the simpler option
-        picks.append((i, best))
-    ranges: list[tuple[int, int, int]] = []  # (first, last, option)
-    for batch, (i, _) in enumerate(picks, start=1):
-        if ranges and ranges[-1][2] == i:
-            ranges[-1] = (ranges[-1][0], batch, i)
-        else:
-            ranges.append((batch, batch, i))
-    searched = set(sizes)
-    return [ScheduleRange(first, last, options[i],
-                          tuple(picks[b - 1][1] for b in range(first, last + 1) if b == first or b in searched))
-            for first, last, i in ranges]
+    sizes_priced = range(1, sizes[-1] + 1)
+    latencies = [[request_latencies(res, latency, b) for res in results] for b in sizes_priced]  # [batch - 1][option]
+    picks = [max(range(len(results)), key=lambda i: (output_tokens_per_s(results[i], lat[i], b), -i))  # ties: simpler
+             for b, lat in zip(sizes_priced, latencies)]
+    searched, ranges = set(sizes), []
+    for i, run in itertools.groupby(sizes_priced, key=lambda b: picks[b - 1]):  # adjacent sizes of one pick
+        batches = list(run)
+        ranges.append(ScheduleRange(batches[0], batches[-1], options[i], tuple(
+            predict_at(results[i], latencies[b - 1][i], latencies[b - 1][0], b, level)
+            for b in batches if b == batches[0] or b in searched)))
+    return ranges
 
 
 def schedule_json(ranges: list[ScheduleRange]) -> list[dict[str, Any]]:
