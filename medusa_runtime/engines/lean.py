@@ -417,7 +417,7 @@ class LeanEngine:
         self._rope(cache.capacity)  # positions never exceed the slots; no-op once the table is long enough
         if self.lib is not None and (tree is not None or n == 1):
             return self._kernel_forward(ids, start, end, positions, cache, tree, last_only)
-        if self.lib is not None and (self.q4_1 or not self.amx):  # the prompt: in chunks of causal rows
+        if self.lib is not None and not self.amx:  # the prompt (Q4_1 models never take the tile path): in chunks
             return self._kernel_prefill(ids, start, cache, positions, last_only)
         if positions is None:
             cos, sin = self._cos[start:end], self._sin[start:end]
