@@ -155,7 +155,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[LoadRequest], p
 def run_load_sync(base_url: str, model: str, requests: Sequence[LoadRequest], plan: LoadPlan,
                   count_tokens=lambda text: 0, progress=None) -> list[RequestRecord]:
     """``run_load`` on uvloop's event loop where it is installed: every chunk wakes the client, and on a machine
-    that also runs the server the client's CPU per chunk is taken from the decoding it measures (uvloop's is
-    about a fifth below asyncio's own loop's)."""
+    that also runs the server the client's CPU per chunk is taken from the decoding it measures, so the leaner
+    loop is the one to measure with."""
     coro = run_load(base_url, model, requests, plan, count_tokens, progress)
     return uvloop.run(coro) if uvloop is not None else asyncio.run(coro)

@@ -6,10 +6,9 @@ all layers at once. Same maths as transformers' Llama (float32 RoPE tables, RMSN
 it in the tests. In bf16 on a CPU with AVX-512 BF16, decode steps (one row or a tree) run as one call of a C
 forward (kernels/lean_cpu.c: fused element-wise stages, its own GEMV, attention over the cache); there a tree row
 is bit-for-bit the one-row step of the same token, so bf16 Medusa decoding equals the runtime's bf16 plain
-decoding. The prompt's forward runs there too, in chunks of causal rows (``PREFILL_CHUNK``): compute-bound, the
-C forward's bf16 dot products take it in about two thirds of oneDNN's time at 64 rows, a third at 16. Only on the
-AMX tile path does the prompt stay on PyTorch (oneDNN, which runs it on the tile unit too; the two were not
-compared). ``lean-torch`` keeps every forward on PyTorch. With Q4_1 weights (``LoadedModel.weights``,
+decoding. The prompt's forward runs there too, in chunks of causal rows (``PREFILL_CHUNK``): it is compute-bound,
+and the C forward's bf16 dot products outrun oneDNN's bf16 linear there (docs/runtime.md). Only on the AMX tile
+path does the prompt stay on PyTorch (oneDNN, which runs it on the tile unit too; the two were not compared). ``lean-torch`` keeps every forward on PyTorch. With Q4_1 weights (``LoadedModel.weights``,
 ``--weights q4_1``) every forward runs on the C forward, its linear layers reading GGUF Q4_1 blocks and its logits
 projection Q8_0 ones (kernels/q4_1.py). On CUDA the
 lean engine's decode steps have every shape fixed (graphs.py: attention over the whole cache under a mask built on
