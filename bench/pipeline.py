@@ -284,8 +284,8 @@ def stage_profile(opts: BenchOptions, prof: BenchProfile, out: Path, cache: Stag
     lat = out / "latency.json"
     contexts, prefill = workload_lengths(acc, prof.max_new_tokens)
     job = ProfileJob(heads=str(heads), **opts.model_fields(), nodes=prof.latency_nodes, contexts=contexts,
-                     prefill=prefill, repeats=prof.latency_repeats, batch_sizes=prof.batch_sizes, out=str(lat),
-                     plots=str(out / "plots"))
+                     prefill=prefill, repeats=prof.latency_repeats, batch_sizes=prof.batch_sizes,
+                     max_new_tokens=prof.max_new_tokens, out=str(lat), plots=str(out / "plots"))
     _cached(cache, "profile", job, [lat])
     return lat
 

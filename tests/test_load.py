@@ -1,20 +1,33 @@
-"""The load stage: its figures against closed forms, llama.cpp's build fallback against a binary that faults, and
-``medusa-bench load`` end to end on the default model (two servers, two concurrencies, load.json checked)."""
+"""The load stage: its figures against closed forms, llama.cpp's build fallback against a binary that faults,
+``medusa-bench load`` end to end on the default model (two servers, two concurrencies, load.json checked), and what
+streaming costs a served step (bench.load.serving) in closed form and as the profile measures it."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from bench.cli import build_parser
 from bench.cli import main as cli_main
 from bench.engines import EngineError, llamacpp
 from bench.load.client import LoadPlan, RequestRecord
-from bench.load.summary import SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
+from bench.load.serving import chunk_cost, predicted_plain_ms
+from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
 from bench.report.load import load_section
+from bench.stages.jobs import ProfileJob
+from treesearch.cost import load_profile
+from treesearch.replay import Decoding, replay
+from treesearch.schedule import request_latencies
+
+from .conftest import tiny_llama
+from .test_calibration import _heads_that_guess
+from .test_schedule import _batched
+from .test_workload_replay import _rollouts, _stats
 
 
 def _rec(key: str, tokens: int, latency: float, chunks: int = 4) -> RequestRecord:
@@ -92,8 +105,9 @@ def test_no_working_build_is_one_line(tmp_path, monkeypatch):
 
 def test_load_command_end_to_end(tmp_path, capsys):
     """Plain decoding, chain:2 and a schedule (chain:2 alone, plain from 2 on) through the runtime's server at
-    concurrency 1 and 3: load.json's rows, each reply the runtime's plain greedy decoding alone (the tree's on the
-    base its heads adapt), the schedule's rows marked with the search's prediction, and the report's section."""
+    concurrency 1 and 3, and plain decoding on the base the (Medusa-2) heads adapt: load.json's rows, each reply
+    the runtime's plain greedy decoding alone (the tree's and the heads' plain on the base its heads adapt), the
+    schedule's rows marked with the search's prediction, and the report's section."""
     out = tmp_path / "load.json"
     pred = {"by_batch": [{"batch": 1, "output_tokens_per_s": 20.0}, {"batch": 3, "output_tokens_per_s": 50.0}]}
     schedule = tmp_path / "tree.json"
@@ -105,7 +119,8 @@ def test_load_command_end_to_end(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA and doc["concurrencies"] == [1, 3] and len(doc["questions"]) == 3
     rows = {(r["config"], r["concurrency"]): r for r in doc["rows"]}
-    assert set(rows) == {(c, n) for c in ("plain", "chain:2", "schedule") for n in (1, 3)}
+    assert doc["heads_base"] != doc["model"]  # the default heads carry an adapter
+    assert set(rows) == {(c, n) for c in ("plain", HEADS_BASE_PLAIN, "chain:2", "schedule") for n in (1, 3)}
     assert [rows[("schedule", n)]["predicted_output_tokens_per_s"] for n in (1, 3)] == [20.0, 50.0]
     assert all(r["schedule"] == (r["config"] == "schedule") for r in rows.values())
     assert rows[("schedule", 1)]["accepted_per_step"] > 0  # chain:2 alone; plain decoding from 2 requests on
@@ -113,15 +128,69 @@ def test_load_command_end_to_end(tmp_path, capsys):
         assert row["failed"] == 0 and row["identical_to_plain"] == 1.0 and row["output_tokens_per_s"] > 0
         assert row["ttft_ms"]["p50"] > 0 and row["output_tokens_per_s_ci"][0] <= row["output_tokens_per_s"]
     assert rows[("plain", 1)]["accepted_per_step"] == 0 and rows[("chain:2", 1)]["accepted_per_step"] > 0
+    assert rows[(HEADS_BASE_PLAIN, 1)]["accepted_per_step"] == 0 and rows[(HEADS_BASE_PLAIN, 3)]["accepted_per_step"] == 0
     assert "speedup_vs_plain" in rows[("chain:2", 3)] and "chain:2" in doc["stops_paying"]
+    assert "speedup_vs_heads_base_plain" in rows[("chain:2", 3)] and "speedup_vs_heads_base_plain" in rows[("schedule", 1)]
+    assert HEADS_BASE_PLAIN not in doc["stops_paying"] and "speedup_vs_heads_base_plain" not in rows[("plain", 3)]
     records = (tmp_path / "load-records.jsonl").read_text().splitlines()
     # at concurrency 3 the 3 questions go twice (two requests per client), and repeats still match their question
     assert rows[("plain", 3)]["requests"] == 6 and rows[("plain", 1)]["requests"] == 3
-    assert len(records) == 3 * (3 + 6) and all(json.loads(line)["ok"] for line in records)
+    assert len(records) == 4 * (3 + 6) and all(json.loads(line)["ok"] for line in records)
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
     assert "schedule at concurrency 3: predicted 50.0 output tokens/s" in section
+    assert "x plain decoding on the heads' base" in section and "x the fastest fixed configuration (chain:2)" in section
     assert {f.name for f in figures} >= {"throughput_vs_concurrency.png", "speedup_vs_concurrency.png"}
     assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
     printed = capsys.readouterr().out
     assert "chain:2: " in printed and ("stops paying at concurrency" in printed or "pays at every" in printed)
+
+
+def test_the_chunk_cost_is_the_served_time_beyond_the_batched_steps_per_streamed_chunk():
+    """bench.load.serving against a closed form: at batch 4 a plain step costs 10 + 4 = 14 ms (no context term),
+    prefills 5 ms (10 tokens) and 14 ms (100 tokens); requests that took 0.25 ms more per chunk than that give
+    0.25, faster ones 0, failed ones count for nothing."""
+    prof = replace(_batched(per_row_ms=1.0), batch_context=0)
+    prompts = {"a": 10, "b": 100, "x": 10}
+    # a: 10 steps, 10 * 14 + 4 * 5 = 160 ms predicted, + 10 steps x 4 chunks x 0.25 ms; b: 20 steps, 336 ms + 20
+    recs = [RequestRecord("a", ok=True, sent=0.0, ended=0.170, tokens=11),
+            RequestRecord("b", ok=True, sent=1.0, ended=1.356, tokens=21),
+            RequestRecord("x", error="APIError: boom", sent=0.0, ended=9.0)]
+    cost = chunk_cost(recs, prompts, prof, 4)
+    assert cost.chunk_ms == pytest.approx(0.25) and cost.requests == 2 and cost.steps == 30
+    assert cost.predicted_ms == pytest.approx(496.0) and cost.measured_ms == pytest.approx(526.0)
+    assert predicted_plain_ms(prof, 4, 10, 11) == pytest.approx(160.0)
+    faster = [RequestRecord("a", ok=True, sent=0.0, ended=0.150, tokens=11)]
+    assert chunk_cost(faster, prompts, prof, 4).chunk_ms == 0.0
+    with pytest.raises(ValueError, match="boom"):
+        chunk_cost(recs[2:], prompts, prof, 4)
+    # the schedule prices a served step with it: 4 chunks a step at batch 4
+    served = replace(prof, serving_chunk_ms=cost.chunk_ms)
+    res = replay(Decoding(), _stats_of_one())
+    assert request_latencies(res, served, 4)[0] == pytest.approx(
+        request_latencies(res, prof, 4)[0] + 4 * 0.25 * len(res.rollouts[0].verified))
+
+
+def _stats_of_one():
+    loaded = tiny_llama(vocab=32, seed=2)
+    heads = _heads_that_guess(loaded, k=2, seed=1)
+    texts, ranks = _rollouts(loaded, heads, 1, 20, 6)
+    return _stats(texts, ranks, 2, 6)
+
+
+def test_the_profile_measures_what_streaming_costs_through_the_server(tmp_path):
+    """``medusa-bench profile --batch-sizes 1,2``: after the batched steps it serves plain decoding to 2 clients
+    (4 requests of the built-in calibration prompts) and writes the chunk cost into latency.json, with the run it
+    came from: the cost is that run's time beyond its own steps' prices, per chunk."""
+    out = tmp_path / "latency.json"
+    assert cli_main(["profile", "--heads", "default", "--nodes", "1", "2", "--contexts", "16", "--repeats", "3",
+                     "--batch-sizes", "1,2", "--max-new-tokens", "8", "--out", str(out), "--json"]) == 0
+    doc = json.loads(out.read_text())
+    serving = doc["serving"]
+    assert serving["concurrency"] == 2 and serving["requests"] == 4 and 0 < serving["steps"] <= 4 * 7
+    assert serving["measured_ms"] > 0 and serving["predicted_ms"] > 0
+    expect = max(0.0, (serving["measured_ms"] - serving["predicted_ms"]) / (2 * serving["steps"]))
+    assert doc["serving_chunk_ms"] == pytest.approx(expect, abs=2e-3)
+    assert load_profile(out).serving_chunk_ms == doc["serving_chunk_ms"]
+    job = ProfileJob.from_namespace(build_parser().parse_args(["profile", "--batch-sizes", "1,2", "--no-serving"]))
+    assert job.serving is False and job.batch_sizes == (1, 2)

@@ -25,6 +25,11 @@ each measured batch size, then linearly in B (beyond the largest measured, the l
 context each row's attention moves as its own verify does: ``+ B * (verify(n, c) - verify(n, batch_context))``.
 Below ``compute_bound_rows`` verified rows a step costs less than twice a one-row step: it is bound by reading
 the weights, which every row shares; above it, by the rows' arithmetic.
+
+Through a server each step also streams one chunk to each of its B requests: the event loop and the HTTP
+stack run on the same cores as the forward. ``serving_chunk_ms`` is the wall time a chunk adds to a served
+step, measured by serving plain decoding at the largest profiled batch and set against the batched steps
+(``bench.load.serving``); a served step of B requests costs ``batch_step(B, n, c) + B * serving_chunk_ms``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class LatencyProfile:
     batch_nodes: tuple[int, ...] = ()  # nodes per request measured (ascending, 1 = plain decoding)
     batch_step_ms: tuple[tuple[float, ...], ...] = ()  # [batch_sizes][batch_nodes] ms per step
     batch_context: int = 0  # the cached positions of every request while it was timed
+    serving_chunk_ms: float = 0.0  # wall ms a streamed chunk adds to a served step (0: not measured)
 
     @property
     def has_batch(self) -> bool:
@@ -220,7 +226,8 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
             "heads_path_conditioned": p.heads_path_conditioned, "sampling_nodes": list(p.sampling_nodes),
             "sampling_extra_ms": list(p.sampling_extra_ms), "batch_sizes": list(p.batch_sizes),
             "batch_nodes": list(p.batch_nodes), "batch_step_ms": [list(r) for r in p.batch_step_ms],
-            "batch_context": p.batch_context, "compute_bound_rows": p.compute_bound_rows}
+            "batch_context": p.batch_context, "compute_bound_rows": p.compute_bound_rows,
+            "serving_chunk_ms": p.serving_chunk_ms}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -253,6 +260,7 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         batch_nodes = tuple(int(n) for n in obj.get("batch_nodes", ()))
         batch_step = tuple(tuple(float(x) for x in row) for row in obj.get("batch_step_ms", ()))
         batch_context = int(obj.get("batch_context", 0))
+        serving_chunk = float(obj.get("serving_chunk_ms", 0.0))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -275,6 +283,8 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency 'contexts' must be ascending and distinct, 'lookup_ms' non-negative")
     if len(heads_fit) not in (0, 3):
         raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
+    if not serving_chunk >= 0:
+        raise StatsError(f"latency 'serving_chunk_ms' must be a non-negative time, got {serving_chunk!r}")
     if batch_sizes and (list(batch_sizes) != sorted(set(batch_sizes)) or batch_sizes[0] != 1
                         or list(batch_nodes) != sorted(set(batch_nodes)) or not batch_nodes or batch_nodes[0] < 1
                         or len(batch_step) != len(batch_sizes) or any(len(r) != len(batch_nodes) for r in batch_step)
@@ -284,11 +294,11 @@ def profile_from_json(obj: Any) -> LatencyProfile:
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
             "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
             "lookup_ms", "heads_fit", "heads_path_conditioned", "sampling_nodes", "sampling_extra_ms", "batch_sizes",
-            "batch_nodes", "batch_step_ms", "batch_context", "compute_bound_rows"}
+            "batch_nodes", "batch_step_ms", "batch_context", "compute_bound_rows", "serving_chunk_ms"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
                           heads_fit, path_conditioned, sampling_nodes, sampling_extra, batch_sizes, batch_nodes,
-                          batch_step, batch_context)
+                          batch_step, batch_context, serving_chunk)
 
 
 def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
@@ -311,7 +321,7 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
         return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
     fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
-              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms", "batch_step_ms")
+              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms", "batch_step_ms", "serving_chunk_ms")
     averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
     meta = {**first.meta, "averaged_profiles": len(profiles)}
     return replace(first, meta=meta, **averaged)

@@ -3,6 +3,8 @@ each runs: bench.stages.measure)."""
 
 from __future__ import annotations
 
+import argparse
+
 from bench.commands import flags
 from bench.stages.jobs import CalibrateJob, DraftVocabJob, GenerateJob, ModelInfoJob, ProfileJob, ValidateJob
 
@@ -110,6 +112,10 @@ def add_profile(sub) -> None:
     p.add_argument("--repeats", type=int)
     flags.add_batch_sizes(p, "also time whole batched steps of this many requests by tree size (what a schedule is "
                              "priced with)")
+    p.add_argument("--serving", action=argparse.BooleanOptionalAction,
+                   help="with --batch-sizes: also measure what streaming a step's tokens costs the server, by serving "
+                        "plain decoding at the largest batch size (default: on)")
+    flags.add_new_tokens(p)
     p.add_argument("--out")
     p.add_argument("--plots")
     p.add_argument("--json", action="store_true", help=flags.JSON_HELP)

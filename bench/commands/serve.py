@@ -10,7 +10,7 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the model (with Medusa heads) as an OpenAI-compatible chat endpoint")
     flags.add_model_args(p)
     flags.add_heads(p, "none: plain decoding")
-    flags.add_tree(p)
+    flags.add_tree(p, role="none: plain decoding on the base the heads decode with (their adapter merged)")
     flags.add_lookup(p, "a chain laid beside the heads' tree")
     p.add_argument("--gate", type=float,
                    help="confidence gate on the tree's levels (0: off; a search's pick may carry one)")

@@ -7,7 +7,9 @@ Throughput at concurrency c is c clients each producing sum(tokens) in sum(laten
 
 so the tail of a run (fewer than c requests left) does not lower it; the wall-clock figure (tokens over the
 run's span) is kept beside it. A speed-up pairs each question's request under the configuration with the same
-question's under plain decoding at the same concurrency, and resamples questions whole.
+question's under plain decoding at the same concurrency, and resamples questions whole. Where the heads carry an
+adapter (Medusa-2), the runtime's rows also have their speed-up over plain decoding on the heads' base
+(``HEADS_BASE_PLAIN``): the same model, so the two differ by the decoding alone, not by the answers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bench.load.client import RequestRecord, question_key
 from treesearch.stats import bootstrap_ratio
 
 SCHEMA = "medusa-load/1"
+HEADS_BASE_PLAIN = "plain, heads' base"  # the runtime's plain decoding on the base the heads decode with
 PERCENTILES = (50, 90, 99)
 
 
@@ -89,15 +92,17 @@ def paired_speedup(config: Sequence[RequestRecord], plain: Sequence[RequestRecor
 
 
 def add_speedups(rows: list[dict], records: dict[tuple[str, str, int], list[RequestRecord]]) -> None:
-    """Each row's ``speedup_vs_plain`` (+ ``_ci``): over the same engine's plain row at its concurrency."""
+    """Each row's ``speedup_vs_plain`` (+ ``_ci``): over the same engine's plain row at its concurrency; and, where
+    there is one, ``speedup_vs_heads_base_plain`` (+ ``_ci``) over plain decoding on the heads' base."""
     for row in rows:
         key = (row["config"], row["engine"], row["concurrency"])
-        plain = records.get(("plain", row["engine"], row["concurrency"]))
-        if row["config"] == "plain" or plain is None or key not in records:
+        if row["config"] == "plain" or key not in records:
             continue
-        got = paired_speedup(records[key], plain)
-        if got is not None:
-            row["speedup_vs_plain"], row["speedup_vs_plain_ci"] = got
+        for reference, field in (("plain", "speedup_vs_plain"), (HEADS_BASE_PLAIN, "speedup_vs_heads_base_plain")):
+            plain = records.get((reference, row["engine"], row["concurrency"]))
+            got = paired_speedup(records[key], plain) if plain is not None and row["config"] != reference else None
+            if got is not None:
+                row[field], row[field + "_ci"] = got
 
 
 def stops_paying(rows: Sequence[dict]) -> dict[str, dict]:
@@ -105,7 +110,7 @@ def stops_paying(rows: Sequence[dict]) -> dict[str, dict]:
     is below 1, and whether its interval lies below 1 there too (None: it pays at every concurrency measured)."""
     out: dict[str, dict] = {}
     for row in sorted(rows, key=lambda r: r["concurrency"]):
-        if row["config"] == "plain" or "speedup_vs_plain" not in row:
+        if row["config"] in ("plain", HEADS_BASE_PLAIN) or "speedup_vs_plain" not in row:
             continue
         entry = out.setdefault(row["config"], {"engine": row["engine"], "stops_paying_at": None, "certain": None})
         if entry["stops_paying_at"] is None and row["speedup_vs_plain"] < 1:

@@ -33,6 +33,7 @@ def load_frame(doc: dict) -> pd.DataFrame:
                           "hi": r["output_tokens_per_s_ci"][1], "speedup": r.get("speedup_vs_plain"),
                           "speedup_lo": (r.get("speedup_vs_plain_ci") or [None, None])[0],
                           "speedup_hi": (r.get("speedup_vs_plain_ci") or [None, None])[1],
+                          "speedup_heads_base": r.get("speedup_vs_heads_base_plain"),
                           "ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
                           "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50"),
                           "accepted_per_step": r.get("accepted_per_step"),
@@ -42,12 +43,26 @@ def load_frame(doc: dict) -> pd.DataFrame:
 
 
 def prediction_sentences(df: pd.DataFrame) -> list[str]:
-    """The schedule's predicted against measured throughput, per concurrency."""
+    """The schedule's predicted against measured throughput, per concurrency, and the schedule against plain
+    decoding (on either base) and the fastest fixed configuration of the runtime measured there."""
     if df.empty:
         return []
     rows = df[df["schedule"] & df["predicted"].notna()].sort_values("concurrency")
-    return [f"schedule at concurrency {r.concurrency}: predicted {r.predicted:.1f} output tokens/s, measured "
-            f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction)." for r in rows.itertuples()]
+    out = []
+    for r in rows.itertuples():
+        line = (f"schedule at concurrency {r.concurrency}: predicted {r.predicted:.1f} output tokens/s, measured "
+                f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction)")
+        if pd.notna(r.speedup):
+            line += f"; {r.speedup:.3f}x plain decoding"
+        if pd.notna(r.speedup_heads_base):
+            line += f", {r.speedup_heads_base:.3f}x plain decoding on the heads' base"
+        fixed = df[(df["engine"] == r.engine) & (df["concurrency"] == r.concurrency) & ~df["schedule"]
+                   & ~df["config"].str.startswith("plain")]
+        if not fixed.empty:
+            best = fixed.loc[fixed["tokens_per_s"].idxmax()]
+            line += f"; {r.tokens_per_s / best['tokens_per_s']:.3f}x the fastest fixed configuration ({best['config']})"
+        out.append(line + ".")
+    return out
 
 
 def stop_sentences(doc: dict) -> list[str]:

@@ -3,7 +3,9 @@
     reference : each question's first turn decoded alone by the runtime, plain greedy (what every server's
                 answer is compared with)
     servers   : the runtime's, plain and each Medusa configuration (one process each, batches up to the largest
-                concurrency); with --engines llama.cpp, llama-server on the bf16 GGUF with as many slots as clients
+                concurrency); where the heads carry an adapter (Medusa-2), also plain decoding on their base, the
+                same model the Medusa rows decode with; with --engines llama.cpp, llama-server on the bf16 GGUF
+                with as many slots as clients
     load      : per server and concurrency, the same requests through the OpenAI completions API, streamed
                 (bench.load.client), cycled to two per client at least (so that c requests decode together for
                 most of the run); rows with throughput, latency percentiles, agreement, accepted drafts
@@ -26,7 +28,7 @@ from bench.engines.stage import model_folder
 from bench.engines.vllm_engine import vllm_python
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, enough, run_load_sync
 from bench.load.servers import LlamaSlots, OwnServer, VllmServer, counter_delta
-from bench.load.summary import SCHEMA, add_speedups, load_row, stops_paying
+from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
 from bench.replay.runner import MethodConfig
 from bench.replay.suites import load_suite
@@ -95,6 +97,8 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
         raise ValueError("concurrencies must be >= 1 and rates > 0")
     job = replace(job, max_new_tokens=defaults.new_tokens(job.max_new_tokens))
     requests, references, tokenizer, meta = _requests_and_references(job)
+    if references[True] is not references[False]:  # Medusa-2 heads: plain decoding of the model they decode
+        served.insert(1, Served(HEADS_BASE_PLAIN, "none"))
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"schema": SCHEMA, "concurrencies": list(job.concurrency), "rates": list(job.rate),
@@ -108,7 +112,7 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     try:
         for i, c in enumerate(job.concurrency):  # configurations interleaved: each concurrency measures all in turn
             for config, server in servers[i % len(servers):] + servers[:i % len(servers)]:
-                reference = references[config != "plain" and server.engine == "own"]
+                reference = references[config != "plain" and server.engine == "own"]  # the base it decodes
                 run.measure(server, config, reference, LoadPlan(concurrency=c))
             if "llama.cpp" in job.engines:
                 _llamacpp_at(run, c, references[False])
@@ -146,6 +150,7 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     heads_base = adapted(loaded, job.heads) if job.tree and job.heads != "none" else loaded
     meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": job.weights, "machine": describe_machine(loaded),
             "versions": software_versions()}
+    meta["heads_base"] = heads_base.name
     return requests, {False: base, True: base if heads_base.name == name else alone(heads_base)}, \
         loaded.tokenizer, meta
 
@@ -257,8 +262,8 @@ def _slug(name: str) -> str:
 
 
 def _table(doc: dict) -> str:
-    cols = ["config", "engine", "concurrency", "output_tokens_per_s", "speedup_vs_plain", "per_request_tokens_per_s",
-            "accepted_per_step", "identical_to_plain", "failed"]
+    cols = ["config", "engine", "concurrency", "output_tokens_per_s", "speedup_vs_plain", "speedup_vs_heads_base_plain",
+            "per_request_tokens_per_s", "accepted_per_step", "identical_to_plain", "failed"]
     df = pd.DataFrame([{k: r.get(k) for k in cols} | {"ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
                                                         "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50")}
                        for r in doc["rows"]])

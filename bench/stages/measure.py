@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from bench.engines import EngineError
+from bench.load.serving import measure_serving
 from bench.stages import defaults
 from bench.stages.common import adapted, base_name, builtin_split, emit, log, model_and_heads, show, weights_of
 from bench.stages.jobs import CalibrateJob, ProfileJob
@@ -18,11 +23,11 @@ from medusa_runtime.heads.medusa import DRAFT_VOCAB_FILE, frequent_draft_vocab, 
 from medusa_runtime.measure.bandwidth import floor_line
 from medusa_runtime.measure.calibrate import CalibrationConfig, calibrate
 from medusa_runtime.measure.profile import ProfileConfig, profile_latency
-from medusa_runtime.model import describe_model, load_model
-from medusa_runtime.prompts import load_prompt_source
+from medusa_runtime.model import chat_template_ids, describe_model, load_model
+from medusa_runtime.prompts import builtin_prompts, load_prompt_source
 from medusa_runtime.training.distill import reply_token_counts
 from medusa_runtime.tree.lookup import LookupConfig
-from treesearch.cost import profile_to_json, save_profile
+from treesearch.cost import LatencyProfile, profile_to_json, save_profile
 from treesearch.fsutil import atomic_dir
 from treesearch.optimal import model_for, optimal_tree
 from treesearch.stats import load_stats, save_stats, step_walk_interval, tau_independent, tau_step_walk
@@ -216,7 +221,10 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     cfg = ProfileConfig(nodes=tuple(job.nodes), contexts=tuple(sorted(job.contexts)), repeats=job.repeats,
                         prefill=tuple(sorted(job.prefill)), batch_sizes=tuple(job.batch_sizes))
     prof = profile_latency(loaded, heads, cfg)
-    path = save_profile(prof, job.out)
+    path = save_profile(prof, job.out)  # kept whatever the serving run does
+    if job.batch_sizes and job.serving:
+        prof = with_serving_cost(job, loaded, prof)
+        path = save_profile(prof, job.out)
     lines = [f"plain step {min(prof.plain_ms):.1f}-{max(prof.plain_ms):.1f} ms, heads {prof.heads_ms:.2f} ms, "
              f"bookkeeping {prof.bookkeeping_ms:.2f} ms, lookup drafting {prof.lookup_ms:.3f} ms per step"]
     if prof.heads_nodes:
@@ -242,6 +250,10 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
                      f"from {prof.compute_bound_rows or 'beyond the measured'} rows:")
         lines += ["    batch " + f"{b}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.batch_nodes, row))
                   for b, row in zip(prof.batch_sizes, prof.batch_step_ms)]
+    if serving := prof.meta.get("serving"):
+        lines.append(f"  streaming through the server: {prof.serving_chunk_ms:.3f} ms per chunk, plain decoding at "
+                     f"batch {serving['concurrency']}" if "error" not in serving else
+                     f"  streaming through the server: not measured ({serving['error']})")
     if floor := prof.meta.get("bandwidth_floor"):
         lines.append(f"  {floor_line(floor)}; context {floor['context']}")
     lines.append(f"written: {path}")
@@ -252,6 +264,23 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
         plots = [str(p) for p in plot_latency(prof, job.plots)]
         lines += [f"plot: {p}" for p in plots]
     return {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines)
+
+
+def with_serving_cost(job: ProfileJob, loaded, prof: LatencyProfile) -> LatencyProfile:
+    """``prof`` with what streaming costs a served step (``bench.load.serving``), on the built-in calibration
+    prompts at the largest batch size; where the server cannot run, 0 and the reason in its ``serving``."""
+    batch = max(job.batch_sizes)
+    prompts = [chat_template_ids(loaded, [{"role": "user", "content": p.turns[0]}])
+               for p in builtin_split(builtin_prompts(), "builtin", "calibration")[:2 * batch]]
+    try:
+        with tqdm(total=2 * batch, desc=f"serving plain decoding at batch {batch}", unit="req") as bar:
+            cost = measure_serving(job.model, job.dtype, weights_of(job), prof, batch, prompts,
+                                   defaults.new_tokens(job.max_new_tokens),
+                                   Path(job.out).with_name("latency-serving.log"), bar.update)
+    except (EngineError, ValueError) as exc:
+        log(f"[profile] what streaming costs was not measured: {exc}")
+        return replace(prof, meta={**prof.meta, "serving": {"error": str(exc)}})
+    return replace(prof, serving_chunk_ms=cost.chunk_ms, meta={**prof.meta, "serving": cost.as_json()})
 
 
 def format_stats_table(stats, label: str) -> str:

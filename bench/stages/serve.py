@@ -24,7 +24,8 @@ from treesearch.tree import load_tree
 
 def serve_config(args: argparse.Namespace):
     return ServeConfig(args.name or args.model, args.host, args.port, defaults.new_tokens(args.max_new_tokens),
-                       None if args.heads in (None, "none") else args.tree, lookup=args.lookup, gate=args.gate,
+                       None if args.heads in (None, "none") or args.tree == "none" else args.tree, lookup=args.lookup,
+                       gate=args.gate,
                        max_batch=args.max_batch, max_queue=args.max_queue, schedule=args.schedule,
                        api_key=args.api_key or os.environ.get("MEDUSA_API_KEY") or None)
 
@@ -46,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         load_tree(cfg.tree)  # a bad tree fails before the model loads
         what = "tree " + cfg.tree
     else:
-        what = "plain decoding"
+        what = "plain decoding" + (" on the heads' base" if args.heads not in (None, "none") else "")
     loaded, heads = model_and_heads(args)
     server = ChatServer(loaded, heads, cfg)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
