@@ -82,6 +82,7 @@ class BenchProfile:
     #             questions (spread over the categories): slow here, and not what the search is checked against
     load_questions: int = 12  # first turns the load stage sends at each concurrency (0: no load stage)
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)  # profiled batched steps; tree.json's schedule; load concurrencies
+    load_rounds: int = 2  # the load stage's rounds per concurrency (each server's row pools them)
 
 
 PROFILES = {
@@ -96,7 +97,7 @@ PROFILES = {
                          7, 128, 120, 80, 40),
     # smoke: every stage on a few questions and short answers (nox -s gpu runs it after its tests); its figures
     # check that the job runs, not what a configuration is worth
-    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2, 4, (1, 2, 4)),
+    "smoke": BenchProfile(20, 5, 1, 32, (1, 2, 4, 8, 16, 32, 48), 3, 32, 20, 2, 4, (1, 2, 4), 1),
 }
 
 
@@ -451,7 +452,7 @@ def stage_load(opts: BenchOptions, prof: BenchProfile, out: Path, cache: StageCa
     scheduled = final.is_file() and "schedule" in json.loads(final.read_text())
     job = LoadJob(config=str(cfg_file), heads=str(heads), **opts.model_fields(), limit=prof.load_questions,
                   max_new_tokens=prof.max_new_tokens, engines=tuple(opts.engines),
-                  concurrency=prof.batch_sizes, schedule=str(final) if scheduled else None,
+                  concurrency=prof.batch_sizes, rounds=prof.load_rounds, schedule=str(final) if scheduled else None,
                   out=str(out / "load.json"))
     _cached(cache, "load", job, [out / "load.json"])
 

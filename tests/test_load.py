@@ -20,6 +20,7 @@ from bench.load.serving import chunk_cost, predicted_plain_ms
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
 from bench.report.load import load_section
 from bench.stages.jobs import ProfileJob
+from bench.stages.load import Measured
 from treesearch.cost import load_profile
 from treesearch.replay import Decoding, replay
 from treesearch.schedule import request_latencies
@@ -115,7 +116,7 @@ def test_load_command_end_to_end(tmp_path, capsys):
         {"batch": [1, 1], "configuration": {"config": "chain:2", "medusa_choices": [[0], [0, 0]]}, "prediction": pred},
         {"batch": [2, 16], "configuration": {"config": "plain", "medusa_choices": None}, "prediction": pred}]}))
     assert cli_main(["load", "--tree", "chain:2", "--limit", "3", "--concurrency", "1", "3", "--max-new-tokens", "12",
-                     "--schedule", str(schedule), "--out", str(out)]) == 0
+                     "--schedule", str(schedule), "--rounds", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA and doc["concurrencies"] == [1, 3] and len(doc["questions"]) == 3
     rows = {(r["config"], r["concurrency"]): r for r in doc["rows"]}
@@ -133,9 +134,12 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert "speedup_vs_heads_base_plain" in rows[("chain:2", 3)] and "speedup_vs_heads_base_plain" in rows[("schedule", 1)]
     assert HEADS_BASE_PLAIN not in doc["stops_paying"] and "speedup_vs_heads_base_plain" not in rows[("plain", 3)]
     records = (tmp_path / "load-records.jsonl").read_text().splitlines()
-    # at concurrency 3 the 3 questions go twice (two requests per client), and repeats still match their question
-    assert rows[("plain", 3)]["requests"] == 6 and rows[("plain", 1)]["requests"] == 3
-    assert len(records) == 4 * (3 + 6) and all(json.loads(line)["ok"] for line in records)
+    # at concurrency 3 the 3 questions go twice (two requests per client), and repeats still match their question;
+    # each row pools two rounds, their requests keyed by round
+    assert rows[("plain", 3)]["requests"] == 2 * 6 and rows[("plain", 1)]["requests"] == 2 * 3
+    assert len(records) == 4 * 2 * (3 + 6) and all(json.loads(line)["ok"] for line in records)
+    keys = {(json.loads(line)["config"], json.loads(line)["concurrency"], json.loads(line)["key"]) for line in records}
+    assert len(keys) == len(records) and {k[2][-3:] for k in keys} == {"#r0", "#r1"}
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
     assert "schedule at concurrency 3: predicted 50.0 output tokens/s" in section
@@ -144,6 +148,17 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
     printed = capsys.readouterr().out
     assert "chain:2: " in printed and ("stops paying at concurrency" in printed or "pays at every" in printed)
+
+
+def test_rounds_pool_their_records_and_sum_their_counters():
+    a = Measured([_rec("1#r0", 10, 1.0)], {"tokens": 10.0, "steps": 6.0, "accepted": {1: 3.0, 2: 1.0}})
+    b = Measured([_rec("1#r1", 12, 2.0)], {"tokens": 12.0, "steps": 8.0, "accepted": {1: 4.0, 3: 1.0}})
+    both = a.plus(b)
+    assert [r.key for r in both.records] == ["1#r0", "1#r1"]
+    assert both.counters == {"tokens": 22.0, "steps": 14.0, "accepted": {1: 7.0, 2: 1.0, 3: 1.0}}
+    row = load_row("chain:2", "own", 1, both.records, None, both.counters)
+    assert row["accepted_per_step"] == pytest.approx(9 / 14) and row["output_tokens_per_s"] == pytest.approx(22 / 3)
+    assert a.plus(Measured([_rec("2", 5, 1.0)], None)).counters is None  # another engine's: no counters
 
 
 def test_the_chunk_cost_is_the_served_time_beyond_the_batched_steps_per_streamed_chunk():

@@ -8,7 +8,9 @@
                 with as many slots as clients
     load      : per server and concurrency, the same requests through the OpenAI completions API, streamed
                 (bench.load.client), cycled to two per client at least (so that c requests decode together for
-                most of the run); rows with throughput, latency percentiles, agreement, accepted drafts
+                most of the run), in --rounds rounds of all the runtime's servers in turn (the order rotated
+                each round, the rounds' requests pooled); rows with throughput, latency percentiles, agreement,
+                accepted drafts
     load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
 """
 
@@ -93,8 +95,8 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     schedule = read_schedule(job.schedule) if job.schedule else []
     if not job.concurrency and not job.rate:
         raise ValueError("give at least one --concurrency or --rate")
-    if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0:
-        raise ValueError("concurrencies must be >= 1 and rates > 0")
+    if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0 or job.rounds < 1:
+        raise ValueError("concurrencies and rounds must be >= 1 and rates > 0")
     job = replace(job, max_new_tokens=defaults.new_tokens(job.max_new_tokens))
     requests, references, tokenizer, meta = _requests_and_references(job)
     if references[True] is not references[False]:  # Medusa-2 heads: plain decoding of the model they decode
@@ -111,9 +113,17 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
         servers += _vllm_server(job, requests, doc, out)
     try:
         for i, c in enumerate(job.concurrency):  # configurations interleaved: each concurrency measures all in turn
-            for config, server in servers[i % len(servers):] + servers[:i % len(servers)]:
+            pooled: dict[int, Measured] = {}  # by the server's index
+            for r in range(job.rounds):
+                k = (i + r) % len(servers)
+                for j in list(range(k, len(servers))) + list(range(k)):
+                    config, server = servers[j]
+                    got = run.collect(server, config, LoadPlan(concurrency=c), f"round {r + 1}/{job.rounds}"
+                                      if job.rounds > 1 else "", f"#r{r}" if job.rounds > 1 else "")
+                    pooled[j] = pooled[j].plus(got) if j in pooled else got
+            for j, (config, server) in enumerate(servers):
                 reference = references[config != "plain" and server.engine == "own"]  # the base it decodes
-                run.measure(server, config, reference, LoadPlan(concurrency=c))
+                run.add_row(server, config, reference, LoadPlan(concurrency=c), pooled[j])
             if "llama.cpp" in job.engines:
                 _llamacpp_at(run, c, references[False])
         for rate in job.rate:
@@ -155,6 +165,25 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
         loaded.tokenizer, meta
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What one server returned under one plan: the requests' records and its counters' growth (None: no
+    counters, another engine's server)."""
+
+    records: list[RequestRecord]
+    counters: dict | None
+
+    def plus(self, other: Measured) -> Measured:
+        """Two runs pooled: their records together, their counters summed."""
+        if self.counters is None or other.counters is None:
+            return Measured(self.records + other.records, None)
+        a, b = self.counters, other.counters
+        return Measured(self.records + other.records, {
+            "tokens": a["tokens"] + b["tokens"], "steps": a["steps"] + b["steps"],
+            "accepted": {p: a["accepted"].get(p, 0.0) + b["accepted"].get(p, 0.0)
+                         for p in a["accepted"].keys() | b["accepted"].keys()}})
+
+
 class _Run:
     """A load run's rows and records, written after each row."""
 
@@ -167,21 +196,30 @@ class _Run:
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
                 ) -> None:
         """The requests once through a running server under the plan: a row, written at once."""
-        label = f"concurrency {plan.concurrency}" if plan.concurrency is not None else f"rate {plan.rate:g}/s"
+        self.add_row(server, config, reference, plan, self.collect(server, config, plan), build)
+
+    def collect(self, server, config: str, plan: LoadPlan, label: str = "", tag: str = "") -> Measured:
+        """The requests once through a running server under the plan (their keys ending in ``tag``)."""
+        where = f"concurrency {plan.concurrency}" if plan.concurrency is not None else f"rate {plan.rate:g}/s"
         requests = enough(self.requests, plan.concurrency) if plan.concurrency else self.requests
+        requests = [replace(r, key=r.key + tag) for r in requests] if tag else requests
         before = server.counters()
-        with tqdm(total=len(requests), desc=f"{server.engine} {config} at {label}", disable=not self.job.progress,
-                  unit="req") as bar:
+        with tqdm(total=len(requests), desc=f"{server.engine} {config} at {where} {label}".rstrip(),
+                  disable=not self.job.progress, unit="req") as bar:
             got = run_load_sync(server.url + "/v1", server.model, requests, plan, self.count, bar.update)
-        counters = counter_delta(before, server.counters()) if before is not None else None
+        return Measured(got, counter_delta(before, server.counters()) if before is not None else None)
+
+    def add_row(self, server, config: str, reference: dict[str, str], plan: LoadPlan, got: Measured,
+                build: str | None = None) -> None:
+        """A row of what ``collect`` measured (one run or pooled rounds), written at once."""
         scheduled = config == SCHEDULE and server.engine == "own"
         predicted = predicted_at(self.schedule, plan.concurrency) if scheduled and plan.concurrency else None
-        row = load_row(config, server.engine, plan.concurrency or 0, got, reference, counters, build, scheduled,
-                       predicted)
+        row = load_row(config, server.engine, plan.concurrency or 0, got.records, reference, got.counters, build,
+                       scheduled, predicted)
         if plan.rate is not None:
             row["rate"] = plan.rate
         else:
-            self.records[(config, server.engine, plan.concurrency)] = got
+            self.records[(config, server.engine, plan.concurrency)] = got.records
         self.doc["rows"].append(row)
         self.write()
 
