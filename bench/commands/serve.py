@@ -43,7 +43,7 @@ def add_load(sub) -> None:
                         "named 'schedule' and carry the search's predicted throughput")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="N", help="clients at once (default 1 2 4 8 16)")
     p.add_argument("--rounds", type=int, metavar="N",
-                   help="measure the runtime's servers N times at each concurrency, each round all of them in turn "
+                   help="measure the servers (the runtime's, and vLLM's) N times at each concurrency, each round all in turn "
                         "(the order rotated), and pool the rounds' requests into one row per server (default 1): "
                         "the machine's speed drifts within a run, and rounds spread each row over it")
     p.add_argument("--rate", type=float, nargs="+", metavar="R",

@@ -507,7 +507,7 @@ class LoadJob(ModelJob):
     schedule: str | None = None  # also a server following this tree.json's schedule (its row: "schedule")
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     rate: tuple[float, ...] = ()  # Poisson arrivals at these request rates (per second), beside the concurrencies
-    rounds: int = 1  # the runtime's servers measured this many times per concurrency, in turn, records pooled
+    rounds: int = 1  # the servers (not llama-server) measured this many times per concurrency, in turn, pooled
     questions: str | None = None  # mt-bench (None) or a JSONL
     limit: int = 16  # first turns replayed, spread over the categories
     max_new_tokens: int | None = defaults.MAX_NEW_TOKENS  # None: defaults.NEW_TOKENS

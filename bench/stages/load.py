@@ -8,8 +8,8 @@
                 with as many slots as clients
     load      : per server and concurrency, the same requests through the OpenAI completions API, streamed
                 (bench.load.client), cycled to two per client at least (so that c requests decode together for
-                most of the run), in --rounds rounds of all the runtime's servers in turn (the order rotated
-                each round, the rounds' requests pooled); rows with throughput, latency percentiles, agreement,
+                most of the run), in --rounds rounds of the runtime's and vLLM's servers in turn (the order
+                rotated each round, the rounds' requests pooled; llama-server once, started per concurrency); rows with throughput, latency percentiles, agreement,
                 accepted drafts
     load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
 """
