@@ -17,13 +17,14 @@ the load stage replays.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, enough, run_load_sync
 from bench.load.servers import OwnServer
 from treesearch.cost import LatencyProfile
+from treesearch.schedule import request_latency
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,11 @@ class ServingCost:
 
 
 def predicted_plain_ms(profile: LatencyProfile, concurrency: int, prompt_tokens: int, tokens: int) -> float:
-    """A plain request's latency at batch ``concurrency`` by the profile, without streaming (ms)."""
-    steps = sum(profile.batch_step(concurrency, 1, prompt_tokens + i) for i in range(1, tokens))
-    return steps + concurrency * profile.prefill(prompt_tokens)
+    """A plain request's latency at batch ``concurrency`` by the profile, without streaming (ms): its tokens
+    after the first one step each, of one node, at the context it has reached."""
+    unstreamed = replace(profile, serving_chunk_ms=0.0)
+    return request_latency(unstreamed, concurrency, [1] * (tokens - 1),
+                           [prompt_tokens + i for i in range(1, tokens)], prompt_tokens)
 
 
 def chunk_cost(records: Sequence[RequestRecord], prompt_tokens: dict[str, int], profile: LatencyProfile,

@@ -159,8 +159,7 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     name = loaded.name
     heads_base = adapted(loaded, job.heads) if job.tree and job.heads != "none" else loaded
     meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": job.weights, "machine": describe_machine(loaded),
-            "versions": software_versions()}
-    meta["heads_base"] = heads_base.name
+            "heads_base": heads_base.name, "versions": software_versions()}
     return requests, {False: base, True: base if heads_base.name == name else alone(heads_base)}, \
         loaded.tokenizer, meta
 
