@@ -1,6 +1,6 @@
 """The load stage: its figures against closed forms, llama.cpp's build fallback against a binary that faults,
 ``medusa-bench load`` end to end on the default model (two servers, two concurrencies, load.json checked), and what
-streaming costs a served step (bench.load.serving) in closed form and as the profile measures it."""
+serving costs a step (bench.load.serving) in closed form and as the profile measures it."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from scipy.optimize import nnls
 
 from bench.cli import build_parser
 from bench.cli import main as cli_main
 from bench.engines import EngineError, llamacpp
 from bench.load.client import LoadPlan, RequestRecord
-from bench.load.serving import chunk_cost, predicted_plain_ms
+from bench.load.serving import ServingRun, fit_overhead
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
 from bench.report.load import load_section
 from bench.stages.jobs import ProfileJob
@@ -161,29 +162,31 @@ def test_rounds_pool_their_records_and_sum_their_counters():
     assert a.plus(Measured([_rec("2", 5, 1.0)], None)).counters is None  # another engine's: no counters
 
 
-def test_the_chunk_cost_is_the_served_time_beyond_the_batched_steps_per_streamed_chunk():
-    """bench.load.serving against a closed form: at batch 4 a plain step costs 10 + 4 = 14 ms (no context term),
-    prefills 5 ms (10 tokens) and 14 ms (100 tokens); requests that took 0.25 ms more per chunk than that give
-    0.25, faster ones 0, failed ones count for nothing."""
+def test_what_serving_costs_a_step_is_fitted_to_the_served_runs_beyond_the_same_runs_in_process():
+    """bench.load.serving against closed forms: a run's overhead per batched step, the least-squares fit of
+    ``step + c * chunk`` (against scipy's non-negative least squares), and the schedule's price of a served step."""
+    # 100 steps, served 30 ms slower than in-process: 0.3 ms a step; a served token count that differs is scaled
+    run = ServingRun(1, 4, 50, 50, 100, 830.0, 800.0)
+    assert run.overhead_ms == pytest.approx(0.3)
+    assert ServingRun(1, 4, 100, 50, 100, 1660.0, 800.0).overhead_ms == pytest.approx(0.3)
+    # overheads exactly 1.0 + 0.2 c, two rounds each: the fit gives them back
+    runs = [ServingRun(c, 4, 96, 96, 100, 500.0 + 100 * (1.0 + 0.2 * c), 500.0) for c in (1, 2, 4, 8, 16) * 2]
+    assert fit_overhead(runs) == pytest.approx((1.0, 0.2))
+    rng = np.random.default_rng(0)  # noisy and with a part that comes out negative: non-negative least squares
+    for _ in range(20):
+        runs = [ServingRun(int(c), 4, 96, 96, 100, 500.0 + 100 * float(y), 500.0)
+                for c, y in zip([1, 2, 4, 8, 16], rng.normal(0.0, 1.0, 5) + rng.normal(0, 0.1) * np.array([1, 2, 4, 8, 16]))]
+        c = np.array([r.concurrency for r in runs], dtype=float)
+        y = np.array([r.overhead_ms for r in runs])
+        best, _ = nnls(np.stack([np.ones_like(c), c], axis=1), y)
+        assert fit_overhead(runs) == pytest.approx(tuple(best), abs=1e-9)
+    # the schedule prices a served step at batch 4 with the step part and 4 chunks
     prof = replace(_batched(per_row_ms=1.0), batch_context=0)
-    prompts = {"a": 10, "b": 100, "x": 10}
-    # a: 10 steps, 10 * 14 + 4 * 5 = 160 ms predicted, + 10 steps x 4 chunks x 0.25 ms; b: 20 steps, 336 ms + 20
-    recs = [RequestRecord("a", ok=True, sent=0.0, ended=0.170, tokens=11),
-            RequestRecord("b", ok=True, sent=1.0, ended=1.356, tokens=21),
-            RequestRecord("x", error="APIError: boom", sent=0.0, ended=9.0)]
-    cost = chunk_cost(recs, prompts, prof, 4)
-    assert cost.chunk_ms == pytest.approx(0.25) and cost.requests == 2 and cost.steps == 30
-    assert cost.predicted_ms == pytest.approx(496.0) and cost.measured_ms == pytest.approx(526.0)
-    assert predicted_plain_ms(prof, 4, 10, 11) == pytest.approx(160.0)
-    faster = [RequestRecord("a", ok=True, sent=0.0, ended=0.150, tokens=11)]
-    assert chunk_cost(faster, prompts, prof, 4).chunk_ms == 0.0
-    with pytest.raises(ValueError, match="boom"):
-        chunk_cost(recs[2:], prompts, prof, 4)
-    # the schedule prices a served step with it: 4 chunks a step at batch 4
-    served = replace(prof, serving_chunk_ms=cost.chunk_ms)
+    served = replace(prof, serving_step_ms=1.0, serving_chunk_ms=0.25)
+    assert served.serving(4) == pytest.approx(2.0)
     res = replay(Decoding(), _stats_of_one())
     assert request_latencies(res, served, 4)[0] == pytest.approx(
-        request_latencies(res, prof, 4)[0] + 4 * 0.25 * len(res.rollouts[0].verified))
+        request_latencies(res, prof, 4)[0] + 2.0 * len(res.rollouts[0].verified))
 
 
 def _stats_of_one():
@@ -193,19 +196,26 @@ def _stats_of_one():
     return _stats(texts, ranks, 2, 6)
 
 
-def test_the_profile_measures_what_streaming_costs_through_the_server(tmp_path):
-    """``medusa-bench profile --batch-sizes 1,2``: after the batched steps it serves plain decoding to 2 clients
-    (4 requests of the built-in calibration prompts) and writes the chunk cost into latency.json, with the run it
-    came from: the cost is that run's time beyond its own steps' prices, per chunk."""
+def test_the_profile_measures_what_serving_costs_a_step(tmp_path):
+    """``medusa-bench profile --batch-sizes 1,2``: after the batched steps it serves plain decoding at 1 and 2
+    clients (4 requests each, the built-in calibration prompts) beside the same requests decoded in-process, twice,
+    and writes the fit into latency.json with the runs it came from. The server's greedy tokens are the in-process
+    run's, token for token in count, and the fit is the runs' own."""
     out = tmp_path / "latency.json"
     assert cli_main(["profile", "--heads", "default", "--nodes", "1", "2", "--contexts", "16", "--repeats", "3",
                      "--batch-sizes", "1,2", "--max-new-tokens", "8", "--out", str(out), "--json"]) == 0
     doc = json.loads(out.read_text())
     serving = doc["serving"]
-    assert serving["concurrency"] == 2 and serving["requests"] == 4 and 0 < serving["steps"] <= 4 * 7
-    assert serving["measured_ms"] > 0 and serving["predicted_ms"] > 0
-    expect = max(0.0, (serving["measured_ms"] - serving["predicted_ms"]) / (2 * serving["steps"]))
-    assert doc["serving_chunk_ms"] == pytest.approx(expect, abs=2e-3)
-    assert load_profile(out).serving_chunk_ms == doc["serving_chunk_ms"]
+    assert serving["concurrencies"] == [1, 2] and len(serving["runs"]) == 4
+    for run in serving["runs"]:
+        assert run["requests"] == 4 and run["served_tokens"] == run["tokens"] and 0 < run["tokens"] <= 4 * 8
+        assert run["steps"] >= run["tokens"] / run["concurrency"] and run["served_ms"] > 0 and run["in_process_ms"] > 0
+        assert run["overhead_ms"] == pytest.approx((run["served_ms"] - run["in_process_ms"]) / run["steps"], abs=1e-3)
+    step, chunk = fit_overhead([ServingRun(r["concurrency"], r["requests"], r["served_tokens"], r["tokens"],
+                                           r["steps"], r["served_ms"], r["in_process_ms"]) for r in serving["runs"]])
+    assert doc["serving_step_ms"] == pytest.approx(step, abs=2e-3)
+    assert doc["serving_chunk_ms"] == pytest.approx(chunk, abs=2e-3)
+    prof = load_profile(out)
+    assert (prof.serving_step_ms, prof.serving_chunk_ms) == (doc["serving_step_ms"], doc["serving_chunk_ms"])
     job = ProfileJob.from_namespace(build_parser().parse_args(["profile", "--batch-sizes", "1,2", "--no-serving"]))
     assert job.serving is False and job.batch_sizes == (1, 2)

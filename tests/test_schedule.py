@@ -54,19 +54,22 @@ def test_batched_step_costs_interpolate_in_nodes_and_batch_and_follow_the_contex
     bad = profile_to_json(prof) | {"batch_sizes": [2, 4, 8, 16, 32]}
     with pytest.raises(StatsError, match="batch_sizes"):
         profile_from_json(bad)
-    served = replace(prof, serving_chunk_ms=0.25)
+    served = replace(prof, serving_chunk_ms=0.25, serving_step_ms=1.5)
     assert profile_from_json(json.loads(json.dumps(profile_to_json(served)))) == served
-    assert profile_from_json({k: v for k, v in profile_to_json(prof).items() if k != "serving_chunk_ms"}) == prof
-    with pytest.raises(StatsError, match="serving_chunk_ms"):
-        profile_from_json(profile_to_json(prof) | {"serving_chunk_ms": -1.0})
+    assert served.serving(4) == pytest.approx(2.5) and prof.serving(4) == 0.0
+    assert profile_from_json({k: v for k, v in profile_to_json(prof).items()
+                              if k not in ("serving_chunk_ms", "serving_step_ms")}) == prof
+    for name in ("serving_chunk_ms", "serving_step_ms"):
+        with pytest.raises(StatsError, match=name):
+            profile_from_json(profile_to_json(prof) | {name: -1.0})
     with pytest.raises(StatsError, match="profile again with --batch-sizes"):
         _profile().batch_step(2, 2)
 
 
-def _brute_force(stats, latency, batch: int, depth: int, chunk_ms: float) -> float:
+def _brute_force(stats, latency, batch: int, depth: int, chunk_ms: float, step_ms: float) -> float:
     """Output tokens/s of plain decoding (depth 0) or chain:depth at ``batch``, step by step: each step of a
-    request costs a whole batched step of its verified nodes plus streaming a chunk to each of the ``batch``
-    requests, and about ``batch`` prefills join during it."""
+    request costs a whole batched step of its verified nodes plus serving it (``step_ms``, and a chunk streamed to
+    each of the ``batch`` requests), and about ``batch`` prefills join during it."""
     dec = Decoding(chain(depth)) if depth else Decoding()
     tokens = total_ms = 0.0
     for r in replay(dec, stats).rollouts:
@@ -74,17 +77,17 @@ def _brute_force(stats, latency, batch: int, depth: int, chunk_ms: float) -> flo
         total_ms += batch * latency.prefill(r.prompt_tokens)
         for nodes, context in zip(r.verified, r.contexts):
             assert nodes == 1 + (depth if depth else 0)
-            total_ms += latency.batch_step(batch, nodes, context) + batch * chunk_ms
+            total_ms += latency.batch_step(batch, nodes, context) + step_ms + batch * chunk_ms
     return 1000.0 * batch * tokens / total_ms
 
 
-@pytest.mark.parametrize("chunk_ms", [0.0, 0.3])
+@pytest.mark.parametrize(("chunk_ms", "step_ms"), [(0.0, 0.0), (0.3, 0.0), (0.3, 1.2)])
 @pytest.mark.parametrize("target", ["vllm", "tgi"])
-def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted, target, chunk_ms):
-    """With and without a cost for streaming each step's chunks (which makes steps that commit more tokens
-    relatively cheaper)."""
+def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted, target, chunk_ms, step_ms):
+    """With and without a cost for serving each step (which makes steps that commit more tokens relatively
+    cheaper)."""
     stats = fitted  # these heads' chains commit ~1.05 tokens a step
-    latency = replace(_batched(per_row_ms=0.05), serving_chunk_ms=chunk_ms)
+    latency = replace(_batched(per_row_ms=0.05), serving_chunk_ms=chunk_ms, serving_step_ms=step_ms)
     options = candidates(TARGETS[target], stats.num_heads)
     assert [o.tree.name if o.tree else "plain" for o in options] == ["plain"] + [f"chain:{k}" for k in range(1, 5)]
     ranges = search_schedule(stats, latency, SIZES, options)
@@ -96,7 +99,7 @@ def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted,
             picks[b] = (r.decoding, next((p for p in r.predictions if p.batch == b), None))
     assert sorted(picks) == list(range(1, 17))
     for b in range(1, 17):  # every live batch size, the unprofiled ones on interpolated steps
-        speeds = {k: _brute_force(stats, latency, b, k, chunk_ms) for k in range(stats.num_heads + 1)}
+        speeds = {k: _brute_force(stats, latency, b, k, chunk_ms, step_ms) for k in range(stats.num_heads + 1)}
         dec, pred = picks[b]
         got = len(dec.tree.paths) if dec.tree is not None else 0
         assert speeds[got] == pytest.approx(max(speeds.values())), (b, speeds)

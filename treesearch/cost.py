@@ -26,10 +26,11 @@ context each row's attention moves as its own verify does: ``+ B * (verify(n, c)
 Below ``compute_bound_rows`` verified rows a step costs less than twice a one-row step: it is bound by reading
 the weights, which every row shares; above it, by the rows' arithmetic.
 
-Through a server each step also streams one chunk to each of its B requests: the event loop and the HTTP
-stack run on the same cores as the forward. ``serving_chunk_ms`` is the wall time a chunk adds to a served
-step, measured by serving plain decoding at the largest profiled batch and set against the batched steps
-(``bench.load.serving``); a served step of B requests costs ``batch_step(B, n, c) + B * serving_chunk_ms``.
+Through a server each step also streams one chunk to each of its B requests, and wakes the event loop, the
+HTTP stack and (on the bench's machine) the load client, which run on the same cores as the forward. A served
+step of B requests costs ``batch_step(B, n, c) + serving(B)``, ``serving(B) = serving_step_ms + B *
+serving_chunk_ms``: a part per step and a part per streamed chunk, fitted to plain decoding served at each
+profiled batch size against the same requests decoded in-process (``bench.load.serving``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class LatencyProfile:
     batch_step_ms: tuple[tuple[float, ...], ...] = ()  # [batch_sizes][batch_nodes] ms per step
     batch_context: int = 0  # the cached positions of every request while it was timed
     serving_chunk_ms: float = 0.0  # wall ms a streamed chunk adds to a served step (0: not measured)
+    serving_step_ms: float = 0.0  # wall ms serving adds to a step whatever its chunks (0: not measured)
 
     @property
     def has_batch(self) -> bool:
@@ -99,6 +101,11 @@ class LatencyProfile:
         if context is not None and self.batch_context:
             ms += batch * (self.verify(num_nodes, context) - self.verify(num_nodes, self.batch_context))
         return float(max(ms, 1e-6))
+
+    def serving(self, batch: int) -> float:
+        """What serving adds to a step of ``batch`` requests (ms): waking the server and its clients, and one
+        streamed chunk per request."""
+        return self.serving_step_ms + batch * self.serving_chunk_ms
 
     @property
     def compute_bound_rows(self) -> int | None:
@@ -227,7 +234,7 @@ def profile_to_json(p: LatencyProfile) -> dict[str, Any]:
             "sampling_extra_ms": list(p.sampling_extra_ms), "batch_sizes": list(p.batch_sizes),
             "batch_nodes": list(p.batch_nodes), "batch_step_ms": [list(r) for r in p.batch_step_ms],
             "batch_context": p.batch_context, "compute_bound_rows": p.compute_bound_rows,
-            "serving_chunk_ms": p.serving_chunk_ms}
+            "serving_chunk_ms": p.serving_chunk_ms, "serving_step_ms": p.serving_step_ms}
 
 
 def save_profile(p: LatencyProfile, path: str | os.PathLike[str]) -> Path:
@@ -261,6 +268,7 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         batch_step = tuple(tuple(float(x) for x in row) for row in obj.get("batch_step_ms", ()))
         batch_context = int(obj.get("batch_context", 0))
         serving_chunk = float(obj.get("serving_chunk_ms", 0.0))
+        serving_step = float(obj.get("serving_step_ms", 0.0))
     except (KeyError, TypeError, ValueError) as exc:
         raise StatsError(f"latency file is malformed: {exc.__class__.__name__} {exc}") from None
     if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1:
@@ -283,8 +291,9 @@ def profile_from_json(obj: Any) -> LatencyProfile:
         raise StatsError("latency 'contexts' must be ascending and distinct, 'lookup_ms' non-negative")
     if len(heads_fit) not in (0, 3):
         raise StatsError("latency 'heads_fit' must be [intercept, per_level, per_row]")
-    if not serving_chunk >= 0:
-        raise StatsError(f"latency 'serving_chunk_ms' must be a non-negative time, got {serving_chunk!r}")
+    for name, value in (("serving_chunk_ms", serving_chunk), ("serving_step_ms", serving_step)):
+        if not value >= 0:
+            raise StatsError(f"latency '{name}' must be a non-negative time, got {value!r}")
     if batch_sizes and (list(batch_sizes) != sorted(set(batch_sizes)) or batch_sizes[0] != 1
                         or list(batch_nodes) != sorted(set(batch_nodes)) or not batch_nodes or batch_nodes[0] < 1
                         or len(batch_step) != len(batch_sizes) or any(len(r) != len(batch_nodes) for r in batch_step)
@@ -294,11 +303,12 @@ def profile_from_json(obj: Any) -> LatencyProfile:
     skip = {"schema", "nodes", "contexts", "verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_nodes",
             "heads_by_nodes_ms", "bookkeeping_nodes", "bookkeeping_by_nodes_ms", "prefill_tokens", "prefill_ms",
             "lookup_ms", "heads_fit", "heads_path_conditioned", "sampling_nodes", "sampling_extra_ms", "batch_sizes",
-            "batch_nodes", "batch_step_ms", "batch_context", "compute_bound_rows", "serving_chunk_ms"}
+            "batch_nodes", "batch_step_ms", "batch_context", "compute_bound_rows", "serving_chunk_ms",
+            "serving_step_ms"}
     return LatencyProfile(nodes, contexts, verify, plain, heads, book, {k: v for k, v in obj.items() if k not in skip},
                           heads_nodes, heads_by_nodes, book_nodes, book_by_nodes, prefill_tokens, prefill, lookup,
                           heads_fit, path_conditioned, sampling_nodes, sampling_extra, batch_sizes, batch_nodes,
-                          batch_step, batch_context, serving_chunk)
+                          batch_step, batch_context, serving_chunk, serving_step)
 
 
 def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
@@ -321,7 +331,8 @@ def mean_profile(profiles: list[LatencyProfile]) -> LatencyProfile:
         return tuple(tuple(float(x) for x in row) for row in arr) if arr.ndim == 2 else tuple(float(x) for x in arr)
 
     fields = ("verify_ms", "plain_ms", "heads_ms", "bookkeeping_ms", "heads_by_nodes_ms", "bookkeeping_by_nodes_ms",
-              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms", "batch_step_ms", "serving_chunk_ms")
+              "prefill_ms", "lookup_ms", "heads_fit", "sampling_extra_ms", "batch_step_ms", "serving_chunk_ms",
+              "serving_step_ms")
     averaged = {f: mean([getattr(p, f) for p in profiles]) for f in fields}
     meta = {**first.meta, "averaged_profiles": len(profiles)}
     return replace(first, meta=meta, **averaged)

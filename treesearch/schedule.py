@@ -4,15 +4,15 @@ Under load one step verifies every live request's tree. With B requests decoding
 clients: one leaves, the next joins), a request of M new tokens takes its own steps, each costing a whole
 batched step, plus the prefills of the requests that join while it runs (about B of them over its life)::
 
-    latency_r(B)  = sum over its steps i of [batch_step(B, nodes_i, context_i) + B * chunk] + B * prefill(prompt_r)
+    latency_r(B)  = sum over its steps i of [batch_step(B, nodes_i, context_i) + serving(B)] + B * prefill(prompt_r)
     tokens/s (B)  = B * sum_r M_r / sum_r latency_r(B)          # output throughput of the server
     speed-up (B)  = tokens/s (B) / tokens/s of plain decoding (B)
 
 The steps (their nodes and contexts) come from replaying each candidate configuration on the calibration
 rollouts (``treesearch.replay``), the step costs from the latency profile's batched steps
-(``LatencyProfile.batch_step``, interpolated between the profiled batch sizes), and ``chunk`` is what streaming
-one step's tokens to one request costs the server (``LatencyProfile.serving_chunk_ms``; every live request gets
-a chunk each step, so configurations that take fewer steps stream fewer chunks). Per batch size, every one from 1
+(``LatencyProfile.batch_step``, interpolated between the profiled batch sizes), and ``serving(B)`` is what
+serving adds to a step: a part per step and one per streamed chunk (``LatencyProfile.serving``; every live request
+gets a chunk each step, so configurations that take fewer steps pay it fewer times). Per batch size, every one from 1
 to the largest searched, the candidate with the highest predicted throughput wins; adjacent batch sizes with the
 same pick merge into one inclusive range. Intervals are percentile bootstraps over the rollouts resampled whole.
 
@@ -67,9 +67,9 @@ class ScheduleRange:
 def request_latency(latency: LatencyProfile, batch: int, verified: Iterable[int], contexts: Iterable[int],
                     prompt_tokens: int) -> float:
     """ms from a request's arrival to its last token with ``batch`` requests decoding together: its steps (nodes
-    verified, context) each a batched step plus its B streamed chunks, and B prefills (see the module doc)."""
-    chunks = batch * latency.serving_chunk_ms  # ms a served step spends streaming its B chunks
-    steps = sum(latency.batch_step(batch, n, c) + chunks for n, c in zip(verified, contexts))
+    verified, context) each a batched step plus what serving it costs, and B prefills (see the module doc)."""
+    served = latency.serving(batch)  # ms serving adds to each step: waking the server, B streamed chunks
+    steps = sum(latency.batch_step(batch, n, c) + served for n, c in zip(verified, contexts))
     return steps + batch * latency.prefill(prompt_tokens)
 
 

@@ -113,8 +113,9 @@ def add_profile(sub) -> None:
     flags.add_batch_sizes(p, "also time whole batched steps of this many requests by tree size (what a schedule is "
                              "priced with)")
     p.add_argument("--serving", action=argparse.BooleanOptionalAction,
-                   help="with --batch-sizes: also measure what streaming a step's tokens costs the server, by serving "
-                        "plain decoding at the largest batch size (default: on)")
+                   help="with --batch-sizes: also measure what serving adds to a step (waking the server and its "
+                        "client, a streamed chunk per request), by serving plain decoding at each batch size beside "
+                        "the same requests decoded in-process (default: on)")
     flags.add_new_tokens(p)
     p.add_argument("--out")
     p.add_argument("--plots")

@@ -223,7 +223,7 @@ class ProfileJob(ModelJob):
     prefill: tuple[int, ...] = ()
     repeats: int = 7
     batch_sizes: tuple[int, ...] = ()  # also batched steps of this many requests (what a schedule is priced with)
-    serving: bool = True  # with batch_sizes: also what streaming costs a served step (bench.load.serving)
+    serving: bool = True  # with batch_sizes: also what serving adds to a step (bench.load.serving)
     max_new_tokens: int | None = defaults.MAX_NEW_TOKENS  # per request of that serving run
     out: str = "results/latency.json"
     plots: str | None = None

@@ -251,9 +251,10 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
         lines += ["    batch " + f"{b}: " + "  ".join(f"{n}:{v:.1f}" for n, v in zip(prof.batch_nodes, row))
                   for b, row in zip(prof.batch_sizes, prof.batch_step_ms)]
     if serving := prof.meta.get("serving"):
-        lines.append(f"  streaming through the server: {prof.serving_chunk_ms:.3f} ms per chunk, plain decoding at "
-                     f"batch {serving['concurrency']}" if "error" not in serving else
-                     f"  streaming through the server: not measured ({serving['error']})")
+        lines.append(f"  serving adds {prof.serving_step_ms:.2f} ms + {prof.serving_chunk_ms:.3f} ms per streamed chunk "
+                     f"to a step (plain decoding served at batch {', '.join(map(str, serving['concurrencies']))}, "
+                     "against the same requests decoded here)" if "error" not in serving else
+                     f"  what serving costs a step: not measured ({serving['error']})")
     if floor := prof.meta.get("bandwidth_floor"):
         lines.append(f"  {floor_line(floor)}; context {floor['context']}")
     lines.append(f"written: {path}")
@@ -266,21 +267,28 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     return {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines)
 
 
+SERVING_ROUNDS = 2  # each concurrency served and decoded in-process this many times (bench.load.serving)
+
+
 def with_serving_cost(job: ProfileJob, loaded, prof: LatencyProfile) -> LatencyProfile:
-    """``prof`` with what streaming costs a served step (``bench.load.serving``), on the built-in calibration
-    prompts at the largest batch size; where the server cannot run, 0 and the reason in its ``serving``."""
-    batch = max(job.batch_sizes)
+    """``prof`` with what serving costs a step (``bench.load.serving``): plain decoding of the built-in calibration
+    prompts served at each profiled batch size, against the same requests decoded here; where the server cannot
+    run, 0 and the reason in its ``serving``."""
+    sizes = tuple(job.batch_sizes)
     prompts = [chat_template_ids(loaded, [{"role": "user", "content": p.turns[0]}])
-               for p in builtin_split(builtin_prompts(), "builtin", "calibration")[:2 * batch]]
+               for p in builtin_split(builtin_prompts(), "builtin", "calibration")[:2 * max(sizes)]]
+    new_tokens = defaults.new_tokens(job.max_new_tokens)
+    plain = MedusaDecoder(loaded, None, None, AcceptConfig(), DecodeConfig(max_new_tokens=new_tokens))
     try:
-        with tqdm(total=2 * batch, desc=f"serving plain decoding at batch {batch}", unit="req") as bar:
-            cost = measure_serving(job.model, job.dtype, weights_of(job), prof, batch, prompts,
-                                   defaults.new_tokens(job.max_new_tokens),
-                                   Path(job.out).with_name("latency-serving.log"), bar.update)
+        with tqdm(total=SERVING_ROUNDS * len(sizes), desc=f"serving plain decoding at batch {', '.join(map(str, sizes))}",
+                  unit="run") as bar:
+            cost = measure_serving(job.model, job.heads, job.dtype, weights_of(job), plain, sizes, prompts, new_tokens,
+                                   SERVING_ROUNDS, Path(job.out).with_name("latency-serving.log"), bar.update)
     except (EngineError, ValueError) as exc:
-        log(f"[profile] what streaming costs was not measured: {exc}")
+        log(f"[profile] what serving costs was not measured: {exc}")
         return replace(prof, meta={**prof.meta, "serving": {"error": str(exc)}})
-    return replace(prof, serving_chunk_ms=cost.chunk_ms, meta={**prof.meta, "serving": cost.as_json()})
+    return replace(prof, serving_step_ms=cost.step_ms, serving_chunk_ms=cost.chunk_ms,
+                   meta={**prof.meta, "serving": cost.as_json()})
 
 
 def format_stats_table(stats, label: str) -> str:

@@ -249,14 +249,22 @@ def generate_batched(decoder: MedusaDecoder, prompts: Iterable[Sequence[int]], m
                      max_batch: int = 16) -> list[list[int]]:
     """Every prompt's new tokens, decoded ``max_batch`` at a time in the order given: a request joins as soon as
     a row is free (continuous batching)."""
+    return run_batched(decoder, prompts, max_new_tokens, max_batch)[0]
+
+
+def run_batched(decoder: MedusaDecoder, prompts: Iterable[Sequence[int]], max_new_tokens: int,
+                max_batch: int = 16) -> tuple[list[list[int]], int]:
+    """``generate_batched``'s tokens and the number of batched steps it took."""
     batch = BatchDecoder(decoder, max_batch)
     queue = list(enumerate(prompts))
     out: dict[int, list[int]] = {i: [] for i, _ in queue}
     queue.reverse()
+    steps = 0
     while queue or batch.rows:
         while queue and batch.free:
             i, ids = queue.pop()
             batch.admit(i, ids, max_new_tokens)
         for got in batch.step():
             out[got.key].extend(got.tokens)
-    return [out[i] for i in sorted(out)]
+        steps += 1
+    return [out[i] for i in sorted(out)], steps
