@@ -17,14 +17,17 @@ from bench.cli import build_parser
 from bench.cli import main as cli_main
 from bench.engines import EngineError, llamacpp
 from bench.load.client import LoadPlan, RequestRecord
+from bench.load.prediction import ON_CALIBRATION, ON_REQUESTS, schedule_predictor
 from bench.load.serving import ServingRun, fit_overhead
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
 from bench.report.load import load_section
 from bench.stages.jobs import ProfileJob
 from bench.stages.load import Measured
-from treesearch.cost import load_profile
-from treesearch.replay import Decoding, replay
-from treesearch.schedule import request_latencies
+from treesearch.cost import load_profile, save_profile
+from treesearch.replay import Decoding, configuration_json, replay
+from treesearch.schedule import request_latencies, throughput_on_prompts
+from treesearch.stats import load_stats, save_stats
+from treesearch.tree import chain
 
 from .conftest import tiny_llama
 from .test_calibration import _heads_that_guess
@@ -124,6 +127,7 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert doc["heads_base"] != doc["model"]  # the default heads carry an adapter
     assert set(rows) == {(c, n) for c in ("plain", HEADS_BASE_PLAIN, "chain:2", "schedule") for n in (1, 3)}
     assert [rows[("schedule", n)]["predicted_output_tokens_per_s"] for n in (1, 3)] == [20.0, 50.0]
+    assert doc["schedule_predicted_for"] == ON_CALIBRATION  # this tree.json names no acceptance file
     assert all(r["schedule"] == (r["config"] == "schedule") for r in rows.values())
     assert rows[("schedule", 1)]["accepted_per_step"] > 0  # chain:2 alone; plain decoding from 2 requests on
     for row in rows.values():
@@ -172,6 +176,9 @@ def test_what_serving_costs_a_step_is_fitted_to_the_served_runs_beyond_the_same_
     # overheads exactly 1.0 + 0.2 c, two rounds each: the fit gives them back
     runs = [ServingRun(c, 4, 96, 96, 100, 500.0 + 100 * (1.0 + 0.2 * c), 500.0) for c in (1, 2, 4, 8, 16) * 2]
     assert fit_overhead(runs) == pytest.approx((1.0, 0.2))
+    # a third round with one run gone astray: each concurrency's median holds the line
+    astray = ServingRun(16, 32, 96, 96, 100, 500.0 + 100 * 0.5, 500.0)
+    assert fit_overhead(runs + [astray, *runs[:4]]) == pytest.approx((1.0, 0.2))
     rng = np.random.default_rng(0)  # noisy and with a part that comes out negative: non-negative least squares
     for _ in range(20):
         runs = [ServingRun(int(c), 4, 96, 96, 100, 500.0 + 100 * float(y), 500.0)
@@ -189,6 +196,32 @@ def test_what_serving_costs_a_step_is_fitted_to_the_served_runs_beyond_the_same_
         request_latencies(res, prof, 4)[0] + 2.0 * len(res.rollouts[0].verified))
 
 
+def test_the_schedule_is_predicted_for_the_loads_own_prompts_where_tree_json_names_its_files(tmp_path):
+    """bench.load.prediction: with tree.json's acceptance and latency files in place, each concurrency's
+    prediction is its range's configuration priced on the load's prompts and token cap; with the acceptance file
+    changed since the search, or gone, tree.json's own predictions stand, and the predictor says why."""
+    stats = _stats_of_one()
+    latency = replace(_batched(per_row_ms=0.05), serving_step_ms=0.5)
+    acc, lat = save_stats(stats, tmp_path / "acceptance.json"), save_profile(latency, tmp_path / "latency.json")
+    pred = {"by_batch": [{"batch": 1, "output_tokens_per_s": 20.0}, {"batch": 4, "output_tokens_per_s": 50.0}]}
+    schedule = [{"batch": [1, 2], "configuration": configuration_json(Decoding(chain(2))), "prediction": pred},
+                {"batch": [3, 16], "configuration": configuration_json(Decoding()), "prediction": pred}]
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"acceptance_file": str(acc), "acceptance_sha256": load_stats(acc).sha256,
+                                "latency_file": str(lat), "schedule": schedule}))
+    predict = schedule_predictor(str(tree), schedule, [12, 40], 16)
+    assert predict.basis == ON_REQUESTS and not predict.why_not
+    assert predict(1) == pytest.approx(throughput_on_prompts(stats, latency, Decoding(chain(2)), 1, [12, 40], 16))
+    assert predict(4) == pytest.approx(throughput_on_prompts(stats, latency, Decoding(), 4, [12, 40], 16))
+    assert predict(4) != pytest.approx(throughput_on_prompts(stats, latency, Decoding(), 4, [12, 40], 32))
+    acc.write_text(acc.read_text().replace("{", "{ ", 1))  # the same statistics, another file: not the searched one
+    changed = schedule_predictor(str(tree), schedule, [12, 40], 16)
+    assert changed.basis == ON_CALIBRATION and "changed" in changed.why_not
+    assert (changed(1), changed(4), changed(2)) == (20.0, 50.0, None)
+    acc.unlink()
+    assert "acceptance.json" in schedule_predictor(str(tree), schedule, [12, 40], 16).why_not
+
+
 def _stats_of_one():
     loaded = tiny_llama(vocab=32, seed=2)
     heads = _heads_that_guess(loaded, k=2, seed=1)
@@ -198,7 +231,7 @@ def _stats_of_one():
 
 def test_the_profile_measures_what_serving_costs_a_step(tmp_path):
     """``medusa-bench profile --batch-sizes 1,2``: after the batched steps it serves plain decoding at 1 and 2
-    clients (4 requests each, the built-in calibration prompts) beside the same requests decoded in-process, twice,
+    clients (4 requests each, the built-in calibration prompts) beside the same requests decoded in-process, thrice,
     and writes the fit into latency.json with the runs it came from. The server's greedy tokens are the in-process
     run's, token for token in count, and the fit is the runs' own."""
     out = tmp_path / "latency.json"
@@ -206,7 +239,7 @@ def test_the_profile_measures_what_serving_costs_a_step(tmp_path):
                      "--batch-sizes", "1,2", "--max-new-tokens", "8", "--out", str(out), "--json"]) == 0
     doc = json.loads(out.read_text())
     serving = doc["serving"]
-    assert serving["concurrencies"] == [1, 2] and len(serving["runs"]) == 4
+    assert serving["concurrencies"] == [1, 2] and len(serving["runs"]) == 6
     for run in serving["runs"]:
         assert run["requests"] == 4 and run["served_tokens"] == run["tokens"] and 0 < run["tokens"] <= 4 * 8
         assert run["steps"] >= run["tokens"] / run["concurrency"] and run["served_ms"] > 0 and run["in_process_ms"] > 0

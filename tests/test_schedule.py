@@ -9,8 +9,17 @@ from dataclasses import replace
 import pytest
 
 from treesearch.cost import profile_from_json, profile_to_json
-from treesearch.replay import Decoding, replay
-from treesearch.schedule import candidates, check_schedule, decoding_at, prefixes, schedule_json, search_schedule
+from treesearch.replay import Decoding, ReplayResult, RolloutReplay, configuration_json, decoding_of_json, replay
+from treesearch.schedule import (
+    candidates,
+    check_schedule,
+    decoding_at,
+    on_prompts,
+    prefixes,
+    schedule_json,
+    search_schedule,
+    throughput_on_prompts,
+)
 from treesearch.search import SearchConfig, run_search, write_search
 from treesearch.stats import StatsError
 from treesearch.targets import TARGETS
@@ -116,6 +125,38 @@ def test_a_chain_targets_pick_at_each_batch_size_is_the_brute_force_best(fitted,
     assert all(a.last + 1 == b.first and a.decoding is not b.decoding for a, b in zip(ranges, ranges[1:]))
     sched = check_schedule(schedule_json(ranges))
     assert decoding_at(sched, 1)["config"] == picks[1][0].label and decoding_at(sched, 100)["config"] == "plain"
+
+
+def test_rollouts_move_onto_other_prompts_and_stop_at_the_token_cap():
+    """on_prompts in closed form: one rollout (1 token from the prefill, then steps committing 2, 1, 3) on prompts
+    of 20 and 5 tokens, capped at 4 tokens: two steps kept, contexts moved by the prompts' difference."""
+    r = RolloutReplay("a", (2, 1, 3), 7, 0.0, (3, 3, 3), (10, 12, 13), 10)
+    got = on_prompts(ReplayResult(Decoding(chain(2)), (r,)), [20, 5], max_new_tokens=4)
+    assert [(x.prompt_tokens, x.contexts, x.verified, x.accept_lengths, x.tokens) for x in got.rollouts] == [
+        (20, (20, 22), (3, 3), (2, 1), 4), (5, (5, 7), (3, 3), (2, 1), 4)]
+    assert on_prompts(ReplayResult(Decoding(), (r,)), [10]).rollouts[0] == replace(r, id="a@10")
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_throughput_on_other_prompts_prices_every_rollout_on_every_prompt(fitted, depth):
+    """Against a brute force that prices each (rollout, prompt) pair step by step: B prefills of the prompt and,
+    per step, a batched step at the moved context plus serving it; the configuration goes through tree.json."""
+    latency = replace(_batched(per_row_ms=0.05), serving_chunk_ms=0.2, serving_step_ms=1.0)
+    dec = decoding_of_json(json.loads(json.dumps(configuration_json(Decoding(chain(depth)) if depth else Decoding()))))
+    prompts, cap, batch = [7, 30, 64], 20, 4
+    tokens = total_ms = 0.0
+    for r in replay(dec, stats := fitted).rollouts:
+        for p in prompts:
+            made = r.tokens - sum(r.accept_lengths)
+            total_ms += batch * latency.prefill(p)
+            for n, nodes, context in zip(r.accept_lengths, r.verified, r.contexts):
+                if made >= cap:
+                    break
+                made += n
+                total_ms += latency.batch_step(batch, nodes, context - r.prompt_tokens + p) + 1.0 + batch * 0.2
+            tokens += min(r.tokens, cap)
+    assert throughput_on_prompts(stats, latency, dec, batch, prompts, cap) == pytest.approx(
+        1000.0 * batch * tokens / total_ms)
 
 
 def test_trtllm_chooses_among_prefixes_of_its_tree_within_its_limit():

@@ -32,7 +32,7 @@ import numpy as np
 from .cost import LatencyProfile
 from .ngram import LookupConfig, NgramIndex
 from .stats import AcceptanceStats, RolloutText, StatsError, accepted_depth, bootstrap_ratio
-from .tree import Tree
+from .tree import Tree, make_tree
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,13 @@ def configuration_json(dec: Decoding) -> dict[str, Any]:
             "medusa_choices": dec.tree.as_lists() if dec.tree is not None else None,
             "tree_nodes": len(dec.tree.paths) if dec.tree is not None else None,
             "lookup": dec.lookup, "gate": dec.gate}
+
+
+def decoding_of_json(conf: dict[str, Any]) -> Decoding:
+    """The configuration ``configuration_json`` wrote."""
+    choices = conf.get("medusa_choices")
+    tree = make_tree(choices, name=str(conf.get("config") or "custom")) if choices else None
+    return Decoding(tree, int(conf.get("lookup") or 0), float(conf.get("gate") or 0.0))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .cost import LatencyProfile
@@ -93,6 +93,34 @@ def predict_at(res: ReplayResult, latencies: list[float], plain_latencies: list[
     s_lo, s_hi = bootstrap_ratio(plain_latencies, latencies, level)
     return LoadPrediction(batch, output_tokens_per_s(res, latencies, batch), (scale * lo, scale * hi),
                           sum(plain_latencies) / sum(latencies), (s_lo, s_hi), res.tau)
+
+
+def on_prompts(res: ReplayResult, prompt_tokens: Sequence[int], max_new_tokens: int | None = None) -> ReplayResult:
+    """``res``'s rollouts as requests of other prompts: every rollout on every one of the ``prompt_tokens``
+    lengths (its contexts moved by the difference), its steps cut where it reaches ``max_new_tokens``. What the
+    replayed configuration would do on a workload of those prompts, with the rollouts' acceptance."""
+    out = []
+    for r in res.rollouts:
+        first = r.tokens - sum(r.accept_lengths)  # the prefill's token(s)
+        keep, made = 0, first
+        for n in r.accept_lengths:
+            if max_new_tokens is not None and made >= max_new_tokens:
+                break
+            keep, made = keep + 1, made + n
+        tokens = r.tokens if max_new_tokens is None else min(r.tokens, max_new_tokens)
+        for p in prompt_tokens:
+            shift = int(p) - r.prompt_tokens
+            out.append(replace(r, id=f"{r.id}@{p}", accept_lengths=r.accept_lengths[:keep], tokens=tokens,
+                               verified=r.verified[:keep], contexts=tuple(c + shift for c in r.contexts[:keep]),
+                               prompt_tokens=int(p)))
+    return ReplayResult(res.decoding, tuple(out))
+
+
+def throughput_on_prompts(stats: AcceptanceStats, latency: LatencyProfile, dec: Decoding, batch: int,
+                          prompt_tokens: Sequence[int], max_new_tokens: int | None = None) -> float:
+    """``dec``'s predicted output tokens/s at ``batch`` on a workload of these prompts (``on_prompts``)."""
+    res = on_prompts(replay(dec, stats, latency), prompt_tokens, max_new_tokens)
+    return output_tokens_per_s(res, request_latencies(res, latency, batch), batch)
 
 
 def prefixes(tree: Tree, max_nodes: int | None = None) -> list[Tree]:

@@ -8,7 +8,7 @@ at least) go through the server and through the same batched decoder in this pro
 other, so that the machine's drift in speed falls on both::
 
     overhead(c)  = (served wall - in-process wall) / in-process steps            ms per batched step
-    overhead(c) ~= step_ms + c * chunk_ms                                        least squares over every run
+    overhead(c) ~= step_ms + c * chunk_ms          least squares over each concurrency's median overhead
 
 with both parts held non-negative. The served wall runs from the first request sent to the last one ended; the
 in-process one is ``run_batched`` over the same prompts, ``c`` rows at most. Greedy decoding gives both the same
@@ -68,11 +68,15 @@ class ServingCost:
 
 
 def fit_overhead(runs: Sequence[ServingRun]) -> tuple[float, float]:
-    """(step_ms, chunk_ms): least squares of ``overhead(c) = step_ms + c * chunk_ms`` over ``runs``, both parts
-    held non-negative (where one comes out negative it is 0 and the other is fitted alone)."""
-    c = np.array([r.concurrency for r in runs], dtype=float)
-    y = np.array([r.overhead_ms for r in runs], dtype=float)
-    if len(set(c)) > 1:
+    """(step_ms, chunk_ms): least squares of ``overhead(c) = step_ms + c * chunk_ms`` over the median overhead at
+    each concurrency (one run gone astray in a round moves nothing), both parts held non-negative (where one
+    comes out negative it is 0 and the other is fitted alone)."""
+    by_c: dict[int, list[float]] = {}
+    for r in runs:
+        by_c.setdefault(r.concurrency, []).append(r.overhead_ms)
+    c = np.array(sorted(by_c), dtype=float)
+    y = np.array([float(np.median(by_c[k])) for k in sorted(by_c)])
+    if len(c) > 1:
         chunk, step = np.polyfit(c, y, 1)
         if step >= 0 and chunk >= 0:
             return float(step), float(chunk)

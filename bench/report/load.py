@@ -129,8 +129,10 @@ def load_section(out: Path, plots: Path) -> tuple[str, dict | None, list[Path]]:
     section = "\n## Under load (load.json)\n\n"
     section += (to_markdown(df.drop(columns=["lo", "hi", "speedup_lo", "speedup_hi"]).round(3)) if not df.empty
                 else "(no rows)")
-    section += "\n\n" + "\n".join(stop_sentences(doc) + prediction_sentences(df)
+    basis = [f"The schedule's predictions are for {doc['schedule_predicted_for']}."] \
+        if doc.get("schedule_predicted_for") and prediction_sentences(df) else []
+    section += "\n\n" + "\n".join(stop_sentences(doc) + basis + prediction_sentences(df)
                                    + [f"Left out: {x}" for x in doc.get("left_out", [])]) + "\n"
     summary = {k: doc.get(k) for k in ("concurrencies", "rates", "questions", "max_new_tokens", "rows",
-                                       "stops_paying", "left_out")}
+                                       "stops_paying", "left_out", "schedule_predicted_for")}
     return section, summary, plot_load(df, plots)

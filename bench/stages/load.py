@@ -29,6 +29,7 @@ from bench.engines import EngineError, EngineSettings, llamacpp
 from bench.engines.stage import model_folder
 from bench.engines.vllm_engine import vllm_python
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, enough, run_load_sync
+from bench.load.prediction import ON_CALIBRATION, SchedulePredictor, schedule_predictor
 from bench.load.servers import LlamaSlots, OwnServer, VllmServer, counter_delta
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
@@ -78,15 +79,6 @@ def served_configurations(job: LoadJob) -> list[Served]:
     return [Served("plain"), *[Served(c.name, c.tree, c.lookup_tokens, c.gate) for c in configs], *extra]
 
 
-def predicted_at(schedule: list[dict], concurrency: int) -> float | None:
-    """The schedule's predicted output tokens/s at a concurrency it was searched at (None elsewhere)."""
-    for entry in schedule:
-        for p in entry.get("prediction", {}).get("by_batch", []):
-            if p.get("batch") == concurrency:
-                return p.get("output_tokens_per_s")
-    return None
-
-
 def load_stage(job: LoadJob) -> tuple[dict, str]:
     served = served_configurations(job)
     for s in served[1:]:  # a bad tree or schedule fails before anything starts
@@ -106,8 +98,14 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     doc = {"schema": SCHEMA, "concurrencies": list(job.concurrency), "rates": list(job.rate),
            "questions": [r.key for r in requests], "max_new_tokens": job.max_new_tokens, **meta, "rows": [],
            "left_out": []}
+    predict = schedule_predictor(job.schedule, schedule, [len(r.prompt) for r in requests], job.max_new_tokens) \
+        if job.schedule else None
+    if predict is not None:
+        doc["schedule_predicted_for"] = predict.basis
+        if predict.why_not:
+            log(f"[load] the schedule's predictions are tree.json's, for {ON_CALIBRATION}: {predict.why_not}")
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out,
-               schedule)
+               predict)
     servers = _own_servers(job, served, requests, doc, out)
     if "vllm" in job.engines:
         servers += _vllm_server(job, requests, doc, out)
@@ -187,9 +185,9 @@ class _Run:
     """A load run's rows and records, written after each row."""
 
     def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path,
-                 schedule: list[dict] = ()):
+                 predict: SchedulePredictor | None = None):
         self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
-        self.schedule = schedule
+        self.predict = predict
         self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
 
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
@@ -212,7 +210,7 @@ class _Run:
                 build: str | None = None) -> None:
         """A row of what ``collect`` measured (one run or pooled rounds), written at once."""
         scheduled = config == SCHEDULE and server.engine == "own"
-        predicted = predicted_at(self.schedule, plan.concurrency) if scheduled and plan.concurrency else None
+        predicted = self.predict(plan.concurrency) if scheduled and plan.concurrency and self.predict else None
         row = load_row(config, server.engine, plan.concurrency or 0, got.records, reference, got.counters, build,
                        scheduled, predicted)
         if plan.rate is not None:

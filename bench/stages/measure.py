@@ -267,7 +267,7 @@ def profile_stage(job: ProfileJob) -> tuple[dict, str]:
     return {"latency": str(path), **profile_to_json(prof), "plots": plots}, "\n".join(lines)
 
 
-SERVING_ROUNDS = 2  # each concurrency served and decoded in-process this many times (bench.load.serving)
+SERVING_ROUNDS = 3  # each concurrency served and decoded in-process this many times (bench.load.serving)
 
 
 def with_serving_cost(job: ProfileJob, loaded, prof: LatencyProfile) -> LatencyProfile:
