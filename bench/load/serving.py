@@ -109,7 +109,7 @@ def in_process_run(decoder: MedusaDecoder, requests: Sequence[LoadRequest], conc
 
 def measure_serving(model: str, heads: str, dtype: str, weights: str, decoder: MedusaDecoder,
                     concurrencies: Sequence[int], prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    rounds: int = 2, log_file: Path | None = None, progress=None) -> ServingCost:
+                    rounds: int = 3, log_file: Path | None = None, progress=None) -> ServingCost:
     """Plain decoding (on the heads' base, as ``decoder`` decodes) served and decoded in-process at each
     concurrency, ``rounds`` times, the concurrencies in a shuffled order each round, after one untimed request
     each way; the fitted cost and the runs."""
