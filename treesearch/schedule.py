@@ -25,7 +25,7 @@ order) within its node limit; this runtime takes those and the search's own reco
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,18 +64,13 @@ class ScheduleRange:
     predictions: tuple[LoadPrediction, ...]  # at its first batch size, then each searched size within it
 
 
-def request_latency(latency: LatencyProfile, batch: int, verified: Iterable[int], contexts: Iterable[int],
-                    prompt_tokens: int) -> float:
-    """ms from a request's arrival to its last token with ``batch`` requests decoding together: its steps (nodes
-    verified, context) each a batched step plus what serving it costs, and B prefills (see the module doc)."""
-    served = latency.serving(batch)  # ms serving adds to each step: waking the server, B streamed chunks
-    steps = sum(latency.batch_step(batch, n, c) + served for n, c in zip(verified, contexts))
-    return steps + batch * latency.prefill(prompt_tokens)
-
-
 def request_latencies(res: ReplayResult, latency: LatencyProfile, batch: int) -> list[float]:
-    """[rollouts] ``request_latency`` of each of ``res``'s requests."""
-    return [request_latency(latency, batch, r.verified, r.contexts, r.prompt_tokens) for r in res.rollouts]
+    """[rollouts] ms from a request's arrival to its last token with ``batch`` requests decoding together: its
+    steps (nodes verified, context) each a batched step plus what serving it costs, and B prefills (see the
+    module doc)."""
+    served = latency.serving(batch)  # ms serving adds to each step: waking the server, B streamed chunks
+    return [sum(latency.batch_step(batch, n, c) + served for n, c in zip(r.verified, r.contexts))
+            + batch * latency.prefill(r.prompt_tokens) for r in res.rollouts]
 
 
 def output_tokens_per_s(res: ReplayResult, latencies: list[float], batch: int) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from treesearch.cost import LatencyProfile, load_profile
@@ -60,13 +60,9 @@ def schedule_predictor(tree_json: str, schedule: Sequence[dict], prompt_tokens: 
         stats = load_stats(doc["acceptance_file"])
         latency = load_profile(doc["latency_file"])
     except (OSError, KeyError, TypeError, ValueError, StatsError) as exc:
-        return _without(fallback, f"{type(exc).__name__}: {exc}")
+        return replace(fallback, why_not=f"{type(exc).__name__}: {exc}")
     if doc.get("acceptance_sha256") not in (None, stats.sha256):
-        return _without(fallback, f"{doc['acceptance_file']} changed since the search")
+        return replace(fallback, why_not=f"{doc['acceptance_file']} changed since the search")
     if not latency.has_batch:
-        return _without(fallback, f"{doc['latency_file']} has no batched steps")
-    return SchedulePredictor(tuple(schedule), stats, latency, tuple(prompt_tokens), max_new_tokens)
-
-
-def _without(p: SchedulePredictor, why: str) -> SchedulePredictor:
-    return SchedulePredictor(p.schedule, None, None, p.prompt_tokens, p.max_new_tokens, why)
+        return replace(fallback, why_not=f"{doc['latency_file']} has no batched steps")
+    return replace(fallback, stats=stats, latency=latency)
