@@ -189,6 +189,12 @@ def test_search_writes_the_schedule_into_tree_json_and_old_files_still_read(tmp_
     with pytest.raises(StatsError, match="contiguously"):
         check_schedule([{"batch": [1, 2], "configuration": {"config": "plain"}},
                         {"batch": [4, 8], "configuration": {"config": "plain"}}])
+    wide = {"config": "wide", "medusa_choices": [[0], [1], [1, 0]], "lookup": 0}  # no [0, 0]: no top-1 chain
+    for conf, why in (({**wide, "gate": 0.5}, "top-1 chain"), ({**wide, "lookup": -1}, "lookup tokens"),
+                      ({"config": "plain", "gate": 0.5}, "needs a heads tree"),
+                      ({"config": "bad", "medusa_choices": [[0, 0]]}, "")):
+        with pytest.raises(StatsError, match="batch sizes 2-16: .*" + why):  # as the search checks its own
+            check_schedule([{"batch": [1, 1], "configuration": wide}, {"batch": [2, 16], "configuration": conf}])
 
 
 def _scheduled_file(tmp_path, ranges, heads="unconditioned", target="vllm"):

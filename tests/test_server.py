@@ -150,6 +150,13 @@ def test_a_schedule_switches_the_tree_with_the_live_batch_and_answers_stay_plain
     out = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--schedule", str(bad), "--port", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "holds no schedule" in out.stderr and out.stderr.count("\n") == 1
+    gated = tmp_path / "gated.json"  # a gate reads the heads' top-1 chain: refused on a wide tree, as the search does
+    gated.write_text(json.dumps({**json.loads(path.read_text()), "schedule": [
+        {"batch": [1, 16], "configuration": {**conf("forked", [[0], [1], [1, 0]]), "gate": 0.5}}]}))
+    out = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--heads", "medusa1", "--schedule", str(gated),
+                          "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "batch sizes 1-16" in out.stderr and "top-1 chain" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
 
 
 def test_openai_stream_joins_into_the_non_streamed_reply(server, alone):

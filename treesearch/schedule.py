@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .cost import LatencyProfile
-from .replay import Decoding, ReplayResult, configuration_json, replay
+from .replay import Decoding, ReplayResult, configuration_json, decoding_of_json, replay
 from .stats import AcceptanceStats, StatsError, bootstrap_ratio
 from .targets import Target
 from .tree import Tree, chain, make_tree, read_json
@@ -212,5 +212,15 @@ def check_schedule(schedule: Any) -> list[dict[str, Any]]:
         if first != expect or last < first:
             raise StatsError(f"schedule ranges must run contiguously from batch 1: got [{first}, {last}] where "
                              f"{expect} was due")
+        schedule_decoding(entry)
         expect = last + 1
     return schedule
+
+
+def schedule_decoding(entry: dict[str, Any]) -> Decoding:
+    """The configuration of one schedule range, checked as the search checks its own (StatsError, one line)."""
+    first, last = entry["batch"]
+    try:
+        return decoding_of_json(entry["configuration"])
+    except (ValueError, TypeError) as exc:
+        raise StatsError(f"the schedule's configuration for batch sizes {first}-{last}: {exc}") from None

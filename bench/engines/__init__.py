@@ -36,7 +36,7 @@ class EngineSettings:
     """How the peers run (the pipeline's ``--engines`` options)."""
 
     vllm_python: str | None = None  # the interpreter of vLLM's environment (None: $MEDUSA_VLLM_PYTHON)
-    vllm_kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE per vLLM engine: a batch of one needs little
+    vllm_kv_cache_gb: int = 1  # at most this KV cache per warm vLLM engine (it gets what its batch needs)
     vllm_eager: bool = True  # enforce_eager: no torch.compile warm-up at each engine's start
     llama_threads: int | None = None  # llama.cpp's -t (None: every core the process may use)
     medusa_chains: tuple[int, ...] = (1, 2, 3, 4)  # vLLM + Medusa: chain lengths (those past the heads' count dropped)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import subprocess
 import time
 import urllib.error
@@ -9,6 +11,20 @@ import urllib.request
 from collections.abc import Callable
 
 from bench.engines import EngineError
+
+try:  # Linux: prctl(PR_SET_PDEATHSIG), looked up once here (a preexec_fn should only make the call)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (AttributeError, OSError):
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent() -> None:
+    """``subprocess.Popen``'s ``preexec_fn``: the server gets SIGTERM when the bench that started it dies, even
+    by SIGKILL (the out-of-memory killer), so no engine is left holding memory and a port. The signal follows
+    the starting thread: servers are started from the main thread. Does nothing off Linux."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, t0: float, timeout_s: float,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.engines import EngineError, EngineSettings
+from bench.engines.process import dies_with_parent
 from medusa_runtime.heads.export import engine_refusal, export_vllm
 from medusa_runtime.heads.medusa import resolve_heads, save_heads
 from medusa_runtime.model import load_model
@@ -76,6 +77,25 @@ def ngram_speculative_config(tokens: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": int(tokens), "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
+def kv_cache_bytes(model: str | Path, max_model_len: int, max_num_seqs: int, cap_gb: float,
+                   dtype_bytes: int = 2) -> int:
+    """The KV cache a worker asks vLLM for: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
+    keys and values of every layer (``layers * 2 * kv_heads * head_dim * dtype_bytes`` per token), a quarter more
+    for the draft tokens and block rounding, at most ``cap_gb`` GiB. vLLM's CPU backend allocates (and touches)
+    all of it at start: several warm workers at 1 GiB each held about 4 GiB that a batch of one never used.
+    The cap where the model's config.json cannot be read."""
+    cap = int(cap_gb * 2**30)
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_token = int(cfg["num_hidden_layers"]) * 2 * int(cfg.get("num_key_value_heads") or heads) * head_dim
+    except (OSError, KeyError, TypeError, ValueError):
+        return cap
+    need = per_token * dtype_bytes * max_model_len * max_num_seqs * 5 // 4
+    return min(cap, max(need, 64 * 2**20))
+
+
 class VllmWorker:
     """A warm vLLM engine in a process of vLLM's own environment (``vllm_worker.py``)."""
 
@@ -83,14 +103,17 @@ class VllmWorker:
                  settings: EngineSettings, log_file: Path | None = None, max_model_len: int = 4096,
                  max_num_seqs: int = 1):
         opts = {"model": model, "dtype": dtype, "speculative_config": speculative_config,
-                "enforce_eager": settings.vllm_eager, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
-        # one engine per process, without a second engine-core process; the KV cache a batch of one needs
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings.vllm_kv_cache_gb),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+                "enforce_eager": settings.vllm_eager, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                "kv_cache_memory_bytes": kv_cache_bytes(model, max_model_len, max_num_seqs, settings.vllm_kv_cache_gb)}
+        # one engine per process, without a second engine-core process; the KV cache its batch needs (the
+        # environment's older setting, whole GiB, would override the bytes)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self._err = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([python, str(WORKER), json.dumps(opts)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
+                                     preexec_fn=dies_with_parent)
         hello = self._read()
         if not hello.get("ready"):
             self.close()

@@ -66,7 +66,8 @@ def main() -> int:
                   max_model_len=opts.get("max_model_len", 2048), enforce_eager=opts.get("enforce_eager", True),
                   enable_prefix_caching=False, disable_log_stats=False, seed=0,
                   max_num_seqs=int(opts.get("max_num_seqs", 1)),
-                  speculative_config=opts.get("speculative_config"))
+                  speculative_config=opts.get("speculative_config"),
+                  kv_cache_memory_bytes=opts.get("kv_cache_memory_bytes"))
     except Exception as exc:  # noqa: BLE001  the one line the harness reports (the traceback goes to the log)
         traceback.print_exc()
         send({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})

@@ -51,8 +51,7 @@ from medusa_runtime.server.protocol import (
     usage_body,
 )
 from medusa_runtime.tree.lookup import LookupConfig
-from treesearch.schedule import read_schedule
-from treesearch.tree import make_tree
+from treesearch.schedule import read_schedule, schedule_decoding
 
 
 class Metrics:
@@ -119,14 +118,12 @@ class ChatServer:
         """One decoder per range of the schedule file (``treesearch.schedule``), over these heads."""
         out = []
         for entry in read_schedule(self.cfg.schedule):
-            conf, (first, last) = entry["configuration"], entry["batch"]
-            choices = conf.get("medusa_choices")
-            if choices and heads is None:
+            (first, last), decoding = entry["batch"], schedule_decoding(entry)
+            if decoding.tree is not None and heads is None:
                 raise ValueError(f"the schedule's configuration for batch sizes {first}-{last} uses heads: serve it "
                                  "with --heads")
-            tree = make_tree(choices, name=str(conf.get("config"))) if choices else None
             out.append(Scheduled(int(first), int(last),
-                                 self._decoder(heads, tree, int(conf.get("lookup", 0)), float(conf.get("gate", 0.0)))))
+                                 self._decoder(heads, decoding.tree, decoding.lookup, decoding.gate)))
         return out
 
     # ------------------------------------------------------------------ the app
