@@ -283,3 +283,54 @@ def test_readme_verdict_is_the_scorecards_sentences():
     full = render(report).splitlines()
     assert all(s in full for s in sentences)
     assert not any(line.startswith("The search's pick (**searched**") for line in full)  # the old wording is gone
+
+
+def test_a_vllm_worker_asks_for_the_kv_cache_of_its_batch(tmp_path):
+    """keys and values of every layer per token (layers * 2 * kv_heads * head_dim * 2 bytes in bf16), for
+    max_num_seqs sequences of max_model_len tokens, a quarter more; the setting caps it; unreadable config: the cap."""
+    from bench.engines.vllm_engine import kv_cache_bytes
+
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    per_token = 30 * 2 * 3 * (576 // 9) * 2
+    assert kv_cache_bytes(tmp_path, 4096, 1, 1) == per_token * 4096 * 5 // 4 < 2**30
+    assert kv_cache_bytes(tmp_path, 4096, 16, 4) == per_token * 4096 * 16 * 5 // 4
+    assert kv_cache_bytes(tmp_path, 4096, 64, 1) == 2**30  # capped
+    assert kv_cache_bytes(tmp_path, 16, 1, 1) == 64 * 2**20  # a floor for vLLM's blocks
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 128}))
+    assert kv_cache_bytes(tmp_path, 4096, 1, 1) == 30 * 2 * 3 * 128 * 2 * 4096 * 5 // 4
+    assert kv_cache_bytes(tmp_path / "missing", 4096, 1, 2) == 2 * 2**30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_the_bench_started_dies_when_the_bench_is_killed():
+    """A parent that starts a child with dies_with_parent and is then SIGKILLed (as the OOM killer does): the
+    child gets SIGTERM and is gone (or a zombie waiting for init), not left running."""
+    import os
+    import signal
+    import time
+
+    code = ("import subprocess, sys, time\n"
+            "from bench.engines.process import dies_with_parent\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "preexec_fn=dies_with_parent)\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+
+    def running(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state not in ("Z", "X")
+
+    assert running(child)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child)

@@ -44,8 +44,8 @@ def test_replay_killed_halfway_resumes_without_loss_or_duplicates(tmp_path, monk
     real = runner.make_runner
     calls = {"n": 0}
 
-    def dying(cfg_, loaded_, heads_, topk=10):
-        inner = real(cfg_, loaded_, heads_, topk)
+    def dying(cfg_, loaded_, heads_, topk=10, shared=None):
+        inner = real(cfg_, loaded_, heads_, topk, shared)
 
         def run(prompt, n, temperature=0.0, seed=None):
             calls["n"] += 1
@@ -131,8 +131,8 @@ def test_lockstep_replay_equals_sequential_and_resumes_after_a_kill_mid_step(tmp
     replay(loaded, heads, configs, QUESTIONS, replace(cfg, lockstep=False), seq, progress=False)
     real, steps, trace = runner.make_runner, {"n": 0}, []
 
-    def dying(cfg_, loaded_, heads_, topk=10):
-        inner = real(cfg_, loaded_, heads_, topk)
+    def dying(cfg_, loaded_, heads_, topk=10, shared=None):
+        inner = real(cfg_, loaded_, heads_, topk, shared)
         if not isinstance(inner, runner.SteppedRunner):
             return inner
 
@@ -164,6 +164,40 @@ def test_lockstep_replay_equals_sequential_and_resumes_after_a_kill_mid_step(tmp
     assert on_disk[:len(partial)] == partial
     assert len(on_disk) == len({key(r) for r in on_disk}) == 3 * 2 * 3 + 3 * 2 * 2  # 3 configs once, one twice
     assert tokens(lock) == tokens(seq)
+
+
+def test_configurations_of_the_same_greedy_decoding_share_one_decoder(tmp_path, monkeypatch):
+    """Two names for the same greedy tree (a preset and a file of its paths, as the folds' searched picks often
+    are) decode on one decoder: as many decoders are built as without the second, and both record what a
+    replay of each alone records; a sampled configuration of the same tree keeps a decoder of its own."""
+    loaded = tiny_chat_model()
+    heads = fresh_heads(2, 1, loaded.hidden_size, loaded.vocab_size)
+    tree_file = tmp_path / "same.json"
+    tree_file.write_text(json.dumps([[0], [0, 0]]))  # a bare list of paths
+    again = MethodConfig("same tree, a file", "medusa", tree=str(tree_file))
+    sampled = MethodConfig("sampled", "medusa", tree="chain:2", accept="sample", temperature=0.7)
+    built = []
+
+    class Counted(runner.MedusaDecoder):
+        def __init__(self, *a, **kw):
+            built.append(a[3].rule)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(runner, "MedusaDecoder", Counted)
+    cfg = ReplayConfig(max_new_tokens=8, turns=2, warmup_tokens=2)
+
+    def run(configs, name):
+        built.clear()
+        records = replay(loaded, heads, configs, QUESTIONS, cfg, tmp_path / f"{name}.jsonl", progress=False)
+        return {(r["config"], r["question_id"], r["turn"]): r["token_ids"] for r in records}, list(built)
+
+    both, with_again = run(CONFIGS + [again, sampled], "both")
+    alone, without = run(CONFIGS + [sampled], "alone")
+    by_itself, _ = run([again], "by-itself")
+    assert sorted(with_again) == sorted(without) and with_again.count("sample") == 2  # warm-up and answers
+    assert {k: v for k, v in both.items() if k[0] != again.name} == alone
+    assert {k: v for k, v in both.items() if k[0] == again.name} == by_itself
+    assert all(both[(again.name, q, t)] == both[("medusa chain:2", q, t)] for _, q, t in by_itself)
 
 
 def test_fastchat_temperature_policy(tmp_path):
@@ -353,8 +387,8 @@ def test_profile_rounds_run_between_questions_and_resume_with_the_replay(tmp_pat
     cfg = ReplayConfig(max_new_tokens=6, turns=2, repeats=1, warmup_tokens=2)
     real, calls = runner.make_runner, {"n": 0}
 
-    def dying(cfg_, loaded_, heads_, topk=10):
-        inner = real(cfg_, loaded_, heads_, topk)
+    def dying(cfg_, loaded_, heads_, topk=10, shared=None):
+        inner = real(cfg_, loaded_, heads_, topk, shared)
 
         def run(prompt, n, temperature=0.0, seed=None):
             calls["n"] += 1

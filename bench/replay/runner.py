@@ -28,6 +28,7 @@ from medusa_runtime.decoding.lockstep import lockstep
 from medusa_runtime.heads.medusa import MedusaHeads
 from medusa_runtime.model import LoadedModel, chat_template_ids, chat_template_name, device_sync, software_versions
 from medusa_runtime.tree.lookup import LookupConfig
+from treesearch.tree import load_tree
 from treesearch.typical import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 
 RECORD_SCHEMA = "medusa-record/1"
@@ -118,9 +119,13 @@ def sample_seed(question_id: int, turn: int, sample: int) -> int:
     return int(hashlib.sha256(f"{question_id}/{turn}/{sample}".encode()).hexdigest()[:8], 16)
 
 
-def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10) -> Runner:
+def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | None, topk: int = 10,
+                shared: dict | None = None) -> Runner:
     """The callable for one of the runtime's or transformers' configurations (decoders and buffers built once,
-    here); an engine's comes from its pool of warm engines (``peer_runner``)."""
+    here); an engine's comes from its pool of warm engines (``peer_runner``). ``shared``: greedy decoders of the
+    same decoding (base, heads, tree paths, lookup chain, gate, engine) shared among the runners given the same
+    dict, as the folds' searched configurations often are: a decoder holds tens of MB (its heads' packed
+    weights and tables), and one answer at a time runs on it (a lockstep step is never interrupted)."""
     if cfg.method in ("generate", "prompt_lookup"):
         extra = {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens} if cfg.method == "prompt_lookup" else {}
         eos = list(loaded.eos_token_ids) or None
@@ -150,14 +155,22 @@ def make_runner(cfg: MethodConfig, loaded: LoadedModel, heads: MedusaHeads | Non
         return AcceptConfig(rule=rule, temperature=temperature, posterior_threshold=cfg.posterior_threshold,
                             posterior_alpha=cfg.posterior_alpha)
 
+    def decoder(n: int, temperature: float) -> MedusaDecoder:
+        tree = load_tree(cfg.tree) if use_heads is not None else None
+        rule, config = accept_at(temperature), DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
+                                                           lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate)
+        if shared is None or not rule.is_greedy:  # a sampled decoder's RNG is its own runner's
+            return MedusaDecoder(loaded, use_heads, tree, rule, config)
+        key = (id(loaded), id(use_heads), tree.paths if tree is not None else None, rule, config)
+        if key not in shared:
+            shared[key] = MedusaDecoder(loaded, use_heads, tree, rule, config)
+        return shared[key]
+
     def run_steps(prompt: list[int], n: int, temperature: float = 0.0, seed: int | None = None
                   ) -> Generator[None, None, RunOutput]:
         key = (n, temperature)
         if key not in decoders:
-            decoders[key] = MedusaDecoder(loaded, use_heads, cfg.tree if use_heads is not None else None,
-                                          accept_at(temperature),
-                                          DecodeConfig(max_new_tokens=n, topk=topk, seed=0, engine=cfg.engine,
-                                                       lookup=LookupConfig(cfg.lookup_tokens), gate=cfg.gate))
+            decoders[key] = decoder(n, temperature)
         if seed is not None:
             decoders[key].generator.manual_seed(seed)
         res = yield from decoders[key].generate_steps(prompt)
@@ -278,8 +291,9 @@ def replay(loaded: LoadedModel, heads: MedusaHeads | None, configs: Sequence[Met
         raise ValueError(f"configurations name heads {sorted(missing)[0]!r}, which the replay was not given")
     own = {c.digest: variants.get(c.heads, (loaded, heads)) if c.heads is not None else (loaded, heads)
            for c in configs}  # (base, heads) of each configuration
-    runners = {c.digest: peer_runner(c, peers) if c.method in PEER_METHODS else make_runner(c, *own[c.digest])
-               for c in configs}  # one name may run per fold, on its questions
+    shared: dict = {}  # greedy decoders of the same decoding, one for all the configurations that run it
+    runners = {c.digest: peer_runner(c, peers) if c.method in PEER_METHODS else
+               make_runner(c, *own[c.digest], shared=shared) for c in configs}  # one name may run per fold
     # a sampled configuration's repeats are its samples (each answer drawn with a seed of its own)
     rounds = max([cfg.repeats] + [c.samples for c in configs])
     todo = [(q, t, r, c) for q in questions for t in range(min(cfg.turns, len(q.turns))) for r in range(rounds)
