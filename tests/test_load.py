@@ -58,6 +58,69 @@ def test_rows_follow_their_definitions():
     assert failed["failed"] == 1 and "output_tokens_per_s" not in failed
 
 
+def _sse_server(drop: int):
+    """A loopback HTTP server that closes each of its first ``drop`` connections as soon as a request arrives (no
+    reply), then answers every request with a two-chunk completion stream; returns (base URL, stop, connections)."""
+    import asyncio
+    import threading
+
+    seen = {"connections": 0}
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in (
+        {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": "hi", "finish_reason": None}]},
+        {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})) + "data: [DONE]\n\n"
+
+    async def handle(reader, writer):
+        seen["connections"] += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length")), 0)
+        await reader.readexactly(length)
+        if seen["connections"] > drop:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                         + body.encode())
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def shut():
+        server.close()
+        await server.wait_closed()
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(shut(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+    return f"http://127.0.0.1:{port}/v1", stop, seen
+
+
+def test_a_connection_dropped_before_any_reply_is_replaced_once_and_counted():
+    """The load client against a server that drops connections unanswered: one drop, the request is sent again on
+    a new connection and succeeds with reconnects 1 (load_row sums them); two drops in a row, it fails."""
+    from bench.load.client import LoadRequest, run_load_sync
+
+    req = [LoadRequest("q", [1, 2, 3], 4)]
+    for drop, ok, reconnects in ((0, True, 0), (1, True, 1), (2, False, 1)):
+        url, stop, seen = _sse_server(drop)
+        try:
+            (rec,) = run_load_sync(url, "m", req, LoadPlan(concurrency=1, timeout_s=10))
+        finally:
+            stop()
+        assert (rec.ok, rec.reconnects, seen["connections"]) == (ok, reconnects, 1 + reconnects), (drop, rec)
+        assert rec.text == ("hi" if ok else "") and (ok or "APIConnectionError" in rec.error)
+        assert load_row("plain", "llama.cpp", 1, [rec])["reconnects"] == reconnects
+
+
 def test_speedup_pairs_questions_and_says_where_it_stops_paying():
     plain = [_rec(str(i), 20, 2.0) for i in range(8)]
     fast = [_rec(str(i), 20, 1.0) for i in range(8)]

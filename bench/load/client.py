@@ -62,6 +62,7 @@ class RequestRecord:
     text: str = ""
     tokens: int = 0  # completion tokens (the server's usage, else the tokenizer's count of the text)
     finish_reason: str | None = None
+    reconnects: int = 0  # connections that failed before any reply, each followed by a new one
 
     @property
     def latency(self) -> float:
@@ -97,12 +98,32 @@ class LoadPlan:
             raise ValueError(f"rate must be > 0, got {self.rate}")
 
 
+RECONNECTS = 1  # new connections a request may take after one failed before any reply
+
+
+async def _stream(client: openai.AsyncOpenAI, model: str, req: LoadRequest, rec: RequestRecord):
+    """The request's stream. A connection that fails before any reply (typically a pooled keep-alive connection
+    that the server closed as the request went out: llama-server's HTTP library closes one after a number of
+    requests) is replaced by a new one, up to RECONNECTS times, and counted in ``rec.reconnects``; its time stays
+    in the request's latency. A timeout, an error status and any error once the reply began stand."""
+    while True:
+        try:
+            return await client.completions.create(model=model, prompt=list(req.prompt), max_tokens=req.max_tokens,
+                                                   temperature=0.0, stream=True,
+                                                   stream_options={"include_usage": True})
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError:
+            if rec.reconnects >= RECONNECTS:
+                raise
+            rec.reconnects += 1
+
+
 async def _one(client: openai.AsyncOpenAI, model: str, req: LoadRequest, count_tokens) -> RequestRecord:
     rec = RequestRecord(req.key, sent=time.perf_counter())
     pieces: list[str] = []
     try:
-        stream = await client.completions.create(model=model, prompt=list(req.prompt), max_tokens=req.max_tokens,
-                                                 temperature=0.0, stream=True, stream_options={"include_usage": True})
+        stream = await _stream(client, model, req, rec)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 rec.chunks.append(time.perf_counter())

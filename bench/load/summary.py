@@ -46,7 +46,8 @@ def load_row(config: str, engine: str, concurrency: int, records: Sequence[Reque
     greedy decoding alone; ``counters``: the server's accepted drafts and steps over the run (the runtime's)."""
     ok = [r for r in records if r.ok]
     row = {"config": config, "engine": engine, "concurrency": concurrency, "requests": len(records),
-           "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if not r.ok})[:3]}
+           "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if not r.ok})[:3],
+           "reconnects": sum(r.reconnects for r in records)}
     if build is not None:
         row["build"] = build
     if not ok:

@@ -224,8 +224,8 @@ class _Run:
         self.doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_json_atomic(self.out, self.doc)
         lines = [json.dumps({"config": k[0], "engine": k[1], "concurrency": k[2], "key": r.key, "ok": r.ok,
-                             "error": r.error, "tokens": r.tokens, "latency": r.latency, "ttft": r.ttft, "itl": r.itl,
-                             "text": r.text}) for k, rs in self.records.items() for r in rs]
+                             "error": r.error, "reconnects": r.reconnects, "tokens": r.tokens, "latency": r.latency,
+                             "ttft": r.ttft, "itl": r.itl, "text": r.text}) for k, rs in self.records.items() for r in rs]
         with atomic_file(self.out.with_name(self.out.stem + "-records.jsonl"), suffix=".jsonl") as tmp:
             tmp.write_text("".join(line + "\n" for line in lines))
 
