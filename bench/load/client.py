@@ -102,10 +102,10 @@ RECONNECTS = 1  # new connections a request may take after one failed before any
 
 
 async def _stream(client: openai.AsyncOpenAI, model: str, req: LoadRequest, rec: RequestRecord):
-    """The request's stream. A connection that fails before any reply (typically a pooled keep-alive connection
-    that the server closed as the request went out: llama-server's HTTP library closes one after a number of
-    requests) is replaced by a new one, up to RECONNECTS times, and counted in ``rec.reconnects``; its time stays
-    in the request's latency. A timeout, an error status and any error once the reply began stand."""
+    """The request's stream. A connection that fails before any reply (a pooled keep-alive connection that the
+    server closed just as the request went out on it) is replaced by a new one, up to RECONNECTS times, and counted
+    in ``rec.reconnects``; its time stays in the request's latency. A timeout, an error status and any error once
+    the reply began stand."""
     while True:
         try:
             return await client.completions.create(model=model, prompt=list(req.prompt), max_tokens=req.max_tokens,
