@@ -82,8 +82,8 @@ def kv_cache_bytes(model: str | Path, max_model_len: int, max_num_seqs: int, cap
     """The KV cache a worker asks vLLM for: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
     keys and values of every layer (``layers * 2 * kv_heads * head_dim * dtype_bytes`` per token), a quarter more
     for the draft tokens and block rounding, at most ``cap_gb`` GiB. vLLM's CPU backend allocates (and touches)
-    all of it at start: several warm workers at 1 GiB each held about 4 GiB that a batch of one never used.
-    The cap where the model's config.json cannot be read."""
+    all of it at start, so a warm worker holds whatever it asked for, used or not. The cap where the model's
+    config.json cannot be read."""
     cap = int(cap_gb * 2**30)
     try:
         cfg = json.loads((Path(model) / "config.json").read_text())
