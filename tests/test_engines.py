@@ -304,16 +304,15 @@ def test_a_vllm_worker_asks_for_the_kv_cache_of_its_batch(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_server_the_bench_started_dies_when_the_bench_is_killed():
-    """A parent that starts a child with dies_with_parent and is then SIGKILLed (as the OOM killer does): the
+    """A parent that starts a child with start_server and is then SIGKILLed (as the OOM killer does): the
     child gets SIGTERM and is gone (or a zombie waiting for init), not left running."""
     import os
     import signal
     import time
 
     code = ("import subprocess, sys, time\n"
-            "from bench.engines.process import dies_with_parent\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
-            "preexec_fn=dies_with_parent)\n"
+            "from bench.engines.process import start_server\n"
+            "child = start_server([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
             "print(child.pid, flush=True)\n"
             "time.sleep(120)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from bench.engines import EngineError
-from bench.engines.process import dies_with_parent, stop_process, wait_healthy
+from bench.engines.process import start_server, stop_process, wait_healthy
 from medusa_runtime.paths import cache_root
 from treesearch.fsutil import atomic_dir, atomic_file
 
@@ -266,8 +266,7 @@ class LlamaServer:
                 *extra]
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=dies_with_parent)
+        self.proc = start_server(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._wait_ready(t0, args)
         self.startup_s = time.perf_counter() - t0
 

@@ -19,12 +19,17 @@ except (AttributeError, OSError):
 _PR_SET_PDEATHSIG = 1
 
 
-def dies_with_parent() -> None:
-    """``subprocess.Popen``'s ``preexec_fn``: the server gets SIGTERM when the bench that started it dies, even
-    by SIGKILL (the out-of-memory killer), so no engine is left holding memory and a port. The signal follows
-    the starting thread: servers are started from the main thread. Does nothing off Linux."""
+def _dies_with_parent() -> None:
+    """``subprocess.Popen``'s ``preexec_fn``: SIGTERM to the child when its parent dies. Does nothing off Linux."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_server(args: list[str], **popen) -> subprocess.Popen:
+    """``subprocess.Popen(args, **popen)`` for a process the bench starts and stops (an engine, a server, a
+    worker): it gets SIGTERM when the bench dies, even by SIGKILL (the out-of-memory killer), so none is left
+    holding memory and a port. The signal follows the starting thread: servers are started from the main thread."""
+    return subprocess.Popen(args, preexec_fn=_dies_with_parent, **popen)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, t0: float, timeout_s: float,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.engines import EngineError, EngineSettings
-from bench.engines.process import dies_with_parent
+from bench.engines.process import start_server
 from medusa_runtime.heads.export import engine_refusal, export_vllm
 from medusa_runtime.heads.medusa import resolve_heads, save_heads
 from medusa_runtime.model import load_model
@@ -111,9 +111,8 @@ class VllmWorker:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self._err = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen([python, str(WORKER), json.dumps(opts)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True, env=env,
-                                     preexec_fn=dies_with_parent)
+        self.proc = start_server([python, str(WORKER), json.dumps(opts)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         hello = self._read()
         if not hello.get("ready"):
             self.close()

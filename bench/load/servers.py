@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.engines import EngineError, EngineSettings
 from bench.engines.llamacpp import LlamaServer, free_port
-from bench.engines.process import dies_with_parent, stop_process, wait_healthy
+from bench.engines.process import start_server, stop_process, wait_healthy
 from bench.engines.vllm_engine import kv_cache_bytes
 
 
@@ -39,8 +39,7 @@ class OwnServer:
         elif tree:
             args += ["--tree", tree]
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-                                     preexec_fn=dies_with_parent, text=True)
+        self.proc = start_server(args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True)
         t0 = time.perf_counter()
         line = self.proc.stdout.readline()  # "serving load at http://127.0.0.1:<port>/v1 (...)"
         match = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
@@ -105,17 +104,17 @@ class VllmServer:
                  dtype: str = "bfloat16", log_file: Path | None = None, timeout_s: float = 900.0):
         port = free_port()
         self.url, self.model = f"http://127.0.0.1:{port}", "load"
+        max_len = 4096
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
                 "--served-model-name", "load", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-                "--max-num-seqs", str(max_num_seqs), "--max-model-len", "4096", "--kv-cache-memory-bytes",
-                str(kv_cache_bytes(model_folder, 4096, max_num_seqs, max(settings.vllm_kv_cache_gb, 4))),
+                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_len), "--kv-cache-memory-bytes",
+                str(kv_cache_bytes(model_folder, max_len, max_num_seqs, max(settings.vllm_kv_cache_gb, 4))),
                 *(["--enforce-eager"] if settings.vllm_eager else [])]
         # its KV cache: room for max_num_seqs sequences (the environment's older setting would override it)
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self._log = open(log_file or os.devnull, "a")  # noqa: SIM115  closed in close()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=dies_with_parent, env=env)
+        self.proc = start_server(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
             wait_healthy(self.url, self.proc, time.perf_counter(), timeout_s)
         except EngineError:
