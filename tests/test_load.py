@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from scipy.optimize import nnls
+from scipy.optimize import brentq, nnls
 
 from bench.cli import build_parser
 from bench.cli import main as cli_main
@@ -19,11 +19,14 @@ from bench.engines import EngineError, llamacpp
 from bench.load.client import LoadPlan, RequestRecord
 from bench.load.prediction import ON_CALIBRATION, ON_REQUESTS, schedule_predictor
 from bench.load.serving import ServingRun, fit_overhead
+from bench.load.step_costs import StepsDuringLoad, grid_upto, rows_per_request
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
+from bench.replay.suites import load_suite
 from bench.report.load import load_section
 from bench.stages.jobs import ProfileJob
 from bench.stages.load import Measured
-from treesearch.cost import load_profile, save_profile
+from medusa_runtime.model import chat_template_ids, load_model
+from treesearch.cost import LatencyProfile, load_profile, save_profile
 from treesearch.replay import Decoding, configuration_json, replay
 from treesearch.schedule import request_latencies, throughput_on_prompts
 from treesearch.stats import load_stats, save_stats
@@ -178,10 +181,14 @@ def test_load_command_end_to_end(tmp_path, capsys):
     schedule's rows marked with the search's prediction, and the report's section."""
     out = tmp_path / "load.json"
     pred = {"by_batch": [{"batch": 1, "output_tokens_per_s": 20.0}, {"batch": 3, "output_tokens_per_s": 50.0}]}
+    stats = _stats_of_one()
+    latency = replace(_batched(per_row_ms=0.05), serving_step_ms=0.5, batch_context=16)
+    acc, lat = save_stats(stats, tmp_path / "acceptance.json"), save_profile(latency, tmp_path / "latency.json")
+    ranges = [(Decoding(chain(2)), [1, 1]), (Decoding(), [2, 16])]
     schedule = tmp_path / "tree.json"
     schedule.write_text(json.dumps({"schema": "medusa-tree/2", "medusa_choices": [[0], [0, 0]], "schedule": [
-        {"batch": [1, 1], "configuration": {"config": "chain:2", "medusa_choices": [[0], [0, 0]]}, "prediction": pred},
-        {"batch": [2, 16], "configuration": {"config": "plain", "medusa_choices": None}, "prediction": pred}]}))
+        {"batch": b, "configuration": configuration_json(d), "prediction": pred} for d, b in ranges],
+        "acceptance_file": str(acc), "latency_file": str(lat)}))
     assert cli_main(["load", "--tree", "chain:2", "--limit", "3", "--concurrency", "1", "3", "--max-new-tokens", "12",
                      "--schedule", str(schedule), "--rounds", "2", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -189,8 +196,30 @@ def test_load_command_end_to_end(tmp_path, capsys):
     rows = {(r["config"], r["concurrency"]): r for r in doc["rows"]}
     assert doc["heads_base"] != doc["model"]  # the default heads carry an adapter
     assert set(rows) == {(c, n) for c in ("plain", HEADS_BASE_PLAIN, "chain:2", "schedule") for n in (1, 3)}
-    assert [rows[("schedule", n)]["predicted_output_tokens_per_s"] for n in (1, 3)] == [20.0, 50.0]
-    assert doc["schedule_predicted_for"] == ON_CALIBRATION  # this tree.json names no acceptance file
+    assert doc["schedule_predicted_for"] == ON_REQUESTS  # priced on the load's prompts
+    # each schedule row priced with the batched steps timed beside its runs (two rounds: before and after each),
+    # serving's cost per step the one that prices plain decoding on the heads' base at its measured throughput
+    loaded = load_model("default", "bfloat16", "cpu")
+    suite = {str(q.question_id): q for q in load_suite(None)}
+    prompts = [len(chat_template_ids(loaded, [{"role": "user", "content": suite[k].turns[0]}])) for k in doc["questions"]]
+
+    def priced(costs: dict, serving: float) -> LatencyProfile:
+        return replace(latency, batch_sizes=tuple(costs["batch_sizes"]), batch_nodes=tuple(costs["batch_nodes"]),
+                       batch_step_ms=tuple(map(tuple, costs["batch_step_ms"])), serving_step_ms=serving,
+                       serving_chunk_ms=0.0)
+
+    for (dec, _), c in zip(ranges, (1, 3)):
+        row = rows[("schedule", c)]
+        costs = row["step_costs_during"]
+        assert costs["rounds"] == 4 and costs["beside_plain"]["rounds"] == 4 and costs["serving_from"] == HEADS_BASE_PLAIN
+        assert costs["batch_sizes"] == ([1] if c == 1 else [1, 2, 4]) and costs["batch_nodes"] == [1, 2, 3]
+        assert throughput_on_prompts(stats, priced(costs["beside_plain"], costs["serving_step_ms"]), Decoding(), c,
+                                     prompts, 12) == pytest.approx(rows[(HEADS_BASE_PLAIN, c)]["output_tokens_per_s"],
+                                                                   rel=2e-3)
+        assert row["predicted_output_tokens_per_s"] == pytest.approx(
+            throughput_on_prompts(stats, priced(costs, costs["serving_step_ms"]), dec, c, prompts, 12), rel=2e-3)
+        assert row["predicted_output_tokens_per_s_at_search"] == pytest.approx(
+            throughput_on_prompts(stats, latency, dec, c, prompts, 12))
     assert all(r["schedule"] == (r["config"] == "schedule") for r in rows.values())
     assert rows[("schedule", 1)]["accepted_per_step"] > 0  # chain:2 alone; plain decoding from 2 requests on
     for row in rows.values():
@@ -210,7 +239,8 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert len(keys) == len(records) and {k[2][-3:] for k in keys} == {"#r0", "#r1"}
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
-    assert "schedule at concurrency 3: predicted 50.0 output tokens/s" in section
+    assert f"schedule at concurrency 3: predicted {rows[('schedule', 3)]['predicted_output_tokens_per_s']:.1f} " \
+        "output tokens/s" in section
     assert "x plain decoding on the heads' base" in section and "x the fastest fixed configuration (chain:2)" in section
     assert {f.name for f in figures} >= {"throughput_vs_concurrency.png", "speedup_vs_concurrency.png"}
     assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
@@ -283,6 +313,61 @@ def test_the_schedule_is_predicted_for_the_loads_own_prompts_where_tree_json_nam
     assert (changed(1), changed(4), changed(2)) == (20.0, 50.0, None)
     acc.unlink()
     assert "acceptance.json" in schedule_predictor(str(tree), schedule, [12, 40], 16).why_not
+
+
+def test_the_serving_cost_that_prices_plain_decoding_at_its_measured_throughput(tmp_path):
+    """``SchedulePredictor.served_as``: the per-step serving cost its closed form gives makes plain decoding's
+    prediction the measured throughput, and equals the root a bracketing solver finds; a throughput above what
+    no serving cost at all predicts gives 0."""
+    stats = _stats_of_one()
+    latency = replace(_batched(per_row_ms=0.05), serving_step_ms=0.5, serving_chunk_ms=0.1)
+    acc, lat = save_stats(stats, tmp_path / "a.json"), save_profile(latency, tmp_path / "l.json")
+    schedule = [{"batch": [1, 16], "configuration": configuration_json(Decoding(chain(2))), "prediction": {}}]
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"acceptance_file": str(acc), "latency_file": str(lat), "schedule": schedule}))
+    predict = schedule_predictor(str(tree), schedule, [12, 40], 16)
+
+    def plain(s: float) -> float:
+        return throughput_on_prompts(stats, replace(latency, serving_step_ms=s, serving_chunk_ms=0.0), Decoding(), 4,
+                                     [12, 40], 16)
+
+    measured = 0.8 * plain(0.5)
+    served = predict.served_as(4, latency, measured)
+    assert served.serving_chunk_ms == 0.0 and served.serving_step_ms > 0.5
+    assert served.serving_step_ms == pytest.approx(brentq(lambda s: plain(s) - measured, 0.0, 100.0), rel=1e-9)
+    assert throughput_on_prompts(stats, served, Decoding(), 4, [12, 40], 16) == pytest.approx(measured)
+    assert served.batch_step_ms == latency.batch_step_ms and served.prefill_ms == latency.prefill_ms
+    assert predict.served_as(4, latency, 1.1 * plain(0.0)).serving_step_ms == 0.0
+
+
+def test_steps_during_load_time_the_cells_each_concurrency_is_priced_with():
+    """bench.load.step_costs: the grid's points up to the need, the most rows a schedule's request verifies, and
+    rounds of real batched steps on a small model by (concurrency, run beside): each concurrency's profile holds
+    the batch sizes up to the first at or beyond it and the node counts up to the first at or beyond the
+    schedule's widest request, every cell a positive time that grows from one row to the most rows; the rest of
+    the profile is the search's."""
+    assert grid_upto((1, 2, 4, 8, 16), 3) == (1, 2, 4) and grid_upto((1, 2, 4), 4) == (1, 2, 4)
+    assert grid_upto((1, 2, 4), 9) == (1, 2, 4) and grid_upto((1, 2, 4), 1) == (1,)
+    schedule = [{"batch": [1, 2], "configuration": {**configuration_json(Decoding(chain(2))), "lookup": 2}},
+                {"batch": [3, 16], "configuration": configuration_json(Decoding())}]
+    assert rows_per_request(schedule) == 1 + 2 + 2 and rows_per_request(schedule[1:]) == 1  # root, chain, lookup
+    loaded = tiny_llama(vocab=32, seed=2)
+    heads = _heads_that_guess(loaded, k=2, seed=1)
+    latency = replace(_batched(per_row_ms=0.05), batch_context=16)
+    steps = StepsDuringLoad(loaded, heads, latency, schedule, [1, 3])
+    assert steps.steps.cfg.batch_sizes == (1, 2, 4) and steps.steps.cfg.batch_nodes == (1, 2, 3, 4, 5)  # NODES
+    for c, beside in ((1, "schedule"), (1, "schedule"), (3, "schedule"), (3, "plain")):
+        steps.take(c, beside)
+    assert steps.profile_at(2, "schedule") is None and steps.profile_at(1, "plain") is None
+    one, three = steps.profile_at(1, "schedule"), steps.profile_at(3, "schedule")
+    assert one.batch_sizes == (1,) and three.batch_sizes == (1, 2, 4) and one.batch_nodes == (1, 2, 3, 4, 5)
+    assert np.asarray(three.batch_step_ms).shape == (3, 5) and np.all(np.asarray(three.batch_step_ms) > 0)
+    assert three.batch_step_ms[2][4] > three.batch_step_ms[0][0] and three.batch_context == 16
+    assert (three.contexts, three.verify_ms, three.serving_step_ms) == (latency.contexts, latency.verify_ms,
+                                                                        latency.serving_step_ms)
+    doc = steps.as_json(1, "schedule")
+    assert doc["rounds"] == 2 and doc["batch_step_ms"] == [[round(ms, 3) for ms in one.batch_step_ms[0]]]
+    assert doc["search_batch_step_ms"] == [[latency.batch_step(1, n) for n in (1, 2, 3, 4, 5)]]
 
 
 def _stats_of_one():

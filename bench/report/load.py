@@ -38,7 +38,8 @@ def load_frame(doc: dict) -> pd.DataFrame:
                           "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50"),
                           "accepted_per_step": r.get("accepted_per_step"),
                           "identical_to_plain": r.get("identical_to_plain"), "build": r.get("build"),
-                          "schedule": bool(r.get("schedule")), "predicted": r.get("predicted_output_tokens_per_s")}
+                          "schedule": bool(r.get("schedule")), "predicted": r.get("predicted_output_tokens_per_s"),
+                          "predicted_at_search": r.get("predicted_output_tokens_per_s_at_search")}
                          for r in rows])
 
 
@@ -51,7 +52,10 @@ def prediction_sentences(df: pd.DataFrame) -> list[str]:
     out = []
     for r in rows.itertuples():
         line = (f"schedule at concurrency {r.concurrency}: predicted {r.predicted:.1f} output tokens/s, measured "
-                f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction)")
+                f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction")
+        if pd.notna(r.predicted_at_search):  # priced with steps timed during the load; beside it, the search's
+            line += f"; {r.tokens_per_s / r.predicted_at_search:.3f}x it at the search's step costs"
+        line += ")"
         if pd.notna(r.speedup):
             line += f"; {r.speedup:.3f}x plain decoding"
         if pd.notna(r.speedup_heads_base):

@@ -10,7 +10,9 @@
                 (bench.load.client), cycled to two per client at least (so that c requests decode together for
                 most of the run), in --rounds rounds of the runtime's and vLLM's servers in turn (the order
                 rotated each round, the rounds' requests pooled; llama-server once, started per concurrency); rows with throughput, latency percentiles, agreement,
-                accepted drafts
+                accepted drafts; with --schedule, the profile's batched steps timed in this process right before
+                and right after each run of the schedule's server (bench.load.step_costs), which its predictions
+                are priced with
     load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
 """
 
@@ -31,6 +33,7 @@ from bench.engines.vllm_engine import vllm_python
 from bench.load.client import LoadPlan, LoadRequest, RequestRecord, enough, run_load_sync
 from bench.load.prediction import ON_CALIBRATION, SchedulePredictor, schedule_predictor
 from bench.load.servers import LlamaSlots, OwnServer, VllmServer, counter_delta
+from bench.load.step_costs import StepsDuringLoad
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, add_speedups, load_row, stops_paying
 from bench.replay.analyze import to_markdown
 from bench.replay.runner import MethodConfig
@@ -90,7 +93,7 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     if min(job.concurrency, default=1) < 1 or min(job.rate, default=1.0) <= 0 or job.rounds < 1:
         raise ValueError("concurrencies and rounds must be >= 1 and rates > 0")
     job = replace(job, max_new_tokens=defaults.new_tokens(job.max_new_tokens))
-    requests, references, tokenizer, meta = _requests_and_references(job)
+    requests, references, tokenizer, meta, heads_base = _requests_and_references(job)
     if references[True] is not references[False]:  # Medusa-2 heads: plain decoding of the model they decode
         served.insert(1, Served(HEADS_BASE_PLAIN, "none"))
     out = Path(job.out)
@@ -104,9 +107,11 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
         doc["schedule_predicted_for"] = predict.basis
         if predict.why_not:
             log(f"[load] the schedule's predictions are tree.json's, for {ON_CALIBRATION}: {predict.why_not}")
+    steps = _steps_during_load(job, heads_base, predict, schedule) if predict and predict.latency else None
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out,
-               predict)
+               predict, steps)
     servers = _own_servers(job, served, requests, doc, out)
+    schedule_base = HEADS_BASE_PLAIN if any(s.name == HEADS_BASE_PLAIN for s in served) else "plain"
     if "vllm" in job.engines:
         servers += _vllm_server(job, requests, doc, out)
     try:
@@ -116,8 +121,14 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
                 k = (i + r) % len(servers)
                 for j in list(range(k, len(servers))) + list(range(k)):
                     config, server = servers[j]
+                    # step costs on either side of the schedule's runs and its plain reference's
+                    timed = steps is not None and server.engine == "own" and config in (SCHEDULE, schedule_base)
+                    if timed:
+                        steps.take(c, config)
                     got = run.collect(server, config, LoadPlan(concurrency=c), f"round {r + 1}/{job.rounds}"
                                       if job.rounds > 1 else "", f"#r{r}" if job.rounds > 1 else "")
+                    if timed:
+                        steps.take(c, config)
                     pooled[j] = pooled[j].plus(got) if j in pooled else got
             for j, (config, server) in enumerate(servers):
                 reference = references[config != "plain" and server.engine == "own"]  # the base it decodes
@@ -136,10 +147,12 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
     return doc, _table(doc)
 
 
-def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool, dict[str, str]], object, dict]:
+def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool, dict[str, str]], object, dict,
+                                                    object]:
     """The requests (first turns, chat template applied); each one's text under the runtime's plain greedy decoding
     alone, on the base plain decoding serves (False) and on the base the heads decode with (True: the same but
-    for Medusa-2 heads, whose adapter is merged into it); the tokenizer; the machine and versions."""
+    for Medusa-2 heads, whose adapter is merged into it); the tokenizer; the machine and versions; the heads'
+    base."""
 
     questions = spread_over_categories(load_suite(job.questions, log=log), job.limit)
     loaded = load_model(job.model, job.dtype, job.device, log=log, weights=job.weights)
@@ -159,7 +172,22 @@ def _requests_and_references(job: LoadJob) -> tuple[list[LoadRequest], dict[bool
     meta = {"model": job.model, "dtype": str(loaded.dtype).removeprefix("torch."), "weights": job.weights, "machine": describe_machine(loaded),
             "heads_base": heads_base.name, "versions": software_versions()}
     return requests, {False: base, True: base if heads_base.name == name else alone(heads_base)}, \
-        loaded.tokenizer, meta
+        loaded.tokenizer, meta, heads_base
+
+
+def _steps_during_load(job: LoadJob, heads_base, predict: SchedulePredictor, schedule: list[dict]
+                       ) -> StepsDuringLoad | None:
+    """The batched steps the schedule's predictions are priced with, timed during the load (bench.load.step_costs);
+    None (the search's profile prices them, and the log says why) where they cannot be built."""
+    from medusa_runtime.heads.medusa import resolve_heads
+
+    try:
+        heads = resolve_heads(job.heads, heads_base.hidden_size, heads_base.vocab_size, base_model=job.model) \
+            if any(e["configuration"].get("uses_heads") for e in schedule) else None
+        return StepsDuringLoad(heads_base, heads, predict.latency, schedule, job.concurrency)
+    except (ValueError, OSError) as exc:
+        log(f"[load] the schedule's step costs are the search's profile's: {exc}")
+        return None
 
 
 @dataclass(frozen=True)
@@ -185,9 +213,9 @@ class _Run:
     """A load run's rows and records, written after each row."""
 
     def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path,
-                 predict: SchedulePredictor | None = None):
+                 predict: SchedulePredictor | None = None, steps: StepsDuringLoad | None = None):
         self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
-        self.predict = predict
+        self.predict, self.steps = predict, steps
         self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
 
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
@@ -210,15 +238,37 @@ class _Run:
                 build: str | None = None) -> None:
         """A row of what ``collect`` measured (one run or pooled rounds), written at once."""
         scheduled = config == SCHEDULE and server.engine == "own"
-        predicted = self.predict(plan.concurrency) if scheduled and plan.concurrency and self.predict else None
+        priced = scheduled and plan.concurrency and self.predict is not None
+        during = self.steps.profile_at(plan.concurrency, SCHEDULE) if priced and self.steps is not None else None
+        plain = self._plain_row(plan.concurrency) if during is not None else None
+        beside_plain = self.steps.profile_at(plan.concurrency, plain["config"]) if plain is not None else None
+        if beside_plain is not None:  # serving's cost per step: plain decoding served against its steps timed here
+            served = self.predict.served_as(plan.concurrency, beside_plain, plain["output_tokens_per_s"])
+            during = replace(during, serving_step_ms=served.serving_step_ms, serving_chunk_ms=0.0)
+        predicted = self.predict(plan.concurrency, during) if priced else None
         row = load_row(config, server.engine, plan.concurrency or 0, got.records, reference, got.counters, build,
                        scheduled, predicted)
+        if during is not None:  # beside it: the same priced at the search's profile's speed, and the steps timed
+            row["predicted_output_tokens_per_s_at_search"] = self.predict(plan.concurrency)
+            row["step_costs_during"] = {**self.steps.as_json(plan.concurrency, SCHEDULE),
+                                        "serving_step_ms": round(during.serving_step_ms, 3),
+                                        "serving_chunk_ms": round(during.serving_chunk_ms, 3),
+                                        "serving_from": plain["config"] if beside_plain is not None else None,
+                                        "beside_plain": self.steps.as_json(plan.concurrency, plain["config"])
+                                        if beside_plain is not None else None}
         if plan.rate is not None:
             row["rate"] = plan.rate
         else:
             self.records[(config, server.engine, plan.concurrency)] = got.records
         self.doc["rows"].append(row)
         self.write()
+
+    def _plain_row(self, concurrency: int) -> dict | None:
+        """The runtime's plain decoding row at ``concurrency`` on the base the heads decode with (the schedule's),
+        where it was measured."""
+        rows = {r["config"]: r for r in self.doc["rows"] if r["engine"] == "own" and "rate" not in r
+                and r["concurrency"] == concurrency and r.get("output_tokens_per_s")}
+        return rows.get(HEADS_BASE_PLAIN) or rows.get("plain")
 
     def write(self) -> None:
         self.doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -348,16 +348,18 @@ class BatchedSteps:
         self.sync = lambda: device_sync(loaded.device)
 
     @torch.inference_mode()
-    def round(self, r: int) -> list[float]:
-        """ms of one step per cell, [batch_sizes x batch_nodes] flattened batch-major."""
+    def round(self, r: int, upto: int | None = None) -> list[float]:
+        """ms of one step per cell, [batch_sizes x batch_nodes] flattened batch-major; with ``upto``, the cells of
+        the batch sizes up to it alone."""
         batch, cfg = self.batch, self.cfg
+        sizes = [b for b in cfg.batch_sizes if upto is None or b <= upto]
         for key in list(batch.rows):
             batch.drop(key)
-        keys = list(range(max(cfg.batch_sizes)))
+        keys = list(range(max(sizes)))
         for key in keys:  # fresh requests: every round starts at the same context
             batch.admit(key, torch.randint(0, self.loaded.vocab_size, (self.context,), generator=self.gen).tolist(),
                         batch.decoder.config.max_new_tokens)
-        cells = [(b, dec) for b in cfg.batch_sizes for dec in self.decoders]
+        cells = [(b, dec) for b in sizes for dec in self.decoders]
         out = [0.0] * len(cells)
         for i in next(_rounds(len(cells), 1, seed=40_000 + r)):
             b, dec = cells[i]
@@ -371,11 +373,20 @@ class BatchedSteps:
         taken = [r["batch"] for r in rounds if len(r.get("batch") or ()) == width]
         if not taken:  # rounds kept from a run that timed no batched steps
             return (), (), (), 0
+        return self.table_of(taken)
+
+    def table_of(self, taken: list[list[float]], upto: int | None = None) -> tuple:
+        """LatencyProfile's batch fields from rounds of ``round(r, upto)`` (each a list of its cells):
+        interquartile means per cell."""
+        cfg = self.cfg
+        sizes = tuple(b for b in cfg.batch_sizes if upto is None or b <= upto)
         cells = np.asarray(taken, dtype=float)  # [rounds, cells]
+        if cells.ndim != 2 or cells.shape[1] != len(sizes) * len(cfg.batch_nodes):
+            raise ValueError(f"rounds of {len(sizes)} x {len(cfg.batch_nodes)} cells expected")
         means = [_central(list(cells[:, i])) for i in range(cells.shape[1])]
         table = tuple(tuple(means[j * len(cfg.batch_nodes):(j + 1) * len(cfg.batch_nodes)])
-                      for j in range(len(cfg.batch_sizes)))
-        return tuple(cfg.batch_sizes), tuple(cfg.batch_nodes), table, self.context
+                      for j in range(len(sizes)))
+        return sizes, tuple(cfg.batch_nodes), table, self.context
 
 
 @torch.inference_mode()
