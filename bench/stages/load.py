@@ -11,8 +11,8 @@
                 most of the run), in --rounds rounds of the runtime's and vLLM's servers in turn (the order
                 rotated each round, the rounds' requests pooled; llama-server once, started per concurrency); rows with throughput, latency percentiles, agreement,
                 accepted drafts; with --schedule, the profile's batched steps timed in this process right before
-                and right after each run of the schedule's server (bench.load.step_costs), which its predictions
-                are priced with
+                and right after each run of the schedule's server and of plain decoding on its base
+                (bench.load.step_costs), which its predictions are priced with
     load.json : ``medusa-load/1`` (docs/formats.md), written after every row (a killed run keeps its rows)
 """
 
@@ -43,6 +43,7 @@ from bench.stages import defaults
 from bench.stages.common import adapted, log, show
 from bench.stages.jobs import LoadJob, read_replay_config
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder
+from medusa_runtime.heads.medusa import resolve_heads
 from medusa_runtime.measure.profile import describe_machine
 from medusa_runtime.model import chat_template_ids, load_model, software_versions
 from treesearch.fsutil import atomic_file
@@ -179,8 +180,6 @@ def _steps_during_load(job: LoadJob, heads_base, predict: SchedulePredictor, sch
                        ) -> StepsDuringLoad | None:
     """The batched steps the schedule's predictions are priced with, timed during the load (bench.load.step_costs);
     None (the search's profile prices them, and the log says why) where they cannot be built."""
-    from medusa_runtime.heads.medusa import resolve_heads
-
     try:
         heads = resolve_heads(job.heads, heads_base.hidden_size, heads_base.vocab_size, base_model=job.model) \
             if any(e["configuration"].get("uses_heads") for e in schedule) else None
