@@ -157,6 +157,11 @@ def test_a_schedule_switches_the_tree_with_the_live_batch_and_answers_stay_plain
                           "--port", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "batch sizes 1-16" in out.stderr and "top-1 chain" in out.stderr, out.stderr
     assert out.stderr.count("\n") == 1, out.stderr
+    # ranges that draft with heads, served without any: refused in one line, before the model loads (it logs)
+    out = subprocess.run([sys.executable, "-m", "bench.cli", "serve", "--heads", "none", "--schedule", str(path),
+                          "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "batch sizes 1-1 uses heads: serve it with --heads" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
 
 
 def test_openai_stream_joins_into_the_non_streamed_reply(server, alone):
