@@ -1,20 +1,23 @@
-"""The batched step costs the schedule's predictions are priced with: measured during the load, beside each of the
-schedule's runs.
+"""The batched step costs the schedule's predictions are priced with: measured during the load, beside the runs of
+the schedule's server and of plain decoding on its base.
 
 The search priced the schedule with the latency profile taken before it. On a shared machine the speed moves
-between the profile and the load (this VM's memory bandwidth sits at one of two levels for minutes at a time,
-and the slower level stretches a one-row step, bound by the weights' bytes, more than a many-row verify: one
-plain row served at 9-11 ms a token against the profile's 7, in one load stage). A prediction priced at the
-profile's speed then misses by what the machine moved, not by what the model got wrong. So, as the replay does
-with its profile rounds (``bench.replay.profile_rounds``), the load stage times the profile's own batched steps
-(``medusa_runtime.measure.profile.BatchedSteps``: B requests each verifying a tree of n nodes, one whole step)
-right before and right after each run of the schedule's server, in this process while every server idles, and
-prices the schedule at concurrency c with the rounds taken at c::
+between the profile and the load (memory bandwidth can sit at one of two levels for minutes at a time, and the
+slower level stretches a one-row step, bound by the weights' bytes, more than a many-row verify). A prediction
+priced at the profile's speed then misses by what the machine moved, not by what the model got wrong. So, as
+the replay does with its profile rounds (``bench.replay.profile_rounds``), the load stage times the profile's
+own batched steps (``medusa_runtime.measure.profile.BatchedSteps``: B requests each verifying a tree of n nodes,
+one whole step) in this process while every server idles, right before and right after each run of the
+schedule's server and of plain decoding on its base, and keeps the rounds by (concurrency, run beside)::
 
     cells        batch sizes of the profile up to the first >= c, node counts up to the first >= the most rows a
-                 request of the schedule verifies (its tree and lookup chain)
+                 request of the schedule verifies (root, tree and lookup chain)
     profile(c)   the search's latency profile with those cells' interquartile means over the rounds at c in
-                 place of its batched steps (its contexts, prefills and serving cost are kept)
+                 place of its batched steps (its contexts and prefills kept)
+
+The load stage prices the schedule at c with the rounds beside its runs, and serving's cost per step with the
+one that prices the plain row at its measured throughput against the rounds beside that row's runs
+(``bench.load.prediction.SchedulePredictor.served_as``).
 """
 
 from __future__ import annotations
