@@ -16,9 +16,9 @@ import uvicorn.config
 
 from bench.stages import defaults
 from bench.stages.common import model_and_heads
-from medusa_runtime.server.app import ChatServer
+from medusa_runtime.server.app import ChatServer, schedule_ranges
 from medusa_runtime.server.protocol import ServeConfig
-from treesearch.schedule import read_schedule, schedule_decoding
+from treesearch.schedule import read_schedule
 from treesearch.tree import load_tree
 
 
@@ -40,12 +40,9 @@ def log_config() -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
     if cfg.schedule is not None:
-        ranges = read_schedule(cfg.schedule)  # a bad schedule fails before the model loads
-        if args.heads in (None, "none"):
-            for e in ranges:
-                if schedule_decoding(e).tree is not None:
-                    raise ValueError(f"the schedule's configuration for batch sizes {e['batch'][0]}-{e['batch'][1]} "
-                                     "uses heads: serve it with --heads")
+        # a bad schedule, or one whose ranges draft with heads not given, fails before the model loads
+        ranges = read_schedule(cfg.schedule)
+        schedule_ranges(ranges, args.heads not in (None, "none"))
         what = "schedule " + ", ".join(f"{e['batch'][0]}-{e['batch'][1]}: {e['configuration']['config']}"
                                        for e in ranges)
     elif cfg.tree is not None:

@@ -51,6 +51,7 @@ from medusa_runtime.server.protocol import (
     usage_body,
 )
 from medusa_runtime.tree.lookup import LookupConfig
+from treesearch.replay import Decoding
 from treesearch.schedule import read_schedule, schedule_decoding
 
 
@@ -93,6 +94,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def schedule_ranges(schedule: list[dict], with_heads: bool) -> list[tuple[int, int, Decoding]]:
+    """(first, last, decoding) of each range of a schedule read by ``treesearch.schedule.read_schedule``; a
+    ValueError, one line, for a range that drafts with heads where the server has none."""
+    out = []
+    for entry in schedule:
+        (first, last), decoding = entry["batch"], schedule_decoding(entry)
+        if decoding.tree is not None and not with_heads:
+            raise ValueError(f"the schedule's configuration for batch sizes {first}-{last} uses heads: serve it "
+                             "with --heads")
+        out.append((int(first), int(last), decoding))
+    return out
+
+
 class ChatServer:
     """The model, its heads and tree behind the endpoint: one decoder, batched by the scheduler."""
 
@@ -116,15 +130,8 @@ class ChatServer:
 
     def _schedule(self, heads) -> list[Scheduled]:
         """One decoder per range of the schedule file (``treesearch.schedule``), over these heads."""
-        out = []
-        for entry in read_schedule(self.cfg.schedule):
-            (first, last), decoding = entry["batch"], schedule_decoding(entry)
-            if decoding.tree is not None and heads is None:
-                raise ValueError(f"the schedule's configuration for batch sizes {first}-{last} uses heads: serve it "
-                                 "with --heads")
-            out.append(Scheduled(int(first), int(last),
-                                 self._decoder(heads, decoding.tree, decoding.lookup, decoding.gate)))
-        return out
+        return [Scheduled(first, last, self._decoder(heads, d.tree, d.lookup, d.gate))
+                for first, last, d in schedule_ranges(read_schedule(self.cfg.schedule), heads is not None)]
 
     # ------------------------------------------------------------------ the app
 
