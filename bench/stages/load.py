@@ -95,8 +95,10 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
         raise ValueError("concurrencies and rounds must be >= 1 and rates > 0")
     job = replace(job, max_new_tokens=defaults.new_tokens(job.max_new_tokens))
     requests, references, tokenizer, meta, heads_base = _requests_and_references(job)
+    schedule_base = "plain"  # the row of plain decoding on the model the heads (and the schedule) decode
     if references[True] is not references[False]:  # Medusa-2 heads: plain decoding of the model they decode
         served.insert(1, Served(HEADS_BASE_PLAIN, "none"))
+        schedule_base = HEADS_BASE_PLAIN
     out = Path(job.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"schema": SCHEMA, "concurrencies": list(job.concurrency), "rates": list(job.rate),
@@ -110,9 +112,8 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
             log(f"[load] the schedule's predictions are tree.json's, for {ON_CALIBRATION}: {predict.why_not}")
     steps = _steps_during_load(job, heads_base, predict, schedule) if predict and predict.latency else None
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out,
-               predict, steps)
+               predict, steps, schedule_base)
     servers = _own_servers(job, served, requests, doc, out)
-    schedule_base = HEADS_BASE_PLAIN if any(s.name == HEADS_BASE_PLAIN for s in served) else "plain"
     if "vllm" in job.engines:
         servers += _vllm_server(job, requests, doc, out)
     try:
@@ -212,9 +213,10 @@ class _Run:
     """A load run's rows and records, written after each row."""
 
     def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path,
-                 predict: SchedulePredictor | None = None, steps: StepsDuringLoad | None = None):
+                 predict: SchedulePredictor | None = None, steps: StepsDuringLoad | None = None,
+                 schedule_base: str = "plain"):
         self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
-        self.predict, self.steps = predict, steps
+        self.predict, self.steps, self.schedule_base = predict, steps, schedule_base
         self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
 
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
@@ -263,11 +265,10 @@ class _Run:
         self.write()
 
     def _plain_row(self, concurrency: int) -> dict | None:
-        """The runtime's plain decoding row at ``concurrency`` on the base the heads decode with (the schedule's),
-        where it was measured."""
-        rows = {r["config"]: r for r in self.doc["rows"] if r["engine"] == "own" and "rate" not in r
-                and r["concurrency"] == concurrency and r.get("output_tokens_per_s")}
-        return rows.get(HEADS_BASE_PLAIN) or rows.get("plain")
+        """The runtime's plain decoding row at ``concurrency`` on the schedule's base, where it was measured."""
+        return next((r for r in self.doc["rows"] if r["engine"] == "own" and "rate" not in r
+                     and r["concurrency"] == concurrency and r["config"] == self.schedule_base
+                     and r.get("output_tokens_per_s")), None)
 
     def write(self) -> None:
         self.doc["written"] = time.strftime("%Y-%m-%dT%H:%M:%S")
