@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from medusa_runtime import kernels
-from medusa_runtime.decoding.acceptance import AcceptConfig
+from medusa_runtime.decoding.acceptance import AcceptConfig, argmax_rows
 from medusa_runtime.decoding.batch import BatchDecoder, generate_batched
 from medusa_runtime.decoding.decode import DecodeConfig, MedusaDecoder, encode_prompt
 from medusa_runtime.engines.base import EngineError
@@ -42,6 +42,24 @@ def test_greedy_tokens_are_the_same_alone_and_in_any_batch(default_model, mt_ben
         assert {i: g for i, g in zip(order, got)} == dict(enumerate(alone)), rows
     if tree is not None:  # the tree drafted and accepted: the check is not plain against plain
         assert sum(dec.generate(p).stats.steps for p in prompts) < sum(len(a) for a in alone)
+
+
+@pytest.mark.parametrize("tree,lookup", [(None, 0), ("chain:3", 4)])
+def test_greedy_tokens_on_the_c_forward_are_the_same_alone_and_in_any_batch(default_bf16, mt_bench_first_turns,
+                                                                            tree, lookup, monkeypatch):
+    """The served path (bf16 on the C forward): a batched step takes each row's argmax in the same call, through
+    the int8 screen of the logits where its rows are few (plain decoding at batch 2), from the logits otherwise.
+    Each request's tokens at batch 2 and 16 (arrivals shuffled) are those its decoder's own loop gives it alone."""
+    monkeypatch.setattr(kernels, "fast_path", lambda: True)  # the C forward even without AVX-512 BF16 (slower)
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size) if tree else None
+    dec = MedusaDecoder(default_bf16, heads, tree, config=DecodeConfig(max_new_tokens=24, lookup=LookupConfig(lookup)))
+    assert dec.engine.uses_kernels
+    prompts = _prompts(default_bf16, mt_bench_first_turns[1::11], 6)
+    alone = [dec.generate(p).token_ids for p in prompts]
+    for rows in (2, 16):
+        order = random.Random(rows).sample(range(6), 6)
+        got = generate_batched(dec, [prompts[i] for i in order], 24, rows)
+        assert {i: g for i, g in zip(order, got)} == dict(enumerate(alone)), rows
 
 
 def _torch_matmul_is_row_invariant() -> bool:
@@ -79,9 +97,15 @@ def test_rows_of_a_batched_forward_are_each_sequence_alone_bit_for_bit(default_m
                 if own is alone:
                     own.extend((*engine.forward(s.ids, s.start, s.cache, s.tree, s.positions), s.cache) for s in seqs)
                 else:
-                    logits, hidden = forward_rows(engine, seqs)
+                    out = forward_rows(engine, seqs)
+                    logits, hidden = out.logits.clone(), out.hidden.clone()  # the C forward's buffers are reused
                     at = [0, 1, 5, 9]
                     own.extend((logits[a:b], hidden[a:b], s.cache) for a, b, s in zip(at, at[1:], seqs))
+                    if kernel:  # each row's argmax comes with the step, also through the int8 screen (5 rows)
+                        assert out.pred == argmax_rows(logits)
+                        assert forward_rows(engine, seqs[:2], argmax_only=True).pred == argmax_rows(logits[:5])
+                    else:
+                        assert out.pred is None
         exact = kernel or _torch_matmul_is_row_invariant()
         same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4))
         for (la, ha, ca), (lb, hb, cb), p in zip(alone, batched, prompts):

@@ -4,7 +4,7 @@ Every live request is a row of the batch with its own cache, its pending root to
 One step::
 
     per row : tree tokens = propose(hidden, root, lookup draft)       # the row's own heads' top-k (or plain)
-    together: ONE forward of all rows' trees (engines.rows)             # [sum of nodes, V] logits
+    together: ONE forward of all rows' trees (engines.rows)             # [sum of nodes, V] logits, argmax
     per row : acceptance (greedy | typical | sample) -> path, next root; compaction of the row's cache
 
 With a schedule, the configuration a step runs follows the number of rows it verifies: each range of batch sizes
@@ -215,19 +215,21 @@ class BatchDecoder:
                 Seq(tokens, row.cur_len, row.cache, buffers.attn_mask, row.cur_len + buffers.position_offsets)
                 for row, (tokens, buffers) in zip(rows, proposed)]
         t1 = time.perf_counter()
-        logits, hidden = forward_rows(self.widest.engine, seqs)
+        # greedy rows read each row's argmax alone (the C forward then may take it through the logits' int8 screen)
+        out = forward_rows(self.widest.engine, seqs, argmax_only=all(row.accept_cfg.is_greedy for row in rows))
         t2 = time.perf_counter()
         results, at = [], 0
         for row, (tokens, buffers) in zip(rows, proposed):
             n = tokens.shape[0]
-            acc = accept(tokens, logits[at:at + n], buffers, row.accept_cfg, row.gen)
+            logits = None if out.logits is None else out.logits[at:at + n]
+            acc = accept(tokens, logits, buffers, row.accept_cfg, row.gen, None if out.pred is None else out.pred[at:at + n])
             candidates = tokens.tolist()
             committed = [candidates[i] for i in acc.path]
             for index in row.ngrams.values():
                 index.extend(committed)
             self.widest.compact(row.cache, row.cur_len, acc.path)
             row.cur_len += len(acc.path)
-            row.hidden = hidden[at + acc.path[-1]]
+            row.hidden = out.hidden[at + acc.path[-1]].clone()  # the forward's buffers serve the next step
             row.root = acc.next_token
             before = len(row.out)
             n_out, stop = emit_committed(row.out, committed, dec.eos, row.max_new_tokens)

@@ -39,15 +39,18 @@ from medusa_runtime.model import LoadedModel, cpu_bf16_kernels
 
 
 class _StepBuffers:
-    """One cache's ``lean_decode`` state: the call's constant struct, the tensors it points into, and the step's
-    outputs (``rows`` rows at most), with their views per row count built once."""
+    """One ``lean_decode`` (or ``lean_decode_rows``) state: the call's constant struct, the tensors it points into,
+    and the step's outputs (``rows`` rows at most), with their views per row count built once. ``cache``: the one
+    cache a ``lean_decode`` step writes; None for batched steps, whose sequences bring their own caches of at most
+    ``capacity`` positions."""
 
-    def __init__(self, engine: LeanEngine, cache: LeanCache, rows: int, threads: int):
+    def __init__(self, engine: LeanEngine, cache: LeanCache | None, rows: int, threads: int, capacity: int = 0):
         lib, hsz, h, kv, d = engine.lib, engine.embed.shape[1], engine.num_heads, engine.kv_heads, engine.head_dim
         inter, vocab, amx = engine.intermediate, engine.lm_head.shape[0], int(engine.amx)
-        self.rows, self.threads = rows, threads
+        capacity = cache.capacity if cache is not None else capacity
+        self.rows, self.threads, self.capacity = rows, threads, capacity
         self.work = torch.empty(lib.lean_decode_work_size(rows, hsz, h, kv, d, inter, amx), dtype=engine.dtype)
-        self.scratch = torch.empty(lib.lean_scratch_size(threads, rows, h, cache.capacity, amx), dtype=torch.float32)
+        self.scratch = torch.empty(lib.lean_scratch_size(threads, rows, h, capacity, amx), dtype=torch.float32)
         self.xv = torch.empty(lib.lean_amx_scratch_size(rows, max(hsz, inter, h * d)) if amx else 0, dtype=engine.dtype)
         self.hidden = torch.empty(rows, hsz, dtype=engine.dtype)
         self.logits = torch.empty(rows, vocab, dtype=torch.float32)
@@ -55,12 +58,14 @@ class _StepBuffers:
         self.pred_np = self.pred.numpy()
         # held: the struct points into them: the engine (its layer table, packed weights, embeddings), its RoPE
         # tables of now (it may build longer ones for a later cache), the cache's keys and values
-        self.keep = (engine, engine._cos, engine._sin, cache.keys, cache.values, engine.logit_screen)
+        keys, values = (cache.keys, cache.values) if cache is not None else (None, None)
+        self.keep = (engine, engine._cos, engine._sin, keys, values, engine.logit_screen)
         self.model = kernels.LeanModel(
             ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
             inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
             None if engine.q4_1 else engine._logits_kernel.packed.data_ptr(), engine._cos.data_ptr(), engine._sin.data_ptr(),
-            engine._cos.shape[0], cache.capacity, threads, amx, cache.keys.data_ptr(), cache.values.data_ptr(),
+            engine._cos.shape[0], capacity, threads, amx, None if keys is None else keys.data_ptr(),
+            None if values is None else values.data_ptr(),
             self.work.data_ptr(), self.xv.data_ptr() if amx else None, self.scratch.data_ptr(),
             *(engine.logit_screen.pointers() if engine.logit_screen is not None else (None,) * 5),
             engine._logits_kernel.blocks.data_ptr() if engine.q4_1 else None)
@@ -337,6 +342,7 @@ class LeanEngine:
                 _table_row(w, m, self.q4_1) for w, m in zip(self.layers, mats)])
             self.intermediate = self.layers[0].down.weight.shape[1]
             self._work = self._scratch = self._xv = torch.empty(0)
+            self._rows_buffers: _StepBuffers | None = None  # decode_rows' buffers, grown as asked
 
     def _kernel_library(self, wanted: bool | None):
         if wanted is None:  # where it pays
@@ -548,6 +554,34 @@ class LeanEngine:
         logits_n, hidden_n, rows = buf.view(n)
         return DecodeStep(None if argmax_only else logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
 
+    def decode_rows(self, seqs: Sequence, positions: torch.Tensor, argmax_only: bool = False) -> DecodeStep:
+        """A batched step in one call of the C library (``lean_decode_rows``): the rows of ``seqs`` (engines.rows'
+        ``Seq``: ids, first slot, own cache and tree mask), one sequence after another, at RoPE ``positions``
+        (int64 [rows]) -> what each sequence's own ``decode_step`` gives its rows: logits, hidden, each row's
+        argmax (through the int8 screen with ``argmax_only``, where it takes the rows). The outputs are views of
+        buffers the engine keeps, overwritten by its next batched step."""
+        if self.lib is None:
+            raise EngineError("decode_rows needs the C forward (bf16 on a CPU with the kernels)")
+        ids = torch.cat([s.ids for s in seqs])
+        n, cap, threads = ids.shape[0], max(s.cache.capacity for s in seqs), torch.get_num_threads()
+        buf = self._rows_buffers
+        if buf is None or buf.rows < n or buf.capacity < cap or buf.threads != threads or buf.keep[1] is not self._cos:
+            buf = self._rows_buffers = _StepBuffers(self, None, max(n, buf.rows if buf else 0), threads,
+                                                    max(cap, buf.capacity if buf else 0))
+        masks = [None if s.tree is None else s.tree.to(torch.bool).contiguous() for s in seqs]  # [n, n] bytes each
+        table = (kernels.LeanSeq * len(seqs))(*[
+            kernels.LeanSeq(s.ids.shape[0], s.start, s.cache.capacity, s.cache.keys.data_ptr(),
+                            s.cache.values.data_ptr(), None if m is None else m.data_ptr()) for s, m in zip(seqs, masks)])
+        positions = positions.contiguous()
+        hidden, logits, pred = buf.out
+        rc = self.lib.lean_decode_rows(buf.ref, ids.data_ptr(), n, positions.data_ptr(),
+                                       ctypes.cast(table, ctypes.POINTER(kernels.LeanSeq)), len(seqs), hidden, logits,
+                                       pred, int(argmax_only))
+        if rc:
+            raise EngineError(_DECODE_ERRORS.get(rc, f"the C batched step failed (code {rc})"))
+        logits_n, hidden_n, rows = buf.view(n)
+        return DecodeStep(None if argmax_only else logits_n, hidden_n, buf.pred_np[:n].tolist(), rows)
+
     def _layers(self, ids, cos, sin, keys, values, mask, causal=False, start=0, slots=None) -> torch.Tensor:
         """The layers on ids [n] -> final-normed hidden [n, H]: each layer's keys/values written at cache slots
         start..start+n-1 and attention over slots ..start+n-1; with ``slots`` (an int64 tensor [n], the static
@@ -637,7 +671,8 @@ class LeanEngine:
 
 _BF16_CPU_ONLY = "runs bfloat16 on the CPU only"
 _DECODE_ERRORS = {-1: "the C forward cannot run a head_dim over 256", -2: "the AMX tile unit is unavailable in this process",
-                  -3: "a token id is outside the vocabulary", -4: "a position is outside the RoPE table or the cache"}
+                  -3: "a token id is outside the vocabulary", -4: "a position is outside the RoPE table or the cache",
+                  -5: "the sequences' rows do not add up to the step's"}
 
 
 def _c_forward_blocker(device: torch.device, dtype: torch.dtype) -> str | None:

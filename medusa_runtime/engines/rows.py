@@ -9,6 +9,7 @@ once per step for the whole batch::
                per sequence: k, v -> its cache; attention over its own cache and tree mask
                x = x + o(att); x = x + down(silu(gate) * up)   # linears over every row
     logits = lm_head(norm(x))                                  # [rows, V]
+    pred   = argmax per row                                    # or, greedy rows alone, through the int8 screen
 
 A row's result does not depend on which rows share the forward: the linears give each row what one row alone
 gets (the C forward by construction; oneDNN's packed float32 layers, packed for ``lean.PACK_ROWS`` rows, by one
@@ -18,14 +19,12 @@ request's greedy tokens are the same alone and in any batch (tests/test_batch_de
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from medusa_runtime import kernels
-from medusa_runtime.engines.base import EngineError
+from medusa_runtime.engines.base import DecodeStep, EngineError
 from medusa_runtime.engines.lean import LeanCache, LeanEngine
 
 
@@ -60,23 +59,29 @@ class Seq:
         return self.positions.to(self.ids.device)
 
 
-def forward_rows(engine, seqs: list[Seq]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences' rows, one after another -> logits [rows, V] float32, hidden [rows, H]."""
+def forward_rows(engine, seqs: list[Seq], argmax_only: bool = False) -> DecodeStep:
+    """The sequences' rows, one after another -> logits [rows, V] float32, hidden [rows, H], and each row's argmax
+    where the C forward takes it in the same call (None elsewhere). ``argmax_only``: only the argmax is wanted
+    (greedy rows), the logits are None where the C forward gives it, through the int8 screen of the logits where
+    the step's rows are few enough. The C forward's outputs are views of the engine's buffers, overwritten by its
+    next batched step."""
     if not seqs:
         raise EngineError("a batched forward needs at least one sequence")
     if not isinstance(engine, LeanEngine):  # engines without batched rows take one sequence, their own forward
         if len(seqs) != 1:
             raise EngineError(f"engine '{engine.name}' runs one sequence per forward")
         s = seqs[0]
-        return engine.forward(s.ids, s.start, s.cache, tree=s.tree, positions=s.positions)
+        logits, hidden = engine.forward(s.ids, s.start, s.cache, tree=s.tree, positions=s.positions)
+        return DecodeStep(logits, hidden, None, hidden)
     for s in seqs:
         engine._rope(s.cache.capacity)
     positions = torch.cat([s.rope_positions() for s in seqs]).to(device=engine.device, dtype=torch.int64)
     if int(positions.min()) < 0 or int(positions.max()) >= engine._rope_len:
         raise EngineError(f"positions must lie in [0, {engine._rope_len})")
     if engine.lib is not None:
-        return _kernel_rows(engine, seqs, positions)
-    return _torch_rows(engine, seqs, positions)
+        return engine.decode_rows(seqs, positions, argmax_only)
+    logits, hidden = _torch_rows(engine, seqs, positions)
+    return DecodeStep(logits, hidden, None, hidden)
 
 
 def _masks(engine: LeanEngine, seqs: list[Seq]) -> list[torch.Tensor | None]:
@@ -119,29 +124,3 @@ def _torch_rows(engine: LeanEngine, seqs: list[Seq], positions: torch.Tensor) ->
         x = engine.after_attention(w, x, torch.cat(parts))
     hidden = engine._rms(x, engine.norm)
     return engine._logits(hidden).float(), hidden
-
-
-def _kernel_rows(engine: LeanEngine, seqs: list[Seq], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C forward (``lean_forward_rows``): every sequence's rows in one call, each with its own cache."""
-    lib, hsz, threads = engine.lib, engine.embed.shape[1], torch.get_num_threads()
-    h, kv, d, inter = engine.num_heads, engine.kv_heads, engine.head_dim, engine.intermediate
-    ids = torch.cat([s.ids for s in seqs])
-    rows, cap = ids.shape[0], max(s.cache.capacity for s in seqs)
-    masks = [None if s.tree is None else s.tree.to(torch.bool).contiguous() for s in seqs]  # [n, n] bytes each
-    table = (kernels.LeanSeq * len(seqs))(*[
-        kernels.LeanSeq(s.ids.shape[0], s.start, s.cache.capacity, s.cache.keys.data_ptr(), s.cache.values.data_ptr(),
-                        None if m is None else m.data_ptr()) for s, m in zip(seqs, masks)])
-    x = F.embedding(ids, engine.embed).contiguous()  # [rows, H], becomes the residual stream
-    work = torch.empty(lib.lean_forward_work_size(rows, hsz, h, kv, d, inter, int(engine.amx)), dtype=engine.dtype)
-    scratch = torch.empty(lib.lean_scratch_size(threads, rows, h, cap, int(engine.amx)), dtype=torch.float32)
-    xv = torch.empty(lib.lean_amx_scratch_size(rows, max(hsz, inter, h * d)) if engine.amx else 0, dtype=engine.dtype)
-    hidden = torch.empty(rows, hsz, dtype=engine.dtype)
-    rc = lib.lean_forward_rows(
-        engine._layer_table, len(engine.layers), hsz, h, kv, d, inter, engine.eps, engine.norm.data_ptr(),
-        x.data_ptr(), rows, positions.contiguous().data_ptr(), ctypes.cast(table, ctypes.POINTER(kernels.LeanSeq)),
-        len(seqs), engine._cos.data_ptr(), engine._sin.data_ptr(), work.data_ptr(), scratch.data_ptr(),
-        hidden.data_ptr(), threads, int(engine.amx), xv.data_ptr() if engine.amx else None)
-    if rc != 0:
-        raise EngineError(f"the C forward cannot run head_dim {d} (at most 256)" if rc == -1 else
-                          "the AMX tile unit is unavailable in this process")
-    return engine._logits_kernel(hidden), hidden  # logits [rows, V] float32, unrounded

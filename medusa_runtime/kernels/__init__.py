@@ -57,8 +57,8 @@ class LeanModel(ctypes.Structure):
 
 
 class LeanSeq(ctypes.Structure):
-    """One sequence of a batched forward (``lean_forward_rows``): its rows, first slot, cache and tree mask, as
-    ``LeanSeq`` in lean_cpu.c."""
+    """One sequence of a batched step (``lean_decode_rows``): its rows, first slot, cache and tree mask, as ``LeanSeq``
+    in lean_cpu.c."""
 
     _fields_ = [("n", ctypes.c_int), ("start", ctypes.c_int), ("cap", ctypes.c_int), ("kcache", ctypes.c_void_p),
                 ("vcache", ctypes.c_void_p), ("tree", ctypes.c_void_p)]
@@ -169,11 +169,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_forward.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p, i, p, p, i, p, p, p,
                                  p, p, p, i, i, p]
     lib.lean_forward.restype = i
-    lib.lean_forward_rows.argtypes = [ctypes.POINTER(LeanLayer), i, i, i, i, i, i, f, p, p, i, p,
-                                      ctypes.POINTER(LeanSeq), i, p, p, p, p, p, i, i, p]
-    lib.lean_forward_rows.restype = i
     lib.lean_decode.argtypes = [ctypes.POINTER(LeanModel), p, i, p, i, p, p, p, p, i]
     lib.lean_decode.restype = i
+    lib.lean_decode_rows.argtypes = [ctypes.POINTER(LeanModel), p, i, p, ctypes.POINTER(LeanSeq), i, p, p, p, i]
+    lib.lean_decode_rows.restype = i
     lib.lean_decode_work_size.argtypes = [i, i, i, i, i, i, i]
     lib.lean_decode_work_size.restype = z
     lib.lean_forward_work_size.argtypes = [i, i, i, i, i, i, i]

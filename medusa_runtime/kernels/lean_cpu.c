@@ -1579,22 +1579,6 @@ int lean_forward(const LeanLayer *layers, int num_layers, int hsz, int nh, int n
                         work, scratch, hidden, nthreads, amx, xv);
 }
 
-/* lean_forward for several sequences in one pass (batched decoding): seqs[s] takes rows at..at+n_s-1 of x, pos
- * and hidden (the sequences' rows one after another, n in all), each sequence with its own cache and tree mask.
- * The weights stream once for all rows; a row's result is bit for bit the one lean_forward gives for its
- * sequence alone. work: lean_forward_work_size(n, ...); scratch: lean_scratch_size(nthreads, n, nh, the largest
- * cap, amx). */
-int lean_forward_rows(const LeanLayer *layers, int num_layers, int hsz, int nh, int nkv, int d, int inter, float eps,
-                      const bf16 *norm_w, bf16 *x, int n, const int64_t *pos, const LeanSeq *seqs, int nseq,
-                      const bf16 *cos_t, const bf16 *sin_t, bf16 *work, float *scratch, bf16 *hidden, int nthreads,
-                      int amx, bf16 *xv) {
-    int total = 0;
-    for (int s = 0; s < nseq; ++s) total += seqs[s].n;
-    if (total != n) return -3;
-    return forward_seqs(layers, num_layers, hsz, nh, nkv, d, inter, eps, norm_w, x, n, pos, seqs, nseq, cos_t, sin_t,
-                        work, scratch, hidden, nthreads, amx, xv);
-}
-
 /* A decode step as one call: what lean_forward does for the tree's (or the plain step's) n tokens, with the
  * embedding before it and the logits and each row's argmax after it, in one parallel region (no Python, no
  * thread hand-over between the pieces). The constant part of the call (weights, shapes, cache, buffers) is
@@ -1904,6 +1888,44 @@ static int screen_argmax_in_team(const LeanModel *m, const bf16 *hidden, int n, 
     return ok;
 }
 
+/* The rows of seqs (n in all, ids and RoPE positions pos one after another, each sequence its own cache and tree
+ * mask) through the embedding, the layers, then either each row's argmax through the screen (argmax_only, where
+ * the model has one and the rows fit it) or the logits and, with pred, their argmax: one parallel region. The
+ * model's work, xv and scratch are sized for n rows and caches of m->cap positions at most. */
+static void decode_seqs(const LeanModel *m, const int64_t *ids, int n, const int64_t *pos, const LeanSeq *seqs,
+                        int nseq, bf16 *hidden, float *logits, int64_t *pred, int argmax_only) {
+    size_t rows = m->amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
+    bf16 *x = m->work, *work = x + rows * m->hsz;
+    for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
+    int32_t *xp = (int32_t *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
+    ScreenRow rows_info[SCREEN_MAX_ROWS];
+    ScreenPart part[SCREEN_MAX_THREADS][SCREEN_MAX_ROWS];
+#pragma omp parallel num_threads(m->nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (m->amx) amx_configure();
+#endif
+        layers_in_team(m->layers, m->num_layers, m->hsz, m->nh, m->nkv, m->d, m->inter, m->eps, m->norm_w, x, n, pos,
+                       seqs, nseq, m->cos_t, m->sin_t, work, m->scratch, hidden, m->nthreads, m->amx, m->xv);
+        /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
+         * copies them into xv first) */
+        int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);
+        if (!screened && m->lm_head_q8) /* its activation blocks where the layers' were (work's tail) */
+            linear_qx8_rows(m->lm_head_q8, 0, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32,
+                            work + lean_forward_work_size(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx) -
+                                forward_q8_elems(n, m->hsz, m->nh, m->d, m->inter));
+        else if (!screened)
+            linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
+#if LEAN_AMX_BUILD
+        if (m->amx) amx_release();
+#endif
+        if (pred && !screened) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; ++i) lean_argmax_rows(logits + (size_t)i * m->vocab, 1, m->vocab, 0, pred + i);
+        }
+    }
+}
+
 /* ids [n] at cache slots start..start+n-1, RoPE positions start + offsets[i] (offsets NULL: start + i), tree
  * [n, n] ancestor bytes or NULL (causal rows) -> hidden [n, H] bf16, logits [n, V] float32 (unrounded), and
  * pred [n] (NULL: none), each row's argmax as lean_argmax_rows takes it. Every value is the one lean_forward
@@ -1922,37 +1944,33 @@ int lean_decode(const LeanModel *m, const int64_t *ids, int n, const int64_t *of
         pos[i] = start + (offsets ? offsets[i] : i);
         if (pos[i] < 0 || pos[i] >= m->rope_len) return -4;
     }
-    size_t rows = m->amx ? (size_t)(n + 15) / 16 * 16 : (size_t)n;
-    bf16 *x = m->work, *work = x + rows * m->hsz;
-    for (int i = 0; i < n; ++i) memcpy(x + (size_t)i * m->hsz, m->embed + (size_t)ids[i] * m->hsz, (size_t)m->hsz * sizeof(bf16));
-    int32_t *xp = (int32_t *)(m->work + decode_screen_at(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx));
     LeanSeq seq = {n, start, m->cap, m->kcache, m->vcache, tree};
-    ScreenRow rows_info[SCREEN_MAX_ROWS];
-    ScreenPart part[SCREEN_MAX_THREADS][SCREEN_MAX_ROWS];
-#pragma omp parallel num_threads(m->nthreads)
-    {
-#if LEAN_AMX_BUILD
-        if (m->amx) amx_configure();
-#endif
-        layers_in_team(m->layers, m->num_layers, m->hsz, m->nh, m->nkv, m->d, m->inter, m->eps, m->norm_w, x, n, pos,
-                       &seq, 1, m->cos_t, m->sin_t, work, m->scratch, hidden, m->nthreads, m->amx, m->xv);
-        /* the argmax alone through the screen, else the logits: hidden is read from its n rows (the tile path
-         * copies them into xv first) */
-        int screened = argmax_only && pred && screen_argmax_in_team(m, hidden, n, logits, xp, rows_info, part, pred);
-        if (!screened && m->lm_head_q8) /* its activation blocks where the layers' were (work's tail) */
-            linear_qx8_rows(m->lm_head_q8, 0, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32,
-                            work + lean_forward_work_size(n, m->hsz, m->nh, m->nkv, m->d, m->inter, m->amx) -
-                                forward_q8_elems(n, m->hsz, m->nh, m->d, m->inter));
-        else if (!screened)
-            linear_any(m->amx, m->lm_head, hidden, n, m->vocab, m->hsz, logits, NULL, OUT_F32, m->xv, 0);
-#if LEAN_AMX_BUILD
-        if (m->amx) amx_release();
-#endif
-        if (pred && !screened) {
-#pragma omp for schedule(static)
-            for (int i = 0; i < n; ++i) lean_argmax_rows(logits + (size_t)i * m->vocab, 1, m->vocab, 0, pred + i);
-        }
+    decode_seqs(m, ids, n, pos, &seq, 1, hidden, logits, pred, argmax_only);
+    return 0;
+}
+
+/* lean_decode for several sequences in one call (a step of batched decoding): seqs[s] takes rows at..at+n_s-1 of
+ * ids, pos (absolute RoPE positions) and the outputs, the sequences' rows one after another, each sequence with
+ * its own cache (m->kcache and m->vcache are not read); m->cap is the largest cache the scratch is sized for. A
+ * row's hidden state, logits and argmax are bit for bit those of its sequence's own lean_decode, and through the
+ * screen (argmax_only, at most SCREEN_MAX_ROWS rows in all) the same argmax. Returns lean_decode's codes, and -5
+ * when the sequences' rows do not add up to n. */
+int lean_decode_rows(const LeanModel *m, const int64_t *ids, int n, const int64_t *pos, const LeanSeq *seqs,
+                     int nseq, bf16 *hidden, float *logits, int64_t *pred, int argmax_only) {
+    if (m->d > 256) return -1;
+    if (m->amx && !lean_amx_available()) return -2;
+    int total = 0;
+    for (int s = 0; s < nseq; ++s) {
+        if (seqs[s].n < 1 || seqs[s].start < 0 || seqs[s].start + seqs[s].n > seqs[s].cap || seqs[s].cap > m->cap)
+            return -4;
+        total += seqs[s].n;
     }
+    if (total != n) return -5;
+    for (int i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= m->vocab) return -3;
+        if (pos[i] < 0 || pos[i] >= m->rope_len) return -4;
+    }
+    decode_seqs(m, ids, n, pos, seqs, nseq, hidden, logits, pred, argmax_only);
     return 0;
 }
 
