@@ -22,7 +22,7 @@ from bench.load.serving import ServingRun, fit_overhead
 from bench.load.step_costs import StepsDuringLoad, grid_upto, rows_per_request
 from bench.load.summary import HEADS_BASE_PLAIN, SCHEMA, load_row, paired_speedup, percentiles_ms, stops_paying
 from bench.replay.suites import load_suite
-from bench.report.load import load_section
+from bench.report.load import load_frame, load_section, prediction_sentences, stop_sentences
 from bench.stages.jobs import ProfileJob
 from bench.stages.load import Measured
 from medusa_runtime.model import chat_template_ids, load_model
@@ -239,13 +239,47 @@ def test_load_command_end_to_end(tmp_path, capsys):
     assert len(keys) == len(records) and {k[2][-3:] for k in keys} == {"#r0", "#r1"}
     section, summary, figures = load_section(tmp_path, tmp_path / "plots")
     assert "Under load" in section and summary["rows"] == doc["rows"]
-    assert f"schedule at concurrency 3: predicted {rows[('schedule', 3)]['predicted_output_tokens_per_s']:.1f} " \
-        "output tokens/s" in section
+    confs = [configuration_json(d)["config"] for d, _ in ranges]  # what the schedule runs at each concurrency
+    assert rows[("schedule", 1)]["schedule_range"] == {"batch": [1, 1], "config": confs[0], "same_as": None}
+    assert rows[("schedule", 3)]["schedule_range"] == {"batch": [2, 16], "config": confs[1], "same_as": HEADS_BASE_PLAIN}
+    assert f"schedule at concurrency 3 (runs {confs[1]} at batch sizes 2-16): predicted " \
+        f"{rows[('schedule', 3)]['predicted_output_tokens_per_s']:.1f} output tokens/s" in section
+    assert f"There it decodes as the {HEADS_BASE_PLAIN} row does: {rows[('schedule', 3)]['output_tokens_per_s']:.1f} [" \
+        in section
     assert "x plain decoding on the heads' base" in section and "x the fastest fixed configuration (chain:2)" in section
     assert {f.name for f in figures} >= {"throughput_vs_concurrency.png", "speedup_vs_concurrency.png"}
     assert os.path.getsize(tmp_path / "plots" / "throughput_vs_concurrency.png") > 0
     printed = capsys.readouterr().out
     assert "chain:2: " in printed and ("stops paying at concurrency" in printed or "pays at every" in printed)
+
+
+def test_the_report_says_where_the_schedule_runs_plain_decoding_and_sets_it_beside_that_row():
+    """Where the schedule's range is plain decoding, its row and the plain row on its base are the same decoding
+    measured apart: the section names the range, puts the two intervals side by side and says whether they
+    overlap, and the schedule's "stops paying" says that there it runs that decoding."""
+    def row(config, c, tps, lo, hi, **extra):
+        return {"config": config, "engine": "own", "concurrency": c, "output_tokens_per_s": tps,
+                "output_tokens_per_s_ci": [lo, hi], **extra}
+
+    def sched(c, tps, lo, hi, batch, config, same_as):
+        return row("schedule", c, tps, lo, hi, schedule=True, predicted_output_tokens_per_s=tps,
+                   speedup_vs_plain=tps / 100.0, schedule_range={"batch": batch, "config": config, "same_as": same_as})
+
+    doc = {"concurrencies": [1, 8, 16], "rows": [
+        row("plain", 1, 50.0, 48.0, 52.0), row("plain", 8, 100.0, 98.0, 102.0), row("plain", 16, 100.0, 99.0, 101.0),
+        sched(1, 80.0, 78.0, 82.0, [1, 4], "chain:2", None), sched(8, 99.0, 97.0, 101.0, [5, 16], "plain", "plain"),
+        sched(16, 95.0, 94.0, 96.0, [5, 16], "plain", "plain")],
+        "stops_paying": {"schedule": {"engine": "own", "stops_paying_at": 8, "certain": False}}}
+    lines = prediction_sentences(load_frame(doc))
+    assert lines[0].startswith("schedule at concurrency 1 (runs chain:2 at batch sizes 1-4): predicted 80.0")
+    assert "decodes as" not in lines[0]
+    assert lines[1].startswith("schedule at concurrency 8 (runs plain at batch sizes 5-16)")
+    assert lines[1].endswith("There it decodes as the plain row does: 99.0 [97.0, 101.0] against 100.0 [98.0, 102.0] "
+                             "output tokens/s, the intervals overlap.")
+    assert lines[2].endswith("95.0 [94.0, 96.0] against 100.0 [99.0, 101.0] output tokens/s, the intervals do not "
+                             "overlap.")
+    assert stop_sentences(doc) == ["schedule stops paying at concurrency 8: slower than plain decoding there (its "
+                                   "interval still reaches 1), where it runs plain, the plain row's decoding."]
 
 
 def test_rounds_pool_their_records_and_sum_their_counters():

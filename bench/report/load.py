@@ -39,7 +39,10 @@ def load_frame(doc: dict) -> pd.DataFrame:
                           "accepted_per_step": r.get("accepted_per_step"),
                           "identical_to_plain": r.get("identical_to_plain"), "build": r.get("build"),
                           "schedule": bool(r.get("schedule")), "predicted": r.get("predicted_output_tokens_per_s"),
-                          "predicted_at_search": r.get("predicted_output_tokens_per_s_at_search")}
+                          "predicted_at_search": r.get("predicted_output_tokens_per_s_at_search"),
+                          "runs": (r.get("schedule_range") or {}).get("config"),
+                          "runs_batch": (r.get("schedule_range") or {}).get("batch"),
+                          "same_as": (r.get("schedule_range") or {}).get("same_as")}
                          for r in rows])
 
 
@@ -51,8 +54,8 @@ def prediction_sentences(df: pd.DataFrame) -> list[str]:
     rows = df[df["schedule"] & df["predicted"].notna()].sort_values("concurrency")
     out = []
     for r in rows.itertuples():
-        line = (f"schedule at concurrency {r.concurrency}: predicted {r.predicted:.1f} output tokens/s, measured "
-                f"{r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction")
+        line = (f"schedule at concurrency {r.concurrency}{_runs(r)}: predicted {r.predicted:.1f} output tokens/s, "
+                f"measured {r.tokens_per_s:.1f} ({r.tokens_per_s / r.predicted:.3f}x the prediction")
         if pd.notna(r.predicted_at_search):  # priced with steps timed during the load; beside it, the search's
             line += f"; {r.tokens_per_s / r.predicted_at_search:.3f}x it at the search's step costs"
         line += ")"
@@ -65,8 +68,30 @@ def prediction_sentences(df: pd.DataFrame) -> list[str]:
         if not fixed.empty:
             best = fixed.loc[fixed["tokens_per_s"].idxmax()]
             line += f"; {r.tokens_per_s / best['tokens_per_s']:.3f}x the fastest fixed configuration ({best['config']})"
-        out.append(line + ".")
+        out.append(line + "." + _same_decoding(df, r))
     return out
+
+
+def _runs(r) -> str:
+    """What the schedule runs at that concurrency's batch size, in words ("" where load.json does not say)."""
+    if not isinstance(r.runs, str):
+        return ""
+    first, last = r.runs_batch
+    return f" (runs {r.runs} at batch sizes {first}-{last})"
+
+
+def _same_decoding(df: pd.DataFrame, r) -> str:
+    """Where the schedule runs plain decoding, the row that decodes the same way, its interval beside the
+    schedule's: two servers doing the same work, measured one after the other."""
+    if not isinstance(r.same_as, str):
+        return ""
+    same = df[(df["engine"] == r.engine) & (df["concurrency"] == r.concurrency) & (df["config"] == r.same_as)]
+    if same.empty:
+        return ""
+    o = same.iloc[0]
+    overlap = "overlap" if r.lo <= o["hi"] and o["lo"] <= r.hi else "do not overlap"
+    return (f" There it decodes as the {r.same_as} row does: {r.tokens_per_s:.1f} [{r.lo:.1f}, {r.hi:.1f}] against "
+            f"{o['tokens_per_s']:.1f} [{o['lo']:.1f}, {o['hi']:.1f}] output tokens/s, the intervals {overlap}.")
 
 
 def stop_sentences(doc: dict) -> list[str]:
@@ -78,7 +103,12 @@ def stop_sentences(doc: dict) -> list[str]:
             out.append(f"{config} pays at every concurrency measured ({', '.join(map(str, doc['concurrencies']))}).")
         else:
             sure = "its interval lies below 1" if s.get("certain") else "its interval still reaches 1"
-            out.append(f"{config} stops paying at concurrency {at}: slower than plain decoding there ({sure}).")
+            line = f"{config} stops paying at concurrency {at}: slower than plain decoding there ({sure})"
+            runs = next((r.get("schedule_range") for r in doc.get("rows", []) if r.get("config") == config
+                         and r.get("engine") == s.get("engine") and r.get("concurrency") == at), None)
+            if runs and runs.get("same_as"):  # the schedule's own choice there: plain decoding
+                line += f", where it runs {runs['config']}, the {runs['same_as']} row's decoding"
+            out.append(line + ".")
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def load_stage(job: LoadJob) -> tuple[dict, str]:
             log(f"[load] the schedule's predictions are tree.json's, for {ON_CALIBRATION}: {predict.why_not}")
     steps = _steps_during_load(job, heads_base, predict, schedule) if predict and predict.latency else None
     run = _Run(job, requests, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), doc, out,
-               predict, steps, schedule_base)
+               predict, steps, schedule_base, schedule)
     servers = _own_servers(job, served, requests, doc, out)
     if "vllm" in job.engines:
         servers += _vllm_server(job, requests, doc, out)
@@ -209,14 +210,27 @@ class Measured:
                          for p in a["accepted"].keys() | b["accepted"].keys()}})
 
 
+def schedule_range(schedule: Sequence[dict], batch: int, base: str) -> dict | None:
+    """The schedule's range holding ``batch`` as load.json names it: its batch sizes, its configuration, and the
+    runtime's row that decodes as it does where it runs plain decoding (``base``: plain decoding on the schedule's
+    model), else null."""
+    for entry in schedule:
+        first, last = entry["batch"]
+        if first <= batch <= last:
+            conf = entry["configuration"]
+            return {"batch": [first, last], "config": conf.get("config"),
+                    "same_as": None if conf.get("uses_heads") or conf.get("lookup") else base}
+    return None
+
+
 class _Run:
     """A load run's rows and records, written after each row."""
 
     def __init__(self, job: LoadJob, requests: list[LoadRequest], count, doc: dict, out: Path,
                  predict: SchedulePredictor | None = None, steps: StepsDuringLoad | None = None,
-                 schedule_base: str = "plain"):
+                 schedule_base: str = "plain", schedule: Sequence[dict] = ()):
         self.job, self.requests, self.count, self.doc, self.out = job, requests, count, doc, out
-        self.predict, self.steps, self.schedule_base = predict, steps, schedule_base
+        self.predict, self.steps, self.schedule_base, self.schedule = predict, steps, schedule_base, schedule
         self.records: dict[tuple[str, str, int], list[RequestRecord]] = {}
 
     def measure(self, server, config: str, reference: dict[str, str], plan: LoadPlan, build: str | None = None
@@ -257,6 +271,8 @@ class _Run:
                                         "serving_from": plain["config"] if beside_plain is not None else None,
                                         "beside_plain": self.steps.as_json(plan.concurrency, plain["config"])
                                         if beside_plain is not None else None}
+        if scheduled and plan.concurrency:  # what the schedule runs at a live batch of that many requests
+            row["schedule_range"] = schedule_range(self.schedule, plan.concurrency, self.schedule_base)
         if plan.rate is not None:
             row["rate"] = plan.rate
         else:
