@@ -48,7 +48,8 @@ from medusa_runtime.heads.medusa import resolve_heads
 from medusa_runtime.measure.profile import describe_machine
 from medusa_runtime.model import chat_template_ids, load_model, software_versions
 from treesearch.fsutil import atomic_file
-from treesearch.schedule import read_schedule
+from treesearch.replay import Decoding
+from treesearch.schedule import read_schedule, schedule_decoding
 from treesearch.tree import load_tree, write_json_atomic
 
 
@@ -217,9 +218,8 @@ def schedule_range(schedule: Sequence[dict], batch: int, base: str) -> dict | No
     for entry in schedule:
         first, last = entry["batch"]
         if first <= batch <= last:
-            conf = entry["configuration"]
-            return {"batch": [first, last], "config": conf.get("config"),
-                    "same_as": None if conf.get("uses_heads") or conf.get("lookup") else base}
+            return {"batch": [first, last], "config": entry["configuration"].get("config"),
+                    "same_as": base if schedule_decoding(entry) == Decoding() else None}
     return None
 
 

@@ -60,6 +60,7 @@ class _StepBuffers:
         # tables of now (it may build longer ones for a later cache), the cache's keys and values
         keys, values = (cache.keys, cache.values) if cache is not None else (None, None)
         self.keep = (engine, engine._cos, engine._sin, keys, values, engine.logit_screen)
+        self.rope = engine._cos  # the RoPE table the struct reads (an engine builds longer ones as asked)
         self.model = kernels.LeanModel(
             ctypes.cast(engine._layer_table, ctypes.POINTER(kernels.LeanLayer)), len(engine.layers), hsz, h, kv, d,
             inter, vocab, engine.eps, engine.norm.data_ptr(), engine.embed.data_ptr(),
@@ -565,7 +566,7 @@ class LeanEngine:
         ids = torch.cat([s.ids for s in seqs])
         n, cap, threads = ids.shape[0], max(s.cache.capacity for s in seqs), torch.get_num_threads()
         buf = self._rows_buffers
-        if buf is None or buf.rows < n or buf.capacity < cap or buf.threads != threads or buf.keep[1] is not self._cos:
+        if buf is None or buf.rows < n or buf.capacity < cap or buf.threads != threads or buf.rope is not self._cos:
             buf = self._rows_buffers = _StepBuffers(self, None, max(n, buf.rows if buf else 0), threads,
                                                     max(cap, buf.capacity if buf else 0))
         masks = [None if s.tree is None else s.tree.to(torch.bool).contiguous() for s in seqs]  # [n, n] bytes each
