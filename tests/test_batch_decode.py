@@ -62,6 +62,41 @@ def test_greedy_tokens_on_the_c_forward_are_the_same_alone_and_in_any_batch(defa
         assert {i: g for i, g in zip(order, got)} == dict(enumerate(alone)), rows
 
 
+@pytest.mark.parametrize("tree,gate", [("chain:1", 0.3), ("chain:3", 0.05)])
+def test_a_batched_step_drafts_every_row_as_its_own_step_would(default_bf16, mt_bench_first_turns, tree, gate,
+                                                               monkeypatch):
+    """On the C forward a batched step drafts every row's tree in one call of the heads (NativeHeadLevels.trees),
+    gated or not. Each request's drafts are those its own loop makes alone, which its steps show: the same number
+    of steps and the same accepted tokens per head, at batch 2 and 16 (arrivals shuffled), and the same tokens."""
+    from medusa_runtime.heads.native import NativeHeadLevels
+
+    monkeypatch.setattr(kernels, "fast_path", lambda: True)
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size)
+    dec = MedusaDecoder(default_bf16, heads, tree, config=DecodeConfig(max_new_tokens=24, gate=gate))
+    assert dec.native_heads is not None
+    calls = []
+    trees = NativeHeadLevels.trees
+    monkeypatch.setattr(NativeHeadLevels, "trees", lambda self, h, *a, **k: calls.append(len(h)) or trees(self, h, *a, **k))
+    prompts = _prompts(default_bf16, mt_bench_first_turns[2::11], 6)
+    alone = [dec.generate(p) for p in prompts]
+    assert sum(a.stats.steps for a in alone) < sum(len(a.token_ids) for a in alone)  # the heads' drafts accepted
+    for rows in (2, 16):
+        order = random.Random(rows + 1).sample(range(6), 6)
+        batch, got = BatchDecoder(dec, rows), {}
+        queue = [(i, prompts[i]) for i in order][::-1]
+        while queue or batch.rows:
+            while queue and batch.free:
+                i, ids = queue.pop()
+                batch.admit(i, ids, 24)
+            for step in batch.step():
+                got.setdefault(step.key, []).extend(step.tokens)
+                if step.stop:
+                    a = alone[step.key].stats
+                    assert (step.stats.steps, step.stats.head_hits) == (a.steps, a.head_hits), (rows, step.key)
+        assert {i: got[i] for i in range(6)} == {i: a.token_ids for i, a in enumerate(alone)}
+    assert max(calls) >= 6  # the steps drafted their rows together
+
+
 def _torch_matmul_is_row_invariant() -> bool:
     """Whether PyTorch's float32 linear gives a row the same bits in a call of 1, 4 and 9 rows on this CPU (oneDNN
     picks its kernel, and with it the order of each sum, by the number of rows; on AVX-512 CPUs they differ)."""

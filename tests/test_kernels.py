@@ -584,6 +584,48 @@ def test_native_tree_is_its_levels_composed_and_stops_at_the_gate(default_bf16, 
             native.tree(hidden[0], default_bf16.vocab_size)
 
 
+@pytest.mark.parametrize("tree_spec", ["chain:1", "chain:4", "mc_sim_7b_63"])
+def test_native_trees_of_many_requests_are_each_requests_own_tree(default_bf16, tree_spec):
+    """lean_heads_trees drafts R requests' trees in one call (a batched step's rows, the heads' weights read once):
+    each request's tokens and top-1 chain equal its own lean_heads_tree call bit for bit, with and without a gate
+    (a request the gate stops takes no part in deeper levels; the others go on), roots inside and outside the draft
+    vocabulary alike."""
+    from medusa_runtime.decoding.decode import path_plan
+    from medusa_runtime.heads.native import HeadsNativeError, NativeHeadLevels
+
+    heads = resolve_heads("default", default_bf16.hidden_size, default_bf16.vocab_size).to(torch.bfloat16)
+    tree = load_tree(tree_spec)
+    engine = LeanEngine(default_bf16, use_kernels=True)
+    embed = default_bf16.model.get_input_embeddings().weight
+    native = NativeHeadLevels(heads, engine, heads.projection(engine.lm_head_weight(), tree.depth), tree.depth, 10,
+                              path_plan(tree), embed, heads.draft_vocab)
+    gen = torch.Generator().manual_seed(5)
+    in_draft = set(heads.draft_vocab.tolist())
+    level_of = torch.tensor([0] + [len(p) for p in tree.paths])
+    with torch.inference_mode():
+        hidden = torch.stack([engine.forward(torch.randint(0, default_bf16.vocab_size, (16,), generator=gen), 0,
+                                             engine.new_cache(20), last_only=True)[1][0] for _ in range(7)])
+        roots = [int(t) for t in torch.randint(0, default_bf16.vocab_size, (5,), generator=gen)]
+        roots += [int(heads.draft_vocab[3]), next(t for t in range(default_bf16.vocab_size) if t not in in_draft)]
+        alone = [native.tree(hidden[r], roots[r]) for r in range(7)]
+        chains = [c for _, c in alone]
+        gates = (0.0, sorted(c[0] for c in chains)[3])  # the second: some requests stop at level 1, some go on
+        if tree.depth > 1:
+            gates += (sorted(c[0] * c[1] for c in chains)[2],)
+        for gate in gates:
+            nodes, got = native.trees(hidden, roots, gate)
+            cuts = set()
+            for r in range(7):
+                want, want_chain = native.tree(hidden[r], roots[r], gate)
+                assert got[r] == want_chain, (gate, r)
+                keep = level_of <= len(want_chain)
+                assert torch.equal(nodes[r][keep], want[keep]), (gate, r)
+                cuts.add(len(want_chain))
+            assert gate == 0.0 or tree.depth == 1 or len(cuts) > 1  # the gate cut requests at different levels
+        with pytest.raises(HeadsNativeError, match="outside the vocabulary"):
+            native.trees(hidden[:2], [1, default_bf16.vocab_size])
+
+
 def test_native_tree_follows_the_thread_count_and_refuses_bad_inputs(default_bf16):
     """The tree call's struct is built once with the thread count of then: a later torch.set_num_threads is
     followed (the same tokens and chain with 1 thread as with 2: no output depends on how the work is shared out),

@@ -171,6 +171,48 @@ def test_trtllm_chooses_among_prefixes_of_its_tree_within_its_limit():
                                       "tree chain:2 +lookup4"]  # chain:1 and chain:2 priced once
 
 
+def test_gated_chains_are_priced_with_the_heads_a_closed_gate_still_runs(fitted):
+    """The own target also chooses the heads' chains behind confidence gates. A step whose gate verified the root
+    alone costs the batch's plain step plus the heads' first level (which the gate reads); a step that drafted
+    costs the batched step of its nodes. Against a brute force over the replayed steps: the predicted throughput
+    at every batch size, and the pick, the best of every candidate so priced."""
+    from treesearch.schedule import SCHEDULE_GATES, request_latencies
+
+    stats = fitted
+    assert stats.has_gate
+    latency = replace(_batched(per_row_ms=0.05), serving_chunk_ms=0.2, serving_step_ms=1.0)
+    options = candidates(TARGETS["own"], stats.num_heads, gates=SCHEDULE_GATES)
+    gated = [o for o in options if o.gate]
+    assert len(gated) == stats.num_heads * len(SCHEDULE_GATES) and all(o.lookup == 0 for o in gated)
+    assert not any(o.gate for o in candidates(TARGETS["vllm"], stats.num_heads, gates=SCHEDULE_GATES))
+    assert not any(o.gate for o in candidates(TARGETS["trtllm"], 4, chain(2), gates=SCHEDULE_GATES))
+    heads_ms = latency.heads_time(chain(1))
+    assert heads_ms > 0
+
+    def brute(dec, b):
+        tokens = total = 0.0
+        for r in replay(dec, stats).rollouts:
+            tokens += r.tokens
+            total += b * latency.prefill(r.prompt_tokens)
+            for nodes, context in zip(r.verified, r.contexts):
+                total += latency.batch_step(b, nodes, context) + 1.0 + b * 0.2
+                total += heads_ms if dec.gate and nodes == 1 else 0.0
+        return 1000.0 * b * tokens / total
+
+    closed = 0
+    for dec in gated[:3]:
+        res = replay(dec, stats)
+        closed += sum(n == 1 for r in res.rollouts for n in r.verified)
+        got = request_latencies(res, latency, 4)
+        assert 1000.0 * 4 * sum(r.tokens for r in res.rollouts) / sum(got) == pytest.approx(brute(dec, 4))
+    assert closed  # the gates closed on some steps: their heads are priced
+    ranges = search_schedule(stats, latency, SIZES, options)
+    for r in ranges:
+        for b in range(r.first, r.last + 1):
+            speeds = [brute(o, b) for o in options]
+            assert brute(r.decoding, b) == pytest.approx(max(speeds)), b
+
+
 def test_search_writes_the_schedule_into_tree_json_and_old_files_still_read(tmp_path, fitted):
     stats, latency = fitted, _batched(per_row_ms=0.05)
     cfg = SearchConfig(budget=8, trials=12, storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s",

@@ -19,7 +19,10 @@ same pick merge into one inclusive range. Intervals are percentile bootstraps ov
 What a target can run bounds the candidates: chain targets (vLLM, TGI) take plain decoding and the heads'
 chains 1..K, which is the whole space, so the pick is exact; TensorRT-LLM's engine keeps one ``medusa_choices``
 and shortens its draft, so its candidates are plain and the prefixes of the searched tree (in the engine's
-order) within its node limit; this runtime takes those and the search's own recommendation.
+order) within its node limit; this runtime takes those, the chains behind confidence gates (a row drafts only
+when its heads are confident enough: at a batch where every verified row costs about as much as a token, a
+draft pays only where it is likely accepted) and the search's own recommendation. A step a gate closes
+verifies the root alone, priced as plain decoding's step plus the heads' first level, which the gate reads.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .targets import Target
 from .tree import Tree, chain, make_tree, read_json
 
 LEVEL = 0.95
+SCHEDULE_GATES = (0.3, 0.5, 0.7, 0.85)  # the confidence gates the heads' chains are priced behind (own target)
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,19 @@ def request_latencies(res: ReplayResult, latency: LatencyProfile, batch: int) ->
     steps (nodes verified, context) each a batched step plus what serving it costs, and B prefills (see the
     module doc)."""
     served = latency.serving(batch)  # ms serving adds to each step: waking the server, B streamed chunks
-    return [sum(latency.batch_step(batch, n, c) + served for n, c in zip(r.verified, r.contexts))
+    closed = gate_closed_heads_ms(res.decoding, latency)
+    return [sum(latency.batch_step(batch, n, c) + served + (closed if n == 1 else 0.0)
+                for n, c in zip(r.verified, r.contexts))
             + batch * latency.prefill(r.prompt_tokens) for r in res.rollouts]
+
+
+def gate_closed_heads_ms(dec: Decoding, latency: LatencyProfile) -> float:
+    """What a step whose gate verified the root alone still pays for the heads: their first level, which the gate
+    reads (a batched step runs every row's heads in one call, priced here as one row's). The profile's batched
+    steps of one node are plain decoding's, without heads."""
+    if dec.gate <= 0 or dec.tree is None:
+        return 0.0
+    return latency.heads_time(chain(1))  # head 0 on the root: the level the gate reads
 
 
 def output_tokens_per_s(res: ReplayResult, latencies: list[float], batch: int) -> float:
@@ -125,9 +140,11 @@ def prefixes(tree: Tree, max_nodes: int | None = None) -> list[Tree]:
     return [make_tree(tree.paths[:k], name=f"{tree.name}[:{k}]") for k in range(1, n + 1)]
 
 
-def candidates(target: Target, num_heads: int, tree: Tree | None = None, recommended: Decoding | None = None
-               ) -> list[Decoding]:
-    """What the schedule chooses from for ``target``, plain decoding first (see the module doc)."""
+def candidates(target: Target, num_heads: int, tree: Tree | None = None, recommended: Decoding | None = None,
+               gates: Sequence[float] = ()) -> list[Decoding]:
+    """What the schedule chooses from for ``target``, plain decoding first (see the module doc). ``gates``: also
+    the heads' chains behind each of these confidence gates, where the target runs a gate (the statistics must
+    carry the heads' top-1 probabilities, ``AcceptanceStats.has_gate``)."""
     out = [Decoding()]
     if target.chain_only:
         return out + [Decoding(chain(k)) for k in range(1, num_heads + 1)]
@@ -135,6 +152,8 @@ def candidates(target: Target, num_heads: int, tree: Tree | None = None, recomme
         out += [Decoding(t) for t in prefixes(tree, target.max_nodes)]
     if target.name == "own":
         out += [Decoding(chain(k)) for k in range(1, num_heads + 1)]
+        if target.gates:
+            out += [Decoding(chain(k), gate=g) for k in range(1, num_heads + 1) for g in gates]
         if recommended is not None:
             out.append(recommended)
     seen, unique = set(), []

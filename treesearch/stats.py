@@ -105,6 +105,11 @@ class AcceptanceStats:
         """Token ids stored beside the rank vectors: whole configurations (lookup, gate, context) replay."""
         return bool(self.texts) and len(self.texts) == len(self.rollouts)
 
+    @property
+    def has_gate(self) -> bool:
+        """The heads' top-1 probabilities stored with the rollouts' tokens: a confidence gate replays."""
+        return self.has_texts and all(t.gate is not None for t in self.texts)
+
 
 def select(stats: AcceptanceStats, keep_ids: Iterable[str] | None = None, drop_ids: Iterable[str] = ()
            ) -> AcceptanceStats:

@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.stages.common import show
 from bench.stages.jobs import SearchJob
 from treesearch.cost import load_profile
-from treesearch.schedule import candidates, schedule_json, search_schedule
+from treesearch.schedule import SCHEDULE_GATES, candidates, schedule_json, search_schedule
 from treesearch.search import SearchConfig, run_search, write_search
 from treesearch.stats import load_stats, select
 from treesearch.targets import TARGETS
@@ -65,7 +65,8 @@ def schedule_of(result, stats, latency, job: SearchJob) -> list[dict]:
     """tree.json's schedule: per batch size the fastest of what the target runs (``treesearch.schedule``), the
     file's own tree among the candidates."""
     options = candidates(TARGETS[job.target], stats.num_heads, result.tree_score.tree,
-                         result.best.decoding if job.target == "own" else None)
+                         result.best.decoding if job.target == "own" else None,
+                         SCHEDULE_GATES if stats.has_gate else ())
     return schedule_json(search_schedule(stats, latency, job.batch_sizes, options))
 
 

@@ -204,13 +204,26 @@ class BatchDecoder:
         # each row keeps its tokens until the batch's forward has read them all
         return tokens.clone(), dec.step_buffers
 
+    def _propose_rows(self, dec: MedusaDecoder, rows: list[Row]) -> list[tuple[torch.Tensor, TreeBuffers]]:
+        """Every row's tokens and buffers: where the heads run in the C library, all rows' trees in one call (the
+        heads' weights read once per step, not once per row; each row gets the tokens its own call gives it)."""
+        native = dec.native_heads
+        if native is None or len(rows) < 2:
+            return [self._propose(dec, row) for row in rows]
+        lookup = dec.config.lookup
+        drafts = [row.ngrams[lookup].draft(row.root) if lookup.num_tokens else [] for row in rows]
+        nodes, chains = native.trees(torch.stack([row.hidden for row in rows]), [row.root for row in rows],
+                                     dec.step_gate)
+        return [(dec.lay_out_path(n, chain, draft), dec.step_buffers)
+                for n, chain, draft in zip(nodes, chains, drafts)]
+
     def _verify_and_accept(self, rows: list[Row], dec: MedusaDecoder | None = None) -> list[StepTokens]:
         if dec is None:
             at_range = self._range_of(len(rows))
             self.steps_by_range[at_range] += 1
             dec = self.schedule[at_range].decoder
         t0 = time.perf_counter()
-        proposed = [self._propose(dec, row) for row in rows]
+        proposed = self._propose_rows(dec, rows)
         seqs = [Seq(tokens, row.cur_len, row.cache) if tokens.shape[0] == 1 else
                 Seq(tokens, row.cur_len, row.cache, buffers.attn_mask, row.cur_len + buffers.position_offsets)
                 for row, (tokens, buffers) in zip(rows, proposed)]

@@ -222,7 +222,25 @@ class MedusaDecoder:
     def _propose_path(self, hidden: torch.Tensor, root: int, draft: Sequence[int], out: torch.Tensor | None = None
                       ) -> torch.Tensor:
         """Path-conditioned heads: tree tokens in node order, level by level (each level's parents known)."""
-        nodes, chain = self.drafter.nodes(hidden, root, self.config.gate if self.gated is not None else 0.0, out)
+        nodes, chain = self.drafter.nodes(hidden, root, self.step_gate, out)
+        return self.lay_out_path(nodes, chain, draft)
+
+    @property
+    def step_gate(self) -> float:
+        """The gate a step's heads read (0: this decoder verifies its whole tree)."""
+        return self.config.gate if self.gated is not None else 0.0
+
+    @property
+    def native_heads(self):
+        """The C library's heads (``NativeHeadLevels``) where this decoder drafts its tree through them, else None:
+        a batched step then drafts every row's tree in one call (``NativeHeadLevels.trees``)."""
+        if self.tree is None or not self.drafter.in_node_order:
+            return None
+        return getattr(self.drafter, "native", None)
+
+    def lay_out_path(self, nodes: torch.Tensor, chain: Sequence[float], draft: Sequence[int]) -> torch.Tensor:
+        """Path-conditioned heads' tree tokens [N] (node order) and their top-1 chain -> the step's tokens: the tree
+        cut where the gate stops it, then the lookup draft; its buffers left in ``step_buffers``."""
         buffers = self.step_buffers = (self.gated[self._gated_depth_of(chain)][len(draft)]
                                        if self.gated is not None else self.variants[len(draft)])
         tree_nodes = buffers.num_nodes - len(draft)  # a gated cut keeps a prefix of the nodes (official order)

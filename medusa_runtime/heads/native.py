@@ -192,6 +192,49 @@ class NativeHeadLevels:
             raise HeadsNativeError(f"native heads: the C library refused the tree (code {done})")
         return nodes, self._chain[:done]
 
+    def trees(self, hidden: torch.Tensor, roots: list[int], gate: float = 0.0, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[list[float]]]:
+        """``tree`` for R requests in one call (a batched step's rows, ``lean_heads_trees``): hidden [R, H] and
+        their roots -> tokens [R, N] in node order and each request's top-1 chain, as ``tree`` gives each alone
+        (the heads' weights are read once for all of them). ``out``: an int64 [R, N] tensor to write into."""
+        call, address, n, vocab = self._tree
+        reqs = len(roots)
+        if hidden.shape != (reqs, self.hidden_size):
+            raise HeadsNativeError(f"native heads: hidden must be [{reqs}, {self.hidden_size}], got {list(hidden.shape)}")
+        if any(not 0 <= r < vocab for r in roots):
+            raise HeadsNativeError(f"native heads: a root token is outside the vocabulary ({vocab})")
+        if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
+            hidden = hidden.to(torch.bfloat16).contiguous()
+        nodes = torch.empty(reqs, n, dtype=torch.long) if out is None else out
+        if nodes.dtype != torch.long or nodes.shape != (reqs, n) or not nodes.is_contiguous():
+            raise HeadsNativeError(f"native heads: out must be a contiguous int64 [{reqs}, {n}]")
+        bufs = self._trees_buffers(reqs)
+        roots_t, chains, done, work, rows = bufs
+        roots_t[:reqs] = torch.as_tensor(roots, dtype=torch.long)
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            call.nthreads = self._threads = threads
+        rc = self.lib.lean_heads_trees(address, reqs, hidden.data_ptr(), roots_t.data_ptr(), gate, nodes.data_ptr(),
+                                       chains.data_ptr(), done.data_ptr(), work.data_ptr(), rows.data_ptr())
+        if rc < 0:
+            raise HeadsNativeError(f"native heads: the C library refused the trees (code {rc})")
+        got = chains[:reqs].tolist()
+        return nodes, [c[:d] for c, d in zip(got, done[:reqs].tolist())]
+
+    def _trees_buffers(self, reqs: int) -> tuple[torch.Tensor, ...]:
+        """``trees``' roots, chains [R, depth], levels done, work and scratch, kept and grown to the most requests
+        seen (a step allocates nothing once they are)."""
+        have = getattr(self, "_trees_bufs", None)
+        if have is None or have[0].numel() < reqs:
+            call, _, n, _ = self._tree
+            widest = max(1, *(call.levels[d].parents for d in range(call.depth)))
+            size = self.lib.lean_heads_trees_work_size(self.hidden_size, self.vocab, widest, self.topk, reqs)
+            have = self._trees_bufs = (torch.empty(reqs, dtype=torch.long),
+                                       torch.zeros(reqs, call.depth, dtype=torch.float32),
+                                       torch.zeros(reqs, dtype=torch.int32), torch.empty(size, dtype=torch.bfloat16),
+                                       torch.empty(reqs * (n + widest + 3), dtype=torch.int32))
+        return have
+
     def level(self, j: int, hidden: torch.Tensor, root_e: torch.Tensor, parents_e: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [H], root_e [H], parents_e [P, H] or None (level 0) -> (top [rows, k] long, top1 [rows] float)."""

@@ -196,6 +196,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.lean_topk_rows.restype = i
     lib.lean_heads_tree_work_size.argtypes = [i, i, i, i]
     lib.lean_heads_tree_work_size.restype = z
+    # the LeanTreeCall's address, requests, hidden [R, H], roots [R], gate, nodes [R, N], chains, done, work, rows
+    lib.lean_heads_trees.argtypes = [p, i, p, p, f, p, p, p, p, p]
+    lib.lean_heads_trees.restype = i
+    lib.lean_heads_trees_work_size.argtypes = [i, i, i, i, i]
+    lib.lean_heads_trees_work_size.restype = z
     lib.lean_argmax_rows.argtypes = [p, i, i, i, p]
     lib.lean_argmax_rows.restype = None
     lib.lean_linear_q4_1.argtypes = [p, p, i, i, i, p, p, i, p, i]

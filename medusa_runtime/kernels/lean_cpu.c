@@ -2428,6 +2428,209 @@ size_t lean_heads_tree_work_size(int hsz, int vocab, int max_parents, int k) {
     return (size_t)rows * hsz + lean_heads_work_size(hsz, vocab, rows) + 1 + (size_t)rows * (2 * k + 2);
 }
 
+/* x_i = bf16(x_in[i / per] + bf16(silu(bf16(z[i / per] + extra[i])))) for rows i: the first block of a level over
+ * several requests, each request's hidden state (x_in's row) and block-0 output (z's row) shared by its `per`
+ * rows (silu_residual_rows with x_shared, one request at a time, gives each row the same bits). */
+static void silu_residual_groups(bf16 *out, const bf16 *x_in, const bf16 *z, const bf16 *extra, int rows, int per,
+                                 int h) {
+    const int pieces = (h + 63) / 64;
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows * pieces; ++t) {
+        const int i = t / pieces, k0 = (t % pieces) * 64, k1 = k0 + 64 < h ? k0 + 64 : h;
+        const bf16 *xi = x_in + (size_t)(i / per) * h, *zi = z + (size_t)(i / per) * h, *ei = extra + (size_t)i * h;
+        bf16 *o = out + (size_t)i * h;
+#if LEAN_AVX512BF16
+        for (int k = k0; k < k1; k += 16) {
+            const __mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);
+            __m512 zz = round16(_mm512_add_ps(load16_bf16_masked(m, zi + k), load16_bf16_masked(m, ei + k)));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), zz));
+            __m512 sv = round16(_mm512_div_ps(zz, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_mask_storeu_epi16(o + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
+        }
+#else
+        for (int k = k0; k < k1; ++k) {
+            float zz = bf2f(f2bf(bf2f(zi[k]) + bf2f(ei[k])));
+            float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
+            o[k] = f2bf(bf2f(xi[k]) + sv);
+        }
+#endif
+    }
+}
+
+/* bf16 elements of heads_levels_in_team's work: R requests of `per` rows each */
+static size_t heads_levels_work_size(int hsz, int vocab, int reqs, int per) {
+    size_t rows = (size_t)reqs * per;
+    return (size_t)reqs * hsz + 3 * rows * hsz + rows * vocab + lean_amx_scratch_size((int)rows, hsz) + 2 + 32 +
+           (size_t)2 * (rows + 16) + (rows * pad_to(hsz, 4) + 1) / 2;
+}
+
+/* One tree level of heads_level_in_team for R requests at once, each with its own hidden state, root and
+ * parents (the same count P each; rows = R * max(1, P), request r's rows r*per .. r*per + per - 1): every
+ * weight is read once for all of them, and each row gets the bits a call for its request alone gives it (the
+ * linear layers, the int8 quantisation and the top-k are row by row). root_rows [R]: each root's row of the
+ * draft vocabulary's tables (-1: computed from roots_e [R] rows of the embeddings). */
+static void heads_levels_in_team(const LeanHead *head, int blocks, int hsz, int vocab, const LeanProj *proj, int reqs,
+                                 const bf16 *hidden, const bf16 *embed, const int64_t *roots, const int32_t *root_rows,
+                                 const bf16 *parent_e, const int32_t *parent_rows, int parents, int k, int32_t *top,
+                                 float *top1, bf16 *work, int amx) {
+    const int per = parents > 0 ? parents : 1, rows = reqs * per;
+    bf16 *er = work, *ep = er + (size_t)reqs * hsz, *z = ep + (size_t)rows * hsz, *x = z + (size_t)rows * hsz,
+         *logits = x + (size_t)rows * hsz, *xa = logits + (size_t)rows * vocab;
+    float *sx = (float *)(xa + lean_amx_scratch_size(rows, hsz) + 2);
+    sx = (float *)(((uintptr_t)sx + 63) & ~(uintptr_t)63);
+    uint8_t *xq = (uint8_t *)(sx + rows + 16);
+    /* each request's root term: its table row, else its embedding through U (one row, as a call of its own) */
+#pragma omp for schedule(static)
+    for (int r = 0; r < reqs; ++r)
+        if (head->root_table && root_rows[r] >= 0)
+            memcpy(er + (size_t)r * hsz, head->root_table + (size_t)root_rows[r] * hsz, (size_t)hsz * sizeof(bf16));
+    for (int r = 0; r < reqs; ++r)
+        if (!(head->root_table && root_rows[r] >= 0))
+            head_linear(amx, head->root_w, embed + (size_t)roots[r] * hsz, 1, hsz, hsz, er + (size_t)r * hsz, NULL,
+                        OUT_BF16, xa);
+    if (parents > 0 && head->parent_w) {
+        if (head->parent_table && parent_rows) {
+#pragma omp for schedule(static)
+            for (int p = 0; p < rows; ++p)
+                memcpy(ep + (size_t)p * hsz, head->parent_table + (size_t)parent_rows[p] * hsz, (size_t)hsz * sizeof(bf16));
+        } else {
+            head_linear(amx, head->parent_w, parent_e, rows, hsz, hsz, ep, NULL, OUT_BF16, xa);
+        }
+#pragma omp for schedule(static)
+        for (int p = 0; p < rows; ++p) {
+            const bf16 *e = er + (size_t)(p / per) * hsz;
+            for (int i = 0; i < hsz; ++i) ep[(size_t)p * hsz + i] = f2bf(bf2f(e[i]) + bf2f(ep[(size_t)p * hsz + i]));
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int p = 0; p < rows; ++p) memcpy(ep + (size_t)p * hsz, er + (size_t)(p / per) * hsz, (size_t)hsz * sizeof(bf16));
+    }
+    /* block 0 on each request's hidden state (one row per request), then with each row's e */
+    head_linear(amx, head->w[0], hidden, reqs, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
+    silu_residual_groups(x, hidden, z, ep, rows, per, hsz);
+    for (int l = 1; l < blocks; ++l) {
+        head_linear(amx, head->w[l], x, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
+        silu_residual_rows(x, z, NULL, rows, hsz, 0);
+    }
+    if (proj->scale) {
+#pragma omp single
+        quantize_rows(x, rows, hsz, xq, sx);
+        linear_i8_rows((const int8_t *)proj->w, proj->scale, proj->sum, xq, sx, rows, vocab, hsz, logits);
+    } else {
+        head_linear(amx, (const bf16 *)proj->w, x, rows, vocab, hsz, logits, NULL, OUT_BF16, xa);
+    }
+#pragma omp for schedule(static)
+    for (int i = 0; i < rows; ++i) topk_row(logits + (size_t)i * vocab, vocab, k, top + (size_t)i * k, top1 + i);
+}
+
+/* bf16 elements of lean_heads_trees' work for R requests (max_parents: the tree's widest level) */
+size_t lean_heads_trees_work_size(int hsz, int vocab, int max_parents, int k, int reqs) {
+    size_t rows = (size_t)reqs * (max_parents > 0 ? max_parents : 1);
+    /* the parents' embeddings, the open requests' states, a level's work, its top-k (int32) and top-1 (float32),
+     * the open requests' roots (int64), aligned */
+    return rows * hsz + (size_t)reqs * hsz + heads_levels_work_size(hsz, vocab, reqs, max_parents > 0 ? max_parents : 1) +
+           1 + rows * (2 * (size_t)k + 2) + (size_t)reqs * 4 + 16;
+}
+
+/* lean_heads_tree for R requests in one call (a batched step's rows): every level's weights read once for all
+ * of them. hidden [R, H] bf16, roots [R]; nodes [R, N] int64, chains [R, depth] float32 and done [R] (the levels
+ * each request's gate let through, as lean_heads_tree returns) out; work: lean_heads_trees_work_size bf16;
+ * rows: int32 scratch of R * (N + max parents + 3). Each request gets the nodes and chain lean_heads_tree gives it
+ * alone. A request whose gate stops it takes no part in deeper levels; the call ends when every request has
+ * stopped. The LeanTreeCall's own scratch (rows, chain, work) is not touched. Returns 0, or lean_heads_tree's
+ * codes (-4: a root outside the embeddings). */
+int lean_heads_trees(const LeanTreeCall *c, int reqs, const bf16 *hidden, const int64_t *roots, float gate,
+                     int64_t *nodes, float *chains, int32_t *done, bf16 *work, int32_t *rows) {
+    const LeanHead *heads = c->heads;
+    const LeanLevel *levels = c->levels;
+    const int depth = c->depth, blocks = c->blocks, hsz = c->hsz, vocab = c->vocab, k = c->k, amx = c->amx;
+    const int64_t *draft_ids = c->draft_ids;
+    if (k < 1 || k > 64 || blocks < 1 || blocks > HEAD_MAX_BLOCKS || reqs < 1) return -3;
+    if (amx && !lean_amx_available()) return -2;
+    for (int r = 0; r < reqs; ++r)
+        if (roots[r] < 0 || roots[r] >= c->embed_rows) return -4;
+    int max_rows = 1, node_count = 1;
+    for (int d = 0; d < depth; ++d) {
+        max_rows = levels[d].parents > max_rows ? levels[d].parents : max_rows;
+        node_count += levels[d].children;
+    }
+    const size_t most = (size_t)reqs * max_rows;
+    bf16 *pe = work, *hid = pe + most * hsz, *level_work = hid + (size_t)reqs * hsz; /* parents' embeddings, states */
+    size_t level_size = heads_levels_work_size(hsz, vocab, reqs, max_rows);
+    int32_t *top = (int32_t *)(level_work + level_size + ((uintptr_t)(level_work + level_size) & 2 ? 1 : 0));
+    float *top1 = (float *)(top + most * k);
+    int64_t *open_roots = (int64_t *)(((uintptr_t)(top1 + most) + 7) & ~(uintptr_t)7);
+    int32_t *node_rows = rows, *prow = rows + (size_t)reqs * node_count, *open_root_rows = prow + most;
+    int32_t *open = open_root_rows + reqs; /* the requests still going, in order */
+    float *product = (float *)(open + reqs);
+    int n_open = reqs;
+    for (int r = 0; r < reqs; ++r) {
+        open[r] = r;
+        product[r] = 1.0f;
+        done[r] = 0;
+        nodes[(size_t)r * node_count] = roots[r];
+        node_rows[(size_t)r * node_count] = c->draft_row ? c->draft_row[roots[r]] : -1;
+    }
+#pragma omp parallel num_threads(c->nthreads)
+    {
+#if LEAN_AMX_BUILD
+        if (amx) amx_configure();
+#endif
+        for (int d = 0; d < depth && n_open > 0; ++d) {
+            const LeanLevel *lv = &levels[d];
+            const int per = lv->parents > 0 ? lv->parents : 1, level_rows = n_open * per;
+            /* the open requests' states and roots, then their parents' rows (tables) or embeddings */
+#pragma omp for schedule(static)
+            for (int o = 0; o < n_open; ++o) {
+                memcpy(hid + (size_t)o * hsz, hidden + (size_t)open[o] * hsz, (size_t)hsz * sizeof(bf16));
+                open_roots[o] = roots[open[o]];
+                open_root_rows[o] = draft_ids ? node_rows[(size_t)open[o] * node_count] : -1;
+            }
+            int tables = heads[d].parent_table != NULL && draft_ids != NULL;
+            for (int o = 0; o < n_open && tables; ++o)
+                for (int p = 0; p < lv->parents && tables; ++p)
+                    tables = node_rows[(size_t)open[o] * node_count + lv->parent_nodes[p]] >= 0;
+#pragma omp for schedule(static)
+            for (int i = 0; i < (lv->parents ? level_rows : 0); ++i) {
+                const int o = i / per, p = i % per;
+                const size_t base = (size_t)open[o] * node_count;
+                if (tables)
+                    prow[i] = node_rows[base + lv->parent_nodes[p]];
+                else
+                    memcpy(pe + (size_t)i * hsz, c->embed + (size_t)nodes[base + lv->parent_nodes[p]] * hsz,
+                           (size_t)hsz * sizeof(bf16));
+            }
+            heads_levels_in_team(&heads[d], blocks, hsz, vocab, c->proj, n_open, hid, c->embed, open_roots,
+                                 open_root_rows, lv->parents ? pe : NULL, tables ? prow : NULL, lv->parents, k, top,
+                                 top1, level_work, amx);
+#pragma omp barrier
+#pragma omp single
+            {
+                int still = 0;
+                for (int o = 0; o < n_open; ++o) {
+                    const int r = open[o];
+                    const size_t base = (size_t)r * node_count;
+                    for (int ch = 0; ch < lv->children; ++ch) {
+                        int32_t row = top[((size_t)o * per + lv->child_parent[ch]) * k + lv->child_rank[ch]];
+                        nodes[base + lv->child_nodes[ch]] = draft_ids ? draft_ids[row] : row;
+                        node_rows[base + lv->child_nodes[ch]] = draft_ids ? row : -1;
+                    }
+                    const float p0 = top1[(size_t)o * per];
+                    chains[(size_t)r * depth + d] = p0;
+                    product[r] *= p0;
+                    done[r] = d + 1;
+                    if (!(gate > 0.0f && product[r] < gate)) open[still++] = r;
+                }
+                n_open = still;
+            } /* single's barrier: every thread sees the new open list */
+        }
+#if LEAN_AMX_BUILD
+        if (amx) amx_release();
+#endif
+    }
+    return 0;
+}
+
 /* out[r] = the index of the largest element of row r of x [rows, len] (bf16 when bf16_in, else float32): the
  * first of tied maxima, and a NaN counts as larger than any number (the first NaN wins), as NumPy's argmax on
  * the float32 values */
