@@ -2127,17 +2127,20 @@ typedef struct {
     const bf16 *root_table, *parent_table;
 } LeanHead;
 
-/* x = bf16(x + bf16(silu(z))) for rows of width h (z may be bf16(z + extra) first, extra NULL: none). Shared
+/* out_i = bf16(x_in[i / per] + bf16(silu(z[i / per]))) for rows i of width h (z may be bf16(z + extra[i]) first,
+ * extra NULL: none): per = 1 row by row (out may be x_in), per > 1 an input row and its z shared by `per` rows
+ * (one step's hidden state under each of its tree's parents, or a request's in a batched step). Shared
  * out in pieces of 64 columns, 16 at a time with the forward's exp16 (a chain's levels have one row, which one
  * thread took 4-6 us a block for with expf per value). */
-static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int rows, int h, int x_shared) {
+static void silu_residual_rows(bf16 *out, const bf16 *x_in, const bf16 *z, const bf16 *extra, int rows, int per,
+                               int h) {
     const int pieces = (h + 63) / 64;
 #pragma omp for schedule(static)
     for (int t = 0; t < rows * pieces; ++t) {
         const int i = t / pieces, k0 = (t % pieces) * 64, k1 = k0 + 64 < h ? k0 + 64 : h;
-        const bf16 *xi = x_shared ? x : x + (size_t)i * h;  /* a shared input row (the step's hidden state) */
-        bf16 *out = x_shared ? x + (size_t)(i + 1) * h : x + (size_t)i * h;
-        const bf16 *zi = x_shared ? z : z + (size_t)i * h, *ei = extra ? extra + (size_t)i * h : NULL;
+        const bf16 *xi = x_in + (size_t)(i / per) * h, *zi = z + (size_t)(i / per) * h;
+        const bf16 *ei = extra ? extra + (size_t)i * h : NULL;
+        bf16 *o = out + (size_t)i * h;
 #if LEAN_AVX512BF16
         for (int k = k0; k < k1; k += 16) {
             const __mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);
@@ -2145,14 +2148,14 @@ static void silu_residual_rows(bf16 *x, const bf16 *z, const bf16 *extra, int ro
             if (ei) zz = round16(_mm512_add_ps(zz, load16_bf16_masked(m, ei + k)));
             __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), zz));
             __m512 sv = round16(_mm512_div_ps(zz, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            _mm256_mask_storeu_epi16(out + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
+            _mm256_mask_storeu_epi16(o + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
         }
 #else
         for (int k = k0; k < k1; ++k) {
             float zz = bf2f(zi[k]);
             if (ei) zz = bf2f(f2bf(zz + bf2f(ei[k])));
             float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
-            out[k] = f2bf(bf2f(xi[k]) + sv);
+            o[k] = f2bf(bf2f(xi[k]) + sv);
         }
 #endif
     }
@@ -2265,11 +2268,11 @@ static void heads_level_in_team(const LeanHead *head, int blocks, int hsz, int v
 #pragma omp single
     memcpy(x, hidden, (size_t)hsz * sizeof(bf16)); /* row 0: h; rows 1..: the parents' states */
     head_linear(amx, head->w[0], x, 1, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
-    silu_residual_rows(x, z, ep, rows, hsz, 1);
+    silu_residual_rows(x + hsz, x, z, ep, rows, rows, hsz); /* every row from row 0's h and z */
     bf16 *xs = x + hsz; /* [rows, H] */
     for (int l = 1; l < blocks; ++l) {
         head_linear(amx, head->w[l], xs, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
-        silu_residual_rows(xs, z, NULL, rows, hsz, 0);
+        silu_residual_rows(xs, xs, z, NULL, rows, 1, hsz);
     }
     if (proj->scale) {
 #pragma omp single
@@ -2428,35 +2431,6 @@ size_t lean_heads_tree_work_size(int hsz, int vocab, int max_parents, int k) {
     return (size_t)rows * hsz + lean_heads_work_size(hsz, vocab, rows) + 1 + (size_t)rows * (2 * k + 2);
 }
 
-/* x_i = bf16(x_in[i / per] + bf16(silu(bf16(z[i / per] + extra[i])))) for rows i: the first block of a level over
- * several requests, each request's hidden state (x_in's row) and block-0 output (z's row) shared by its `per`
- * rows (silu_residual_rows with x_shared, one request at a time, gives each row the same bits). */
-static void silu_residual_groups(bf16 *out, const bf16 *x_in, const bf16 *z, const bf16 *extra, int rows, int per,
-                                 int h) {
-    const int pieces = (h + 63) / 64;
-#pragma omp for schedule(static)
-    for (int t = 0; t < rows * pieces; ++t) {
-        const int i = t / pieces, k0 = (t % pieces) * 64, k1 = k0 + 64 < h ? k0 + 64 : h;
-        const bf16 *xi = x_in + (size_t)(i / per) * h, *zi = z + (size_t)(i / per) * h, *ei = extra + (size_t)i * h;
-        bf16 *o = out + (size_t)i * h;
-#if LEAN_AVX512BF16
-        for (int k = k0; k < k1; k += 16) {
-            const __mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);
-            __m512 zz = round16(_mm512_add_ps(load16_bf16_masked(m, zi + k), load16_bf16_masked(m, ei + k)));
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), zz));
-            __m512 sv = round16(_mm512_div_ps(zz, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            _mm256_mask_storeu_epi16(o + k, m, narrow16(_mm512_add_ps(load16_bf16_masked(m, xi + k), sv)));
-        }
-#else
-        for (int k = k0; k < k1; ++k) {
-            float zz = bf2f(f2bf(bf2f(zi[k]) + bf2f(ei[k])));
-            float sv = bf2f(f2bf(zz / (1.0f + expf(-zz))));
-            o[k] = f2bf(bf2f(xi[k]) + sv);
-        }
-#endif
-    }
-}
-
 /* bf16 elements of heads_levels_in_team's work: R requests of `per` rows each */
 static size_t heads_levels_work_size(int hsz, int vocab, int reqs, int per) {
     size_t rows = (size_t)reqs * per;
@@ -2507,10 +2481,10 @@ static void heads_levels_in_team(const LeanHead *head, int blocks, int hsz, int 
     }
     /* block 0 on each request's hidden state (one row per request), then with each row's e */
     head_linear(amx, head->w[0], hidden, reqs, hsz, hsz, z, head->b[0], OUT_BF16_BIAS, xa);
-    silu_residual_groups(x, hidden, z, ep, rows, per, hsz);
+    silu_residual_rows(x, hidden, z, ep, rows, per, hsz); /* each request's h and z shared by its rows */
     for (int l = 1; l < blocks; ++l) {
         head_linear(amx, head->w[l], x, rows, hsz, hsz, z, head->b[l], OUT_BF16_BIAS, xa);
-        silu_residual_rows(x, z, NULL, rows, hsz, 0);
+        silu_residual_rows(x, x, z, NULL, rows, 1, hsz);
     }
     if (proj->scale) {
 #pragma omp single
